@@ -1,0 +1,220 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/replica"
+	"github.com/prefixlb/prefixlb/internal/report"
+	"github.com/prefixlb/prefixlb/internal/sim"
+	"github.com/prefixlb/prefixlb/internal/workload"
+)
+
+// simOptions are the flags of `prefixlb sim`.
+type simOptions struct {
+	wl         workload.Flags
+	replicas   int
+	profile    string
+	policies   string
+	rates      string
+	local      string
+	chunk      int
+	kvEvents   bool
+	eventLag   time.Duration
+	routerSeed uint64
+	jsonPath   string
+	outDir     string
+	quiet      bool
+}
+
+func newSimCmd() *cobra.Command {
+	o := &simOptions{wl: workload.DefaultFlags()}
+	o.wl.Spec.Requests = 2000
+	cmd := &cobra.Command{
+		Use:   "sim",
+		Short: "Simulate a cluster of replicas behind each policy on a workload or trace",
+		Long: `sim runs a discrete-event simulation of N modelled GPU replicas behind the
+routing core, once per policy (and per rate in a sweep), on a built-in workload
+or a trace, and prints TTFT, latency and hit-ratio figures next to the oracle
+bound (every request alone on a replica that holds every earlier prefix).
+
+Policies may carry E2 settings: --policies 'e2,e2-preble,e2-preble:mixing=false'.`,
+		Example: `  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --policies round-robin,e2 --rates 4,8,12
+  prefixlb sim --trace trace.jsonl --trace-format mooncake --replicas 8 --profile llama3-70b-h100x2 --json out.json`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt)
+			defer stop()
+			return runSim(ctx, o, cmd.OutOrStdout(), cmd.ErrOrStderr())
+		},
+	}
+	fs := cmd.Flags()
+	o.wl.AddFlags(fs)
+	fs.IntVar(&o.replicas, "replicas", 4, "number of replicas")
+	fs.StringVar(&o.profile, "profile", "mistral-7b-a6000", "cost profile name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file")
+	fs.StringVar(&o.policies, "policies", "round-robin,llmd-precise,e2", "comma-separated policies: "+strings.Join(policy.Names(), ", "))
+	fs.StringVar(&o.rates, "rates", "", "comma-separated request rates to sweep (overrides --rate)")
+	fs.StringVar(&o.local, "local", "fcfs", "replicas' local scheduler: fcfs, lpm, priority")
+	fs.IntVar(&o.chunk, "chunk-budget", 512, "prefill token budget per iteration (-1: no chunked prefill)")
+	fs.BoolVar(&o.kvEvents, "kv-events", true, "feed the router the replicas' KV events (else it mirrors caches from its own decisions)")
+	fs.DurationVar(&o.eventLag, "event-lag", 10*time.Millisecond, "delay of KV events on their way to the router")
+	fs.Uint64Var(&o.routerSeed, "router-seed", 1, "seed of the router's random choices")
+	fs.StringVar(&o.jsonPath, "json", "", "write results as JSON to this file (- for stdout)")
+	fs.StringVar(&o.outDir, "out", "", "write results.json, requests.csv and chart.svg into this directory")
+	fs.BoolVarP(&o.quiet, "quiet", "q", false, "no progress output")
+	return cmd
+}
+
+func init() { rootCmd.AddCommand(newSimCmd()) }
+
+// loadProfile resolves a profile name or YAML path.
+func loadProfile(name string) (costmodel.Profile, error) {
+	if strings.HasSuffix(name, ".yaml") || strings.HasSuffix(name, ".yml") || strings.Contains(name, "/") {
+		return costmodel.Load(name)
+	}
+	return costmodel.Lookup(name)
+}
+
+func parseRates(s string, def float64) ([]float64, error) {
+	if strings.TrimSpace(s) == "" {
+		return []float64{def}, nil
+	}
+	var out []float64
+	for _, f := range strings.Split(s, ",") {
+		v, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("--rates: %q is not a positive number", f)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error {
+	prof, err := loadProfile(o.profile)
+	if err != nil {
+		return err
+	}
+	rates, err := parseRates(o.rates, o.wl.Arrival.Rate)
+	if err != nil {
+		return err
+	}
+	specs := strings.Split(o.policies, ",")
+	opts := policy.DefaultOptions()
+	for _, s := range specs {
+		if _, err := policy.Parse(s, opts); err != nil {
+			return err
+		}
+	}
+	rc := replica.DefaultConfig()
+	rc.Local = o.local
+	rc.ChunkBudget = o.chunk
+	rc.Profile = prof
+	if err := rc.Validate(); err != nil {
+		return err
+	}
+	if o.wl.Spec.Replicas == 0 {
+		o.wl.Spec.Replicas = o.replicas
+	}
+	if o.outDir != "" {
+		if err := os.MkdirAll(o.outDir, 0o755); err != nil {
+			return err
+		}
+	}
+	var results []report.Result
+	var records []report.RequestRecord
+	for _, rate := range rates {
+		o.wl.Arrival.Rate = rate
+		reqs, skipped, err := o.wl.Load()
+		if err != nil {
+			return err
+		}
+		for _, le := range skipped {
+			fmt.Fprintln(stderr, "skipped:", le.Error())
+		}
+		if len(reqs) == 0 {
+			return fmt.Errorf("sim: the workload has no requests")
+		}
+		oracle := sim.Oracle(reqs, prof, rc.BlockSize)
+		var orc report.Samples
+		for _, d := range oracle {
+			orc.Add(float64(d) / float64(time.Millisecond))
+		}
+		oSum := orc.Summary()
+		for _, spec := range specs {
+			pol, err := policy.Parse(spec, opts)
+			if err != nil {
+				return err
+			}
+			label := spec
+			start := time.Now()
+			cfg := sim.Config{Replicas: o.replicas, Replica: rc, Profile: prof, Policy: pol,
+				KVEvents: o.kvEvents, EventLag: o.eventLag, Seed: o.routerSeed, Rate: rate}
+			if !o.quiet {
+				cfg.Progress = func(done, total int) {
+					fmt.Fprintf(stderr, "\r%-24s rate %-6g %6d/%d requests", label, rate, done, total)
+				}
+			}
+			res, err := sim.Run(ctx, cfg, reqs)
+			if err != nil {
+				return err
+			}
+			if !o.quiet {
+				fmt.Fprintf(stderr, "\r%-24s rate %-6g %6d requests simulated in %v\n", label, rate, len(reqs), time.Since(start).Round(time.Millisecond))
+			}
+			for i := range res.Records {
+				res.Records[i].Policy, res.Records[i].Rate = label, rate
+			}
+			r := report.Build(label, rate, res.Records, 0)
+			r.Workload = o.wl.Describe()
+			r.Replicas = o.replicas
+			r.Profile = prof.Name()
+			r.Local = o.local
+			os := oSum
+			r.OracleTTFT = &os
+			if oSum.Mean > 0 {
+				r.TTFTVsOracle = r.TTFT.Mean / oSum.Mean
+			}
+			results = append(results, r)
+			if o.outDir != "" {
+				records = append(records, res.Records...)
+			}
+		}
+	}
+	if err := report.WriteTable(stdout, results); err != nil {
+		return err
+	}
+	if o.jsonPath == "-" {
+		if err := report.WriteJSON(stdout, results); err != nil {
+			return err
+		}
+	} else if o.jsonPath != "" {
+		if err := report.WriteJSONFile(o.jsonPath, results); err != nil {
+			return err
+		}
+	}
+	if o.outDir != "" {
+		if err := report.WriteJSONFile(filepath.Join(o.outDir, "results.json"), results); err != nil {
+			return err
+		}
+		if err := report.WriteCSVFile(filepath.Join(o.outDir, "requests.csv"), records); err != nil {
+			return err
+		}
+		if err := report.WriteChartFile(filepath.Join(o.outDir, "chart.svg"), results); err != nil {
+			return err
+		}
+		fmt.Fprintf(stderr, "wrote %s/{results.json,requests.csv,chart.svg}\n", o.outDir)
+	}
+	return nil
+}

@@ -1,0 +1,125 @@
+// Package blocks turns a prompt into the chain of block keys that prefixlb's
+// prefix tree, policies and replica model all speak.
+//
+// Inference engines cache KV in fixed-size blocks of B tokens (vLLM's
+// --block-size, 16 by default) and reuse a block only when every token before it
+// is the same. A block is therefore identified by its own tokens and by the
+// identity of the block before it: key_i = H(key_{i-1}, tokens of block i).
+// Two prompts share their first n keys exactly when they share their first n·B
+// tokens. Only full blocks are keyed: engines never cache a partial block.
+//
+// The hash is xxHash64 (github.com/cespare/xxhash/v2) over the parent key and the
+// block's token ids, both little-endian. It is prefixlb's own key, not vLLM's
+// block hash: KV events are mapped onto these keys from the token ids they carry.
+package blocks
+
+import (
+	"encoding/binary"
+	"unicode/utf8"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// Key identifies one full block of tokens together with everything before it.
+type Key uint64
+
+// DefaultBlockSize is vLLM's default KV block size in tokens.
+const DefaultBlockSize = 16
+
+// DefaultChunkBytes is the size of a text chunk keyed by TextKeys: about one
+// 16-token block of English text at ~4 bytes per token.
+const DefaultChunkBytes = 64
+
+// rootSeed starts every chain so that an empty parent differs from a key of 0.
+const rootSeed uint64 = 0x9e3779b97f4a7c15
+
+// Keys appends to dst one key per full block of blockSize tokens and returns the
+// extended slice. The trailing partial block is not keyed. It panics if
+// blockSize < 1, a programming error rather than bad input.
+func Keys(dst []Key, tokens []uint32, blockSize int) []Key {
+	if blockSize < 1 {
+		panic("blocks: block size must be positive")
+	}
+	n := len(tokens) / blockSize
+	if cap(dst)-len(dst) < n {
+		grown := make([]Key, len(dst), len(dst)+n)
+		copy(grown, dst)
+		dst = grown
+	}
+	parent := rootSeed
+	if len(dst) > 0 {
+		parent = uint64(dst[len(dst)-1])
+	}
+	var buf [8 + 4*64]byte
+	var d xxhash.Digest
+	for i := 0; i < n; i++ {
+		blk := tokens[i*blockSize : (i+1)*blockSize]
+		d.Reset()
+		binary.LittleEndian.PutUint64(buf[:8], parent)
+		off := 8
+		for _, t := range blk {
+			if off+4 > len(buf) {
+				_, _ = d.Write(buf[:off])
+				off = 0
+			}
+			binary.LittleEndian.PutUint32(buf[off:], t)
+			off += 4
+		}
+		_, _ = d.Write(buf[:off])
+		parent = d.Sum64()
+		dst = append(dst, Key(parent))
+	}
+	return dst
+}
+
+// Chain extends a chain by one block: the key of block tokens whose parent key
+// is parent (ok=false for the first block of a prompt). It agrees with Keys.
+func Chain(parent Key, hasParent bool, block []uint32) Key {
+	var prev []Key
+	if hasParent {
+		prev = []Key{parent}
+	}
+	return Keys(prev, block, len(block))[len(prev)]
+}
+
+// TextKeys keys a prompt given as text when no tokenizer is configured: one key
+// per full chunk of about chunkBytes bytes, chained like Keys. Chunks end on a
+// UTF-8 rune boundary so the same text always cuts the same way. Text-chunk keys
+// only agree with other text-chunk keys: they stand in for token blocks when the
+// router cannot tokenize exactly (the trailing partial chunk is not keyed, like a
+// partial block). TokensPerChunk estimates the tokens each key stands for.
+func TextKeys(dst []Key, text string, chunkBytes int) []Key {
+	if chunkBytes < 1 {
+		panic("blocks: chunk size must be positive")
+	}
+	parent := rootSeed
+	if len(dst) > 0 {
+		parent = uint64(dst[len(dst)-1])
+	}
+	var pb [8]byte
+	var d xxhash.Digest
+	for len(text) >= chunkBytes {
+		end := chunkBytes
+		for end < len(text) && !utf8.RuneStart(text[end]) {
+			end++
+		}
+		d.Reset()
+		binary.LittleEndian.PutUint64(pb[:], parent)
+		_, _ = d.Write(pb[:])
+		_, _ = d.WriteString(text[:end])
+		parent = d.Sum64()
+		dst = append(dst, Key(parent))
+		text = text[end:]
+	}
+	return dst
+}
+
+// TokensPerChunk is the token count prefixlb assumes per text chunk when it keys
+// text without a tokenizer: chunkBytes/4, the usual bytes-per-token of BPE
+// tokenizers on English text, and at least 1.
+func TokensPerChunk(chunkBytes int) int {
+	if chunkBytes < 8 {
+		return 1
+	}
+	return chunkBytes / 4
+}

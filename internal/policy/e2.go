@@ -1,0 +1,819 @@
+package policy
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/prefixtree"
+)
+
+// E2Config configures Preble's E2 scheduler (Srivatsa et al., "Preble:
+// Efficient Distributed Prompt Scheduling for LLM Serving", ICLR 2025, §3.2,
+// Algorithm 1). Every constant of the paper is a field; DefaultE2Config gives
+// prefixlb's tuned `e2` and PrebleE2Config the prototype's rules (`e2-preble`).
+type E2Config struct {
+	// Name is the policy name reported in decisions and results.
+	Name string `json:"name"`
+	// Window is H, the history window of the load statistics (3 min).
+	Window time.Duration `json:"window"`
+	// BalanceThreshold is Thbal: rebalance while the heaviest replica's load
+	// is at least this multiple of the lightest's (1.5).
+	BalanceThreshold float64 `json:"balance_threshold"`
+	// MixHitRatio is the windowed hit ratio above which a replica takes
+	// miss-heavy requests to mix prefill with its cheap hits (0.7).
+	MixHitRatio float64 `json:"mix_hit_ratio"`
+	// MixWindow is the window of that hit ratio (30 s).
+	MixWindow time.Duration `json:"mix_window"`
+	// WarmupPerReplica: rebalancing starts after this many routed requests
+	// per replica (50).
+	WarmupPerReplica int `json:"warmup_per_replica"`
+	// MinHotCount: only prefixes with at least this many requests in the
+	// window count as load for rebalancing (2).
+	MinHotCount int `json:"min_hot_count"`
+	// ReplicateTTFTRatio: a lone hot prefix is replicated when the mean TTFT
+	// of the newer half of its window is at least this multiple of the older
+	// half's (2).
+	ReplicateTTFTRatio float64 `json:"replicate_ttft_ratio"`
+	// TPOTSamples is how many observed time-per-output-token samples the
+	// per-replica median uses (200).
+	TPOTSamples int `json:"tpot_samples"`
+
+	// ExploitAssignedOnly restricts the exploit branch to the replicas the
+	// prefix is assigned to (the paper). When false, exploit compares every
+	// replica by cost, whose P term already credits each replica's cache.
+	ExploitAssignedOnly bool `json:"exploit_assigned_only"`
+	// IncludePrefill adds P, this request's own prefill on the replica, to
+	// the cost (the paper includes it; the prototype leaves it out).
+	IncludePrefill bool `json:"include_prefill"`
+	// MarginalDecode charges in-flight decode at the marginal time one more
+	// sequence adds to a batched iteration instead of TPOT per token.
+	MarginalDecode bool `json:"marginal_decode"`
+	// HistoryWeight weighs L's windowed prefill history (Preble's L).
+	HistoryWeight float64 `json:"history_weight"`
+	// PendingWeight weighs the prefill still queued on the replica now (the
+	// "queue now" that llm-d scores), in GPU seconds.
+	PendingWeight float64 `json:"pending_weight"`
+	// EvictionWeight weighs M, the eviction cost (1 in the paper).
+	EvictionWeight float64 `json:"eviction_weight"`
+	// Mixing enables the prefill/decode mixing rule.
+	Mixing bool `json:"mixing"`
+	// Rebalance enables migration of prefixes off a heavy replica, and
+	// Replicate the replication of a lone hot prefix.
+	Rebalance bool `json:"rebalance"`
+	Replicate bool `json:"replicate"`
+	// RebalanceInterval runs rebalancing at most this often (0: after every
+	// decision, as the prototype does).
+	RebalanceInterval time.Duration `json:"rebalance_interval"`
+	// MoveCooldown is the least time between two moves of one prefix.
+	MoveCooldown time.Duration `json:"move_cooldown"`
+	// MovableLoadOnly decides moves on the windowed prefill load alone (what
+	// a move can shift), leaving in-flight decode out; and keeps a move only
+	// if the prefix's windowed load exceeds the recompute it causes.
+	MovableLoadOnly bool `json:"movable_load_only"`
+}
+
+// PrebleE2Config returns the rules as Preble's prototype writes them
+// (ALGORITHMS §3–4): exploit within the assigned set, L without P, decode at
+// TPOT per token, rebalancing after every decision.
+func PrebleE2Config() E2Config {
+	return E2Config{
+		Name:                "e2-preble",
+		Window:              3 * time.Minute,
+		BalanceThreshold:    1.5,
+		MixHitRatio:         0.7,
+		MixWindow:           30 * time.Second,
+		WarmupPerReplica:    50,
+		MinHotCount:         2,
+		ReplicateTTFTRatio:  2,
+		TPOTSamples:         200,
+		ExploitAssignedOnly: true,
+		IncludePrefill:      false,
+		MarginalDecode:      false,
+		HistoryWeight:       1,
+		PendingWeight:       0,
+		EvictionWeight:      1,
+		Mixing:              true,
+		Rebalance:           true,
+		Replicate:           true,
+	}
+}
+
+// DefaultE2Config returns prefixlb's `e2`: Preble's E2 with the changes the
+// simulator justified (docs/simulator.md): route by cost over every replica
+// (P credits each replica's cache, so hot prefixes spread by themselves),
+// include P, charge decode at its marginal batched cost, count the prefill
+// queued now next to the window's history, and rebalance on movable load at
+// most once a second with a per-prefix cooldown.
+func DefaultE2Config() E2Config {
+	c := PrebleE2Config()
+	c.Name = "e2"
+	c.ExploitAssignedOnly = false
+	c.IncludePrefill = true
+	c.MarginalDecode = true
+	c.HistoryWeight = 0
+	c.PendingWeight = 1
+	c.Mixing = false
+	c.RebalanceInterval = time.Second
+	c.MoveCooldown = 30 * time.Second
+	c.MovableLoadOnly = true
+	return c
+}
+
+// Validate reports the first invalid field, naming it.
+func (c E2Config) Validate() error {
+	switch {
+	case c.Name == "":
+		return fmt.Errorf("policy: e2: name must not be empty")
+	case c.Window <= 0:
+		return fmt.Errorf("policy: e2 %s: window must be > 0, got %v", c.Name, c.Window)
+	case c.MixWindow <= 0 || c.MixWindow > c.Window:
+		return fmt.Errorf("policy: e2 %s: mix_window must be in (0, window], got %v", c.Name, c.MixWindow)
+	case !finite(c.BalanceThreshold) || c.BalanceThreshold < 1:
+		return fmt.Errorf("policy: e2 %s: balance_threshold must be ≥ 1, got %v", c.Name, c.BalanceThreshold)
+	case !finite(c.MixHitRatio) || c.MixHitRatio < 0 || c.MixHitRatio > 1:
+		return fmt.Errorf("policy: e2 %s: mix_hit_ratio must be in [0,1], got %v", c.Name, c.MixHitRatio)
+	case c.WarmupPerReplica < 0:
+		return fmt.Errorf("policy: e2 %s: warmup_per_replica must be ≥ 0, got %d", c.Name, c.WarmupPerReplica)
+	case c.MinHotCount < 1:
+		return fmt.Errorf("policy: e2 %s: min_hot_count must be ≥ 1, got %d", c.Name, c.MinHotCount)
+	case !finite(c.ReplicateTTFTRatio) || c.ReplicateTTFTRatio < 1:
+		return fmt.Errorf("policy: e2 %s: replicate_ttft_ratio must be ≥ 1, got %v", c.Name, c.ReplicateTTFTRatio)
+	case c.TPOTSamples < 1:
+		return fmt.Errorf("policy: e2 %s: tpot_samples must be ≥ 1, got %d", c.Name, c.TPOTSamples)
+	case !finite(c.HistoryWeight) || c.HistoryWeight < 0:
+		return fmt.Errorf("policy: e2 %s: history_weight must be ≥ 0, got %v", c.Name, c.HistoryWeight)
+	case !finite(c.PendingWeight) || c.PendingWeight < 0:
+		return fmt.Errorf("policy: e2 %s: pending_weight must be ≥ 0, got %v", c.Name, c.PendingWeight)
+	case !finite(c.EvictionWeight) || c.EvictionWeight < 0:
+		return fmt.Errorf("policy: e2 %s: eviction_weight must be ≥ 0, got %v", c.Name, c.EvictionWeight)
+	case c.RebalanceInterval < 0:
+		return fmt.Errorf("policy: e2 %s: rebalance_interval must be ≥ 0, got %v", c.Name, c.RebalanceInterval)
+	case c.MoveCooldown < 0:
+		return fmt.Errorf("policy: e2 %s: move_cooldown must be ≥ 0, got %v", c.Name, c.MoveCooldown)
+	}
+	return nil
+}
+
+// e2Entry is one routed request inside the window.
+type e2Entry struct {
+	id      uint64
+	at      int64 // ns
+	node    *prefixtree.Node
+	replica int
+	prompt  int
+	hit     int
+	out     int
+	prefill float64 // predicted prefill seconds on the chosen replica
+	ttft    float64 // seconds; < 0 until observed
+	live    bool    // in flight
+	queued  bool    // still in the window queue
+}
+
+// e2Node is E2's windowed statistics of one prefix unit (Node.Ext).
+type e2Node struct {
+	count        int
+	prompt, hit  int
+	out          int
+	per          []e2NodeReplica
+	entries      []*e2Entry // in window, oldest first
+	active       int        // index in E2.active, -1 if absent
+	lastMove     int64
+	everMoved    bool
+	assignedSeen bool
+}
+
+type e2NodeReplica struct {
+	count int
+	load  float64 // windowed prefill seconds routed to this replica
+}
+
+type e2Replica struct {
+	hist               float64 // windowed prefill seconds (L's history term)
+	mixPrompt, mixHit  int
+	tpot               []float64
+	tpotNext           int
+	tpotMedian         float64
+	tpotDirty          int
+}
+
+// E2 is Preble's E2 scheduler: exploit a replica that caches most of the
+// prompt, explore by cost otherwise, with cost L+M+P in GPU seconds,
+// windowed load statistics, the prefill/decode mixing rule, rebalancing by
+// migration and replication of hot prefixes (ALGORITHMS §2–4).
+//
+// E2 keeps state across calls and implements Observer. It is not safe for
+// concurrent use; the router serialises it.
+type E2 struct {
+	cfg     E2Config
+	reps    []e2Replica
+	queue   []*e2Entry // window FIFO (time order); queue[head:] live
+	head    int
+	mixHead int // queue[head:mixHead] are out of the mix window
+	live    map[uint64]*e2Entry
+	free    []*e2Entry
+	active  []*prefixtree.Node
+	routed  int
+	lastReb int64
+	seed    float64 // TPOT seed from the profile, seconds
+
+	cands []Candidate
+	hot   []*prefixtree.Node
+	order []int
+	lrb   []float64
+	// Moves and Replications count rebalancing actions (for reports).
+	Moves, Replications, Shrinks int
+}
+
+var _ Policy = (*E2)(nil)
+var _ Observer = (*E2)(nil)
+
+// NewE2 returns an E2 scheduler with cfg, which it validates.
+func NewE2(cfg E2Config) (*E2, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &E2{cfg: cfg, live: make(map[uint64]*e2Entry), lastReb: math.MinInt64}, nil
+}
+
+// Name implements Policy.
+func (p *E2) Name() string { return p.cfg.Name }
+
+// Config returns the configuration in force.
+func (p *E2) Config() E2Config { return p.cfg }
+
+func (p *E2) rep(r int) *e2Replica {
+	for len(p.reps) <= r {
+		p.reps = append(p.reps, e2Replica{})
+	}
+	return &p.reps[r]
+}
+
+func stats(n *prefixtree.Node) *e2Node {
+	if n == nil {
+		return nil
+	}
+	s, _ := n.Ext.(*e2Node)
+	if s == nil {
+		s = &e2Node{active: -1}
+		n.Ext = s
+	}
+	return s
+}
+
+func (s *e2Node) at(r int) *e2NodeReplica {
+	for len(s.per) <= r {
+		s.per = append(s.per, e2NodeReplica{})
+	}
+	return &s.per[r]
+}
+
+func secs(d time.Duration) float64 { return d.Seconds() }
+
+// tpot returns replica r's median observed time per output token, seeded
+// from the profile's single-sequence decode step.
+func (p *E2) tpot(r int, prof costmodel.Profile) float64 {
+	if p.seed == 0 {
+		p.seed = secs(prof.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: 1024}))
+	}
+	rs := p.rep(r)
+	if len(rs.tpot) == 0 {
+		return p.seed
+	}
+	if rs.tpotDirty > 0 {
+		buf := slices.Clone(rs.tpot)
+		slices.Sort(buf)
+		rs.tpotMedian = buf[len(buf)/2]
+		rs.tpotDirty = 0
+	}
+	return rs.tpotMedian
+}
+
+// decodeLoad is L's in-flight decode term for replica r.
+func (p *E2) decodeLoad(rp *Replica, prof costmodel.Profile) float64 {
+	if rp.DecodeTokens <= 0 {
+		return 0
+	}
+	if p.cfg.MarginalDecode {
+		n := max(rp.InFlight, 1)
+		ctx := 1024
+		if rp.Decoding > 0 {
+			ctx = rp.DecodeContextTokens / rp.Decoding
+		}
+		m := secs(costmodel.MarginalDecode(prof, n-1, ctx))
+		return float64(rp.DecodeTokens) * m
+	}
+	return float64(rp.DecodeTokens) * p.tpot(rp.ID, prof)
+}
+
+// load is L(r).
+func (p *E2) load(r int, v *View) float64 {
+	rp := &v.Replicas[r]
+	l := p.decodeLoad(rp, v.Profile)
+	if p.cfg.HistoryWeight > 0 {
+		l += p.cfg.HistoryWeight * p.rep(r).hist
+	}
+	if p.cfg.PendingWeight > 0 {
+		l += p.cfg.PendingWeight * secs(rp.PendingPrefill)
+	}
+	return l
+}
+
+// eviction is M(r): if replica r's cache cannot take the tokens this request
+// misses on it, the windowed prefill work of the prefixes it would push out
+// (pretend LRU eviction among nodes no in-flight request on r uses).
+func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
+	if p.cfg.EvictionWeight == 0 || missedTokens <= 0 {
+		return 0
+	}
+	bt := v.BlockTokens()
+	capBlocks := v.Profile.KVCapacity() / bt
+	need := v.Tree.CachedBlocks(r) + (missedTokens+bt-1)/bt - capBlocks
+	if need <= 0 {
+		return 0
+	}
+	cost := 0.0
+	freed := 0
+	v.Tree.EachLRU(r, func(n *prefixtree.Node) bool {
+		if n.Ref(r) > 0 {
+			return true
+		}
+		freed += n.Own()
+		if s, ok := n.Ext.(*e2Node); ok && n.Important() && s.count > 0 {
+			miss := 1 - float64(s.hit)/float64(max(s.prompt, 1))
+			cost += miss * float64(s.count) * secs(v.Profile.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
+		}
+		return freed < need
+	})
+	return p.cfg.EvictionWeight * cost
+}
+
+// cost fills c with replica r's L, M and P terms for req.
+func (p *E2) cost(r int, req *Request, v *View) Candidate {
+	m := v.MatchedTokens(r, req)
+	missed := req.PromptTokens - m
+	c := Candidate{Replica: r, MatchedTokens: m}
+	c.Load = p.load(r, v)
+	c.Eviction = p.eviction(r, missed, v)
+	if p.cfg.IncludePrefill {
+		c.Prefill = secs(v.Profile.Prefill(missed, req.PromptTokens))
+	}
+	c.Score = c.Load + c.Eviction + c.Prefill
+	return c
+}
+
+// Route implements Policy (Algorithm 1 of the paper).
+func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
+	p.expire(now.UnixNano())
+	if v.Up() == 0 {
+		return Decision{}, ErrNoReplica
+	}
+	matchedBlocks := 0
+	for r, m := range v.Match.PerReplica {
+		if r < len(v.Replicas) && v.Replicas[r].Up && m > matchedBlocks {
+			matchedBlocks = m
+		}
+	}
+	matched := min(matchedBlocks*v.BlockTokens(), req.PromptTokens)
+	missed := req.PromptTokens - matched
+
+	p.cands = p.cands[:0]
+	d := Decision{Replica: -1}
+	switch {
+	case missed < matched:
+		d.Branch = "exploit"
+		var set *prefixtree.Set
+		if p.cfg.ExploitAssignedOnly {
+			set = p.assignedSet(v, matchedBlocks)
+		}
+		p.pick(req, v, set, &d)
+	case p.cfg.Mixing && p.mixTarget(v) >= 0:
+		r := p.mixTarget(v)
+		d.Branch = "mixing"
+		c := p.cost(r, req, v)
+		p.cands = append(p.cands, c)
+		d.Replica, d.MatchedTokens = r, c.MatchedTokens
+	default:
+		d.Branch = "explore"
+		p.pick(req, v, nil, &d)
+	}
+	if d.Replica < 0 {
+		return Decision{}, ErrNoReplica
+	}
+	d.Candidates = slices.Clone(p.cands)
+	return d, nil
+}
+
+// assignedSet returns the assigned set of the deepest node among the first
+// matchedBlocks blocks of the path that has one, if any of its replicas is up.
+func (p *E2) assignedSet(v *View, matchedBlocks int) *prefixtree.Set {
+	depth := 0
+	var best *prefixtree.Set
+	for _, n := range v.Match.Path {
+		if depth >= matchedBlocks {
+			break
+		}
+		depth += n.Own()
+		if n.Assigned.Empty() {
+			continue
+		}
+		up := false
+		n.Assigned.Each(func(r int) {
+			if r < len(v.Replicas) && v.Replicas[r].Up {
+				up = true
+			}
+		})
+		if up {
+			best = &n.Assigned
+		}
+	}
+	return best
+}
+
+// pick chooses argmin cost over set (all up replicas when nil), ties to the
+// lowest ID.
+func (p *E2) pick(req *Request, v *View, set *prefixtree.Set, d *Decision) {
+	bestScore := math.Inf(1)
+	for r := range v.Replicas {
+		if !v.Replicas[r].Up || (set != nil && !set.Has(r)) {
+			continue
+		}
+		c := p.cost(r, req, v)
+		if !finite(c.Score) {
+			c.Score = math.MaxFloat64
+		}
+		p.cands = append(p.cands, c)
+		if d.Replica < 0 || c.Score < bestScore {
+			d.Replica, bestScore, d.MatchedTokens = r, c.Score, c.MatchedTokens
+		}
+	}
+}
+
+// mixTarget returns the up replica whose hit ratio over the mix window is at
+// least MixHitRatio (the highest such; ties to the lowest ID), or -1.
+func (p *E2) mixTarget(v *View) int {
+	best, bestRatio := -1, -1.0
+	for r := range v.Replicas {
+		if !v.Replicas[r].Up || r >= len(p.reps) {
+			continue
+		}
+		rs := &p.reps[r]
+		if rs.mixPrompt == 0 {
+			continue
+		}
+		ratio := float64(rs.mixHit) / float64(rs.mixPrompt)
+		if ratio >= p.cfg.MixHitRatio && ratio > bestRatio {
+			best, bestRatio = r, ratio
+		}
+	}
+	return best
+}
+
+// Routed implements Observer: the request enters the window, its prefix is
+// assigned to the chosen replica, and rebalancing runs when due.
+func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
+	ns := now.UnixNano()
+	r := d.Replica
+	var last *prefixtree.Node
+	if len(v.Match.Path) > 0 {
+		last = v.Match.Path[len(v.Match.Path)-1]
+	}
+	node := prefixtree.ImportantAncestor(last)
+	e := p.newEntry()
+	*e = e2Entry{
+		id: req.ID, at: ns, node: node, replica: r,
+		prompt: req.PromptTokens, hit: d.MatchedTokens, out: req.OutputTokens,
+		prefill: secs(v.Profile.Prefill(req.PromptTokens-d.MatchedTokens, req.PromptTokens)),
+		ttft:    -1, live: true, queued: true,
+	}
+	p.queue = append(p.queue, e)
+	if old, ok := p.live[req.ID]; ok {
+		old.live = false
+	}
+	p.live[req.ID] = e
+	rs := p.rep(r)
+	rs.hist += e.prefill
+	rs.mixPrompt += e.prompt
+	rs.mixHit += e.hit
+	if s := stats(node); s != nil {
+		s.count++
+		s.prompt += e.prompt
+		s.hit += e.hit
+		s.out += e.out
+		pr := s.at(r)
+		pr.count++
+		pr.load += e.prefill
+		s.entries = append(s.entries, e)
+		if s.active < 0 {
+			s.active = len(p.active)
+			p.active = append(p.active, node)
+		}
+		node.Assigned.Add(r)
+	}
+	p.routed++
+	if (p.cfg.Rebalance || p.cfg.Replicate) && p.routed >= p.cfg.WarmupPerReplica*max(v.Up(), 1) &&
+		(p.cfg.RebalanceInterval == 0 || ns-p.lastReb >= int64(p.cfg.RebalanceInterval)) {
+		p.lastReb = ns
+		p.rebalance(v, ns)
+	}
+}
+
+func (p *E2) newEntry() *e2Entry {
+	if n := len(p.free); n > 0 {
+		e := p.free[n-1]
+		p.free = p.free[:n-1]
+		return e
+	}
+	return &e2Entry{}
+}
+
+func (p *E2) release(e *e2Entry) {
+	if !e.live && !e.queued {
+		*e = e2Entry{}
+		p.free = append(p.free, e)
+	}
+}
+
+// FirstToken implements Observer.
+func (p *E2) FirstToken(id uint64, replica int, ttft time.Duration, now time.Time) {
+	if e, ok := p.live[id]; ok {
+		e.ttft = ttft.Seconds()
+	}
+}
+
+// Finished implements Observer: the request's TPOT joins the replica's
+// samples.
+func (p *E2) Finished(id uint64, replica int, outputTokens int, ok bool, now time.Time) {
+	e, found := p.live[id]
+	if !found {
+		return
+	}
+	delete(p.live, id)
+	e.live = false
+	if ok && e.ttft >= 0 && outputTokens > 1 {
+		lat := float64(now.UnixNano()-e.at) / 1e9
+		if tp := (lat - e.ttft) / float64(outputTokens-1); tp > 0 && finite(tp) {
+			rs := p.rep(e.replica)
+			if len(rs.tpot) < p.cfg.TPOTSamples {
+				rs.tpot = append(rs.tpot, tp)
+			} else {
+				rs.tpot[rs.tpotNext] = tp
+				rs.tpotNext = (rs.tpotNext + 1) % len(rs.tpot)
+			}
+			rs.tpotDirty++
+		}
+	}
+	p.release(e)
+}
+
+// ReplicaDown implements Observer: the replica leaves every assigned set.
+func (p *E2) ReplicaDown(r int, now time.Time) {
+	for _, n := range p.active {
+		n.Assigned.Remove(r)
+	}
+	if r < len(p.reps) {
+		p.reps[r].tpot = p.reps[r].tpot[:0]
+	}
+}
+
+// expire drops requests older than the windows from the statistics. When a
+// replica's count on a prefix reaches zero it leaves the prefix's assigned
+// set (replication shrinks as load falls); a prefix with no request left in
+// the window loses its placement (ALGORITHMS §2).
+func (p *E2) expire(ns int64) {
+	mixCut := ns - int64(p.cfg.MixWindow)
+	for p.mixHead < len(p.queue) && p.queue[p.mixHead].at < mixCut {
+		e := p.queue[p.mixHead]
+		rs := p.rep(e.replica)
+		rs.mixPrompt -= e.prompt
+		rs.mixHit -= e.hit
+		p.mixHead++
+	}
+	cut := ns - int64(p.cfg.Window)
+	for p.head < p.mixHead && p.queue[p.head].at < cut {
+		e := p.queue[p.head]
+		p.queue[p.head] = nil
+		p.head++
+		rs := p.rep(e.replica)
+		rs.hist -= e.prefill
+		if rs.hist < 1e-12 {
+			rs.hist = 0
+		}
+		if n := e.node; n != nil && !n.Evicted() {
+			s := stats(n)
+			s.count--
+			s.prompt -= e.prompt
+			s.hit -= e.hit
+			s.out -= e.out
+			if len(s.entries) > 0 && s.entries[0] == e {
+				s.entries[0] = nil
+				s.entries = s.entries[1:]
+			}
+			pr := s.at(e.replica)
+			pr.count--
+			pr.load -= e.prefill
+			if pr.count <= 0 {
+				*pr = e2NodeReplica{}
+				if n.Assigned.Len() > 1 && n.Assigned.Has(e.replica) {
+					n.Assigned.Remove(e.replica)
+					p.Shrinks++
+				}
+			}
+			if s.count <= 0 {
+				n.Assigned.Clear()
+				p.deactivate(n, s)
+			}
+		}
+		e.queued = false
+		p.release(e)
+	}
+	// Compact the FIFO once its dead head dominates.
+	if p.head > 1024 && p.head*2 > len(p.queue) {
+		k := copy(p.queue, p.queue[p.head:])
+		clear(p.queue[k:])
+		p.queue = p.queue[:k]
+		p.mixHead -= p.head
+		p.head = 0
+	}
+}
+
+func (p *E2) deactivate(n *prefixtree.Node, s *e2Node) {
+	if s.active < 0 {
+		return
+	}
+	last := len(p.active) - 1
+	moved := p.active[last]
+	p.active[s.active] = moved
+	if ms, ok := moved.Ext.(*e2Node); ok {
+		ms.active = s.active
+	}
+	p.active[last] = nil
+	p.active = p.active[:last]
+	s.active = -1
+	s.entries = s.entries[:0]
+}
+
+// rebalance is Preble's load rebalancing (§3.2 "Load rebalancing" and
+// "Prefix autoscaling"): pair the heaviest replica with the lightest; while
+// the heavy one carries at least Thbal times the light one's load, move its
+// cheapest hot prefixes over (several prefixes) or replicate its lone hot
+// prefix when that prefix's TTFT has doubled across the window.
+func (p *E2) rebalance(v *View, ns int64) {
+	n := len(v.Replicas)
+	if cap(p.lrb) < n {
+		p.lrb = make([]float64, n)
+	}
+	p.lrb = p.lrb[:n]
+	clear(p.lrb)
+	// Drop evicted nodes from the active list first.
+	for i := 0; i < len(p.active); {
+		if p.active[i].Evicted() {
+			last := len(p.active) - 1
+			p.active[i] = p.active[last]
+			if ms, ok := p.active[i].Ext.(*e2Node); ok {
+				ms.active = i
+			}
+			p.active = p.active[:last]
+			continue
+		}
+		i++
+	}
+	for _, nd := range p.active {
+		s := stats(nd)
+		if s.count < p.cfg.MinHotCount {
+			continue
+		}
+		for r := range s.per {
+			if r < n {
+				p.lrb[r] += s.per[r].load
+			}
+		}
+	}
+	if !p.cfg.MovableLoadOnly {
+		for r := 0; r < n; r++ {
+			p.lrb[r] += p.decodeLoad(&v.Replicas[r], v.Profile)
+		}
+	}
+	p.order = p.order[:0]
+	for r := 0; r < n; r++ {
+		if v.Replicas[r].Up {
+			p.order = append(p.order, r)
+		}
+	}
+	if len(p.order) < 2 {
+		return
+	}
+	slices.SortFunc(p.order, func(a, b int) int {
+		if p.lrb[a] != p.lrb[b] {
+			if p.lrb[a] > p.lrb[b] {
+				return -1
+			}
+			return 1
+		}
+		return a - b
+	})
+	for i, j := 0, len(p.order)-1; i < j; i, j = i+1, j-1 {
+		h, l := p.order[i], p.order[j]
+		if p.lrb[h] <= 0 || p.lrb[h] < p.cfg.BalanceThreshold*p.lrb[l] {
+			break
+		}
+		p.hot = p.hot[:0]
+		for _, nd := range p.active {
+			s := stats(nd)
+			if s.count >= p.cfg.MinHotCount && h < len(s.per) && s.per[h].count > 0 && nd.Assigned.Has(h) {
+				p.hot = append(p.hot, nd)
+			}
+		}
+		switch {
+		case len(p.hot) > 1 && p.cfg.Rebalance:
+			slices.SortFunc(p.hot, func(a, b *prefixtree.Node) int {
+				la, lb := stats(a).per[h].load, stats(b).per[h].load
+				switch {
+				case la < lb:
+					return -1
+				case la > lb:
+					return 1
+				}
+				return a.Depth() - b.Depth()
+			})
+			for _, nd := range p.hot {
+				s := stats(nd)
+				ld := s.per[h].load
+				if p.lrb[h]-ld < p.lrb[l]+ld {
+					break // the move would invert the imbalance
+				}
+				if p.cfg.MoveCooldown > 0 && s.everMoved && ns-s.lastMove < int64(p.cfg.MoveCooldown) {
+					continue
+				}
+				if p.cfg.MovableLoadOnly {
+					bt := v.BlockTokens()
+					recompute := secs(v.Profile.Prefill((nd.Depth()+nd.Own())*bt, (nd.Depth()+nd.Own())*bt))
+					if ld <= recompute {
+						continue
+					}
+				}
+				nd.Assigned.Clear()
+				nd.Assigned.Add(l)
+				s.lastMove, s.everMoved = ns, true
+				p.lrb[h] -= ld
+				p.lrb[l] += ld
+				p.Moves++
+			}
+		case len(p.hot) == 1 && p.cfg.Replicate:
+			nd := p.hot[0]
+			if !nd.Assigned.Has(l) && p.overloaded(stats(nd)) {
+				nd.Assigned.Add(l)
+				p.Replications++
+			}
+		}
+	}
+}
+
+// overloaded reports whether a prefix's mean TTFT over the newer half of its
+// window is at least ReplicateTTFTRatio times the older half's.
+func (p *E2) overloaded(s *e2Node) bool {
+	var older, newer float64
+	var no, nn int
+	k := 0
+	total := 0
+	for _, e := range s.entries {
+		if e != nil && e.ttft >= 0 {
+			total++
+		}
+	}
+	if total < 4 {
+		return false
+	}
+	for _, e := range s.entries {
+		if e == nil || e.ttft < 0 {
+			continue
+		}
+		if k < total/2 {
+			older += e.ttft
+			no++
+		} else {
+			newer += e.ttft
+			nn++
+		}
+		k++
+	}
+	if no == 0 || nn == 0 || older <= 0 {
+		return false
+	}
+	return newer/float64(nn) >= p.cfg.ReplicateTTFTRatio*older/float64(no)
+}
+
+// Window reports E2's view of a replica for dashboards and tests: windowed
+// prefill seconds, mix-window hit ratio and TPOT median.
+func (p *E2) Window(r int) (histLoad, hitRatio float64) {
+	if r >= len(p.reps) {
+		return 0, 0
+	}
+	rs := &p.reps[r]
+	if rs.mixPrompt > 0 {
+		hitRatio = float64(rs.mixHit) / float64(rs.mixPrompt)
+	}
+	return rs.hist, hitRatio
+}

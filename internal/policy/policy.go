@@ -1,0 +1,271 @@
+// Package policy holds prefixlb's routing policies: Preble's E2 and the
+// baselines it is measured against (round-robin, random, least-load,
+// power-of-two, session affinity, prefix affinity, and the scorers of llm-d,
+// SGLang and NVIDIA Dynamo).
+//
+// A policy is pure: it reads the request and a snapshot of the cluster (the
+// View) and returns a Decision; time and randomness are passed in. The same
+// code runs inside `prefixlb serve` and inside `prefixlb sim`.
+package policy
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/prefixtree"
+)
+
+// ErrNoReplica is returned when no replica is up to take a request.
+var ErrNoReplica = errors.New("policy: no replica is up")
+
+// ErrUnknownPolicy is returned by New for a name it does not know.
+var ErrUnknownPolicy = errors.New("policy: unknown policy")
+
+// Request is what a policy knows about one request.
+type Request struct {
+	// ID identifies the request to observations (unique among in-flight ones).
+	ID uint64
+	// Keys are the chain keys of the prompt's full blocks (internal/blocks).
+	Keys []blocks.Key
+	// PromptTokens is the prompt's length in tokens (≥ len(Keys)·block size).
+	PromptTokens int
+	// OutputTokens is the expected output length (max_tokens); 0 if unknown.
+	OutputTokens int
+	// Session is a session key for affinity ("" if none).
+	Session string
+}
+
+// Replica is a snapshot of one replica as the router sees it.
+type Replica struct {
+	// ID is the replica's index, stable for its lifetime.
+	ID int
+	// Name is the replica's display name (an address, a pod name).
+	Name string
+	// Up is false for replicas that are down or draining: never chosen.
+	Up bool
+	// InFlight counts requests routed to the replica and not yet finished.
+	InFlight int
+	// Prefilling counts in-flight requests that have not produced a token.
+	Prefilling int
+	// PendingPrefill is the predicted GPU time of the prefill still owed by
+	// those requests (the router's estimate when it routed them).
+	PendingPrefill time.Duration
+	// PendingPrefillTokens is the number of prompt tokens those requests
+	// still have to compute (not cached on the replica when routed).
+	PendingPrefillTokens int
+	// DecodeTokens is the number of output tokens still owed by in-flight
+	// requests (their expected output minus what they produced).
+	DecodeTokens int
+	// Decoding counts in-flight requests past their first token, and
+	// DecodeContextTokens the context (prompt + output so far) they hold.
+	Decoding, DecodeContextTokens int
+	// Waiting and Running are the engine's own queue figures (scraped
+	// vllm:num_requests_waiting / running); -1 when unknown.
+	Waiting, Running int
+	// KVUsage is the engine's KV-cache usage in [0,1]; -1 when unknown.
+	KVUsage float64
+	// TPOT is the replica's recent median time per output token (0 unknown).
+	TPOT time.Duration
+}
+
+// Queue is the queue length the scorers use: the engine's waiting count when
+// known, else the router's own in-flight count.
+func (r *Replica) Queue() int {
+	if r.Waiting >= 0 {
+		return r.Waiting + max(r.Running, 0)
+	}
+	return r.InFlight
+}
+
+// View is the cluster as a policy sees it for one decision. The router fills
+// it; policies must not keep it after Route returns.
+type View struct {
+	// Replicas lists every replica slot, by ID (Replicas[i].ID == i).
+	Replicas []Replica
+	// Tree is the router's global prefix tree; the request's keys are already
+	// inserted. Policies read it and may change only routing state
+	// (Node.Assigned, Node.Ext).
+	Tree *prefixtree.Tree
+	// Match is the request's path in Tree, with PerReplica holding how many
+	// leading blocks each replica cached before this request.
+	Match *prefixtree.Match
+	// Profile prices prefill and decode on a replica.
+	Profile costmodel.Profile
+	// Rand is the decision's source of randomness (seeded by the caller).
+	Rand *rand.Rand
+}
+
+// BlockTokens is the number of tokens per block key.
+func (v *View) BlockTokens() int { return v.Tree.BlockTokens() }
+
+// MatchedTokens is how many prompt tokens replica r caches for this request.
+func (v *View) MatchedTokens(r int, req *Request) int {
+	if r >= len(v.Match.PerReplica) {
+		return 0
+	}
+	return min(v.Match.PerReplica[r]*v.BlockTokens(), req.PromptTokens)
+}
+
+// Up returns the number of replicas that are up.
+func (v *View) Up() int {
+	n := 0
+	for i := range v.Replicas {
+		if v.Replicas[i].Up {
+			n++
+		}
+	}
+	return n
+}
+
+// Decision is a policy's answer, with the explanation the proxy returns in a
+// response header and the simulator aggregates.
+type Decision struct {
+	// Replica is the chosen replica's ID.
+	Replica int
+	// Branch names the rule that decided (exploit, explore, mixing, ...).
+	Branch string
+	// MatchedTokens is how many prompt tokens the chosen replica caches.
+	MatchedTokens int
+	// Candidates explains the scores of the replicas considered (may be empty
+	// for policies that score nothing).
+	Candidates []Candidate
+}
+
+// Candidate is one replica's terms in a decision. Cost terms are seconds of
+// GPU time (E2); scores are unitless (llm-d, SGLang).
+type Candidate struct {
+	Replica       int     `json:"replica"`
+	MatchedTokens int     `json:"matched_tokens"`
+	Load          float64 `json:"load,omitempty"`
+	Eviction      float64 `json:"eviction,omitempty"`
+	Prefill       float64 `json:"prefill,omitempty"`
+	Score         float64 `json:"score"`
+}
+
+// Explain renders a decision compactly for the x-prefixlb-route header:
+// `branch=exploit; matched=4096; r0=0.512(L=0.100,M=0,P=0.412,m=4096); ...`.
+func (d *Decision) Explain() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "branch=%s; matched=%d", d.Branch, d.MatchedTokens)
+	for _, c := range d.Candidates {
+		fmt.Fprintf(&b, "; r%d=%.4g(L=%.3g,M=%.3g,P=%.3g,m=%d)", c.Replica, c.Score, c.Load, c.Eviction, c.Prefill, c.MatchedTokens)
+	}
+	return b.String()
+}
+
+// Policy chooses a replica for a request. Route must not block or do I/O.
+// Implementations are not safe for concurrent use: the router serialises
+// calls (and the observations of Observer) under its lock.
+type Policy interface {
+	// Name is the policy's name as given on the command line.
+	Name() string
+	// Route chooses among the replicas of v that are up.
+	Route(req *Request, v *View, now time.Time) (Decision, error)
+}
+
+// Observer is implemented by policies that learn from what happens to the
+// requests they routed (E2's windowed statistics). The router calls these
+// methods, under the same lock as Route.
+type Observer interface {
+	// Routed follows a successful Route once the router has committed it.
+	Routed(req *Request, d *Decision, v *View, now time.Time)
+	// FirstToken reports a request's first output token.
+	FirstToken(id uint64, replica int, ttft time.Duration, now time.Time)
+	// Finished reports the end of a request (outputTokens generated; failed
+	// requests report ok=false).
+	Finished(id uint64, replica int, outputTokens int, ok bool, now time.Time)
+	// ReplicaDown reports that a replica left the pool.
+	ReplicaDown(replica int, now time.Time)
+}
+
+// Names lists the policies New knows, sorted.
+func Names() []string {
+	names := make([]string, 0, len(constructors))
+	for n := range constructors {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+var constructors = map[string]func(Options) (Policy, error){
+	"round-robin":  func(Options) (Policy, error) { return &RoundRobin{}, nil },
+	"random":       func(Options) (Policy, error) { return Random{}, nil },
+	"least-load":   func(Options) (Policy, error) { return LeastLoad{}, nil },
+	"power-of-two": func(Options) (Policy, error) { return PowerOfTwo{}, nil },
+	"session":      func(Options) (Policy, error) { return &Session{}, nil },
+	"prefix":       func(o Options) (Policy, error) { return NewPrefix(o.PrefixThreshold), nil },
+	"llmd-precise": func(Options) (Policy, error) { return NewLLMDPrecise(), nil },
+	"llmd-approx":  func(o Options) (Policy, error) { return NewLLMDApprox(o.BlockTokens, o.ApproxCapacityBlocks) },
+	"sglang":       func(o Options) (Policy, error) { return NewSGLang(o.BlockTokens, o.ApproxCapacityBlocks) },
+	"dynamo":       func(Options) (Policy, error) { return NewDynamo(DefaultDynamoConfig()), nil },
+	"e2":           func(o Options) (Policy, error) { return NewE2(o.E2) },
+	"e2-preble":    func(o Options) (Policy, error) { return NewE2(o.E2Preble) },
+}
+
+// Options configures the policies New builds. DefaultOptions gives the
+// published settings.
+type Options struct {
+	// BlockTokens is the block size of the keys (for policies with own trees).
+	BlockTokens int
+	// ApproxCapacityBlocks bounds the per-replica history of llmd-approx and
+	// sglang (their stand-in for each replica's cache size), in blocks.
+	ApproxCapacityBlocks int
+	// PrefixThreshold is the share of the prompt the `prefix` policy needs
+	// matched to stick (else least-load).
+	PrefixThreshold float64
+	// E2 configures `e2`; E2Preble configures `e2-preble`.
+	E2, E2Preble E2Config
+}
+
+// DefaultOptions returns the published settings for every policy.
+func DefaultOptions() Options {
+	return Options{
+		BlockTokens:          blocks.DefaultBlockSize,
+		ApproxCapacityBlocks: 198516 / blocks.DefaultBlockSize,
+		PrefixThreshold:      0.5,
+		E2:                   DefaultE2Config(),
+		E2Preble:             PrebleE2Config(),
+	}
+}
+
+// New builds the policy called name.
+func New(name string, o Options) (Policy, error) {
+	c, ok := constructors[name]
+	if !ok {
+		return nil, fmt.Errorf("%w %q (known: %s)", ErrUnknownPolicy, name, strings.Join(Names(), ", "))
+	}
+	return c(o)
+}
+
+// finite reports whether x is a usable number (not NaN, not ±Inf).
+func finite(x float64) bool { return !math.IsNaN(x) && !math.IsInf(x, 0) }
+
+// argmin returns the up replica with the lowest score(r); ties go to the
+// lowest ID (never to list position, which can change as replicas come and go).
+func argmin(v *View, score func(r int) float64) (int, error) {
+	best, bestScore := -1, math.Inf(1)
+	for i := range v.Replicas {
+		if !v.Replicas[i].Up {
+			continue
+		}
+		s := score(i)
+		if !finite(s) {
+			s = math.MaxFloat64
+		}
+		if best < 0 || s < bestScore {
+			best, bestScore = i, s
+		}
+	}
+	if best < 0 {
+		return -1, ErrNoReplica
+	}
+	return best, nil
+}

@@ -1,0 +1,709 @@
+// Package prefixtree is prefixlb's global prefix tree: one radix tree over the
+// block keys of every prompt the router has seen, with per-replica state on its
+// nodes (Preble, Srivatsa et al., ICLR 2025, §3.1 "global radix tree").
+//
+// A node holds a run of consecutive block keys. For each replica it records
+// whether the replica caches the node's blocks, how many in-flight requests on
+// the replica pass through it, and when the replica last used it; replicas that
+// cache a node are linked into a per-replica LRU list so that eviction (real, in
+// the router's mirror of a replica's cache, or pretended, for E2's eviction cost)
+// costs time proportional to what it evicts.
+//
+// Keys are chained (internal/blocks): key i stands for the whole prefix of i+1
+// blocks. The tree is prefix-closed (a key is present only if every key before
+// it is), so the longest match of a prompt is found by binary search over its
+// keys in a key index, in O(log n) map lookups instead of a walk over n keys.
+//
+// A Tree is not safe for concurrent use. It has one owner (the router core,
+// internal/router), which serialises writers and lets readers in under its lock.
+package prefixtree
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+)
+
+// ErrBadReplica reports a replica index outside [0, Replicas()).
+var ErrBadReplica = errors.New("prefixtree: replica index out of range")
+
+// Config sizes a Tree.
+type Config struct {
+	// BlockTokens is the number of tokens one key stands for (the engines' KV
+	// block size, 16 in vLLM by default).
+	BlockTokens int
+	// MaxBlocks bounds the number of keys the tree holds. When an insertion
+	// exceeds it, leaf nodes that no replica caches and no request references
+	// are evicted, least recently used first. 0 means DefaultMaxBlocks.
+	MaxBlocks int
+}
+
+// DefaultMaxBlocks bounds a tree at about 2M blocks: 32M tokens at B=16, a
+// few hundred bytes per node and ~60 bytes per key.
+const DefaultMaxBlocks = 2 << 20
+
+// Validate reports the first invalid field.
+func (c Config) Validate() error {
+	if c.BlockTokens < 1 {
+		return fmt.Errorf("prefixtree: block_tokens must be ≥ 1, got %d", c.BlockTokens)
+	}
+	if c.MaxBlocks < 0 {
+		return fmt.Errorf("prefixtree: max_blocks must be ≥ 0, got %d", c.MaxBlocks)
+	}
+	return nil
+}
+
+// repState is one replica's view of one node.
+type repState struct {
+	cached     bool
+	ref        int32
+	lastAccess int64 // ns on the injected clock
+	prev, next *Node // links in the replica's LRU list while cached
+}
+
+// Node is a run of consecutive block keys shared by every prompt that passes
+// through it. Its fields are read by policies; only the Tree changes them.
+type Node struct {
+	parent   *Node
+	children map[blocks.Key]*Node // by the first key of the child's run
+	keys     []blocks.Key
+	depth    int // blocks above this node
+	rs       []repState
+	evicted  bool
+
+	lastAccess   int64
+	gprev, gnext *Node // links in the tree's global LRU list
+
+	// Assigned is the set of replicas this prefix is assigned to: routing state
+	// kept by E2, distinct from caching (an assigned replica may have evicted
+	// the blocks). The tree copies it on a split and never reads it.
+	Assigned Set
+	// Ext is a policy's own data about this node (E2's windowed statistics).
+	// On a split the upper half keeps it (the node keeps its identity) and the
+	// lower half starts with nil; the tree drops it with the node.
+	Ext any
+}
+
+// Parent is the node above n (nil for the root).
+func (n *Node) Parent() *Node { return n.parent }
+
+// Own is the number of blocks in n's run.
+func (n *Node) Own() int { return len(n.keys) }
+
+// Depth is the number of blocks above n (ALGORITHMS §1 contextBefore, in blocks).
+func (n *Node) Depth() int { return n.depth }
+
+// Keys is n's run of keys. Do not modify it.
+func (n *Node) Keys() []blocks.Key { return n.keys }
+
+// Evicted reports whether the tree has dropped n. Policies holding node
+// pointers across calls check it.
+func (n *Node) Evicted() bool { return n.evicted }
+
+// IsRoot reports whether n is the tree's root (holds no keys).
+func (n *Node) IsRoot() bool { return n.parent == nil }
+
+// Important reports Preble's "prefix unit" rule: a node whose own run is longer
+// than everything above it (own > contextBefore).
+func (n *Node) Important() bool { return n.parent != nil && len(n.keys) > n.depth }
+
+// Cached reports whether replica r caches all of n's blocks.
+func (n *Node) Cached(r int) bool { return r < len(n.rs) && r >= 0 && n.rs[r].cached }
+
+// Ref is the number of in-flight requests on replica r that pass through n.
+func (n *Node) Ref(r int) int {
+	if r < 0 || r >= len(n.rs) {
+		return 0
+	}
+	return int(n.rs[r].ref)
+}
+
+// RefTotal is the number of in-flight requests through n on all replicas.
+func (n *Node) RefTotal() int {
+	t := 0
+	for i := range n.rs {
+		t += int(n.rs[i].ref)
+	}
+	return t
+}
+
+// LastAccess is when any request last passed through n (ns on the tree's clock).
+func (n *Node) LastAccess() int64 { return n.lastAccess }
+
+// ChildCount is the number of children of n.
+func (n *Node) ChildCount() int { return len(n.children) }
+
+// Important returns the prefix unit a request ending at n belongs to: the
+// nearest node at or above n that is Important, or nil if none is.
+func ImportantAncestor(n *Node) *Node {
+	for ; n != nil && n.parent != nil; n = n.parent {
+		if n.Important() {
+			return n
+		}
+	}
+	return nil
+}
+
+type keyEntry struct {
+	node  *Node
+	depth int32 // the key's block position in its prompt
+}
+
+type replicaInfo struct {
+	head, tail   *Node // LRU list of nodes this replica caches: head = MRU
+	cachedBlocks int
+}
+
+// Tree is the global prefix tree. See the package comment for ownership.
+type Tree struct {
+	cfg      Config
+	root     *Node
+	index    map[blocks.Key]keyEntry
+	reps     []replicaInfo
+	nodes    int
+	ghead    *Node // global LRU: head = MRU
+	gtail    *Node
+	path     []*Node // scratch
+	evictions int
+}
+
+// New returns an empty tree for replicas replica slots (indexes 0..replicas-1;
+// more can be added with AddReplica).
+func New(cfg Config, replicas int) (*Tree, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if replicas < 0 {
+		return nil, fmt.Errorf("prefixtree: replicas must be ≥ 0, got %d", replicas)
+	}
+	if cfg.MaxBlocks == 0 {
+		cfg.MaxBlocks = DefaultMaxBlocks
+	}
+	t := &Tree{
+		cfg:   cfg,
+		root:  &Node{},
+		index: make(map[blocks.Key]keyEntry),
+		reps:  make([]replicaInfo, replicas),
+	}
+	return t, nil
+}
+
+// BlockTokens is the number of tokens per key.
+func (t *Tree) BlockTokens() int { return t.cfg.BlockTokens }
+
+// Root is the tree's root node (no keys).
+func (t *Tree) Root() *Node { return t.root }
+
+// Replicas is the number of replica slots.
+func (t *Tree) Replicas() int { return len(t.reps) }
+
+// AddReplica adds a replica slot and returns its index.
+func (t *Tree) AddReplica() int {
+	t.reps = append(t.reps, replicaInfo{})
+	return len(t.reps) - 1
+}
+
+// Blocks is the number of keys the tree holds.
+func (t *Tree) Blocks() int { return len(t.index) }
+
+// Nodes is the number of nodes, root excluded.
+func (t *Tree) Nodes() int { return t.nodes }
+
+// Evictions is the number of nodes the size bound has evicted so far.
+func (t *Tree) Evictions() int { return t.evictions }
+
+// CachedBlocks is the number of blocks replica r caches, as the tree knows it.
+func (t *Tree) CachedBlocks(r int) int {
+	if r < 0 || r >= len(t.reps) {
+		return 0
+	}
+	return t.reps[r].cachedBlocks
+}
+
+func (n *Node) rep(r int) *repState {
+	for len(n.rs) <= r {
+		n.rs = append(n.rs, repState{})
+	}
+	return &n.rs[r]
+}
+
+// Match is the result of looking a prompt up in the tree. The zero value is
+// ready to use; reuse one Match across calls to avoid allocation.
+type Match struct {
+	// Blocks is the number of leading keys present in the tree.
+	Blocks int
+	// Path lists the nodes those keys pass through, top down (root excluded).
+	// The last node may be matched only partly: see LastBlocks.
+	Path []*Node
+	// LastBlocks is how many keys of the last node on Path are matched.
+	LastBlocks int
+	// PerReplica[r] is the number of leading keys replica r caches.
+	PerReplica []int
+}
+
+// Lookup finds the longest prefix of keys present in the tree, and how much of
+// it each replica caches. It does not change the tree.
+func (t *Tree) Lookup(keys []blocks.Key, m *Match) {
+	m.Blocks, m.LastBlocks = 0, 0
+	m.Path = m.Path[:0]
+	if cap(m.PerReplica) < len(t.reps) {
+		m.PerReplica = make([]int, len(t.reps))
+	}
+	m.PerReplica = m.PerReplica[:len(t.reps)]
+	for i := range m.PerReplica {
+		m.PerReplica[i] = 0
+	}
+	// Binary search for the number of present keys: the tree is prefix-closed.
+	lo, hi := 0, len(keys) // invariant: keys[:lo] present, keys[hi:] absent
+	for lo < hi {
+		mid := int(uint(lo+hi) >> 1)
+		if e, ok := t.index[keys[mid]]; ok && int(e.depth) == mid {
+			lo = mid + 1
+		} else {
+			hi = mid
+		}
+	}
+	if lo == 0 {
+		return
+	}
+	m.Blocks = lo
+	last := t.index[keys[lo-1]]
+	m.LastBlocks = lo - last.node.depth
+	for n := last.node; n.parent != nil; n = n.parent {
+		m.Path = append(m.Path, n)
+	}
+	for i, j := 0, len(m.Path)-1; i < j; i, j = i+1, j-1 {
+		m.Path[i], m.Path[j] = m.Path[j], m.Path[i]
+	}
+	for r := range m.PerReplica {
+		got := 0
+		for i, n := range m.Path {
+			if !n.Cached(r) {
+				break
+			}
+			if i == len(m.Path)-1 {
+				got += m.LastBlocks
+			} else {
+				got += len(n.keys)
+			}
+		}
+		m.PerReplica[r] = got
+	}
+}
+
+// ErrUnknownParent reports an extension of a prefix the tree does not hold.
+var ErrUnknownParent = errors.New("prefixtree: parent block is not in the tree")
+
+// Insert makes every key of keys present, splitting nodes so that the prompt's
+// path ends exactly at a node boundary, records an access at now, and returns
+// the path, top down (root excluded), in m.Path (m.Blocks = len(keys)).
+// PerReplica is filled as by Lookup, before the insertion.
+func (t *Tree) Insert(keys []blocks.Key, now time.Time, m *Match) {
+	t.Lookup(keys, m)
+	if len(keys) == 0 {
+		return
+	}
+	_ = t.insertFrom(nil, keys, m.Blocks, now, m)
+}
+
+// InsertBelow inserts keys as the continuation of the block parent (the
+// root when hasParent is false), the way an engine reports newly stored
+// blocks. Nodes are split so that keys start and end at node boundaries; m.Path
+// receives the whole path from the root, m.Blocks its length in blocks, and
+// m.LastBlocks the length of its last node. It fails with ErrUnknownParent when
+// the tree does not hold parent.
+func (t *Tree) InsertBelow(parent blocks.Key, hasParent bool, keys []blocks.Key, now time.Time, m *Match) error {
+	m.Path = m.Path[:0]
+	if !hasParent {
+		t.Lookup(keys, m)
+		if len(keys) == 0 {
+			return nil
+		}
+		return t.insertFrom(nil, keys, m.Blocks, now, m)
+	}
+	e, ok := t.index[parent]
+	if !ok {
+		return ErrUnknownParent
+	}
+	pn := e.node
+	if off := int(e.depth) + 1 - pn.depth; off < len(pn.keys) {
+		t.split(pn, off)
+	}
+	base := pn.depth + len(pn.keys)
+	lo, hi := 0, len(keys)
+	for lo < hi {
+		mid := int(uint(lo+hi) >> 1)
+		if ke, ok := t.index[keys[mid]]; ok && int(ke.depth) == base+mid {
+			lo = mid + 1
+		} else {
+			hi = mid
+		}
+	}
+	return t.insertFrom(pn, keys, lo, now, m)
+}
+
+// insertFrom completes an insertion of keys below anchor (nil: the root) of
+// which the first present are already in the tree, and fills m with the full
+// path from the root.
+func (t *Tree) insertFrom(anchor *Node, keys []blocks.Key, present int, now time.Time, m *Match) error {
+	parent := anchor
+	if parent == nil {
+		parent = t.root
+	}
+	if present > 0 {
+		e := t.index[keys[present-1]]
+		n := e.node
+		if off := int(e.depth) + 1 - n.depth; off < len(n.keys) {
+			t.split(n, off)
+		}
+		parent = n
+	}
+	last := parent
+	if present < len(keys) {
+		last = t.newNode(parent, keys[present:])
+	}
+	m.Path = m.Path[:0]
+	for n := last; n.parent != nil; n = n.parent {
+		m.Path = append(m.Path, n)
+	}
+	slices.Reverse(m.Path)
+	m.Blocks = last.depth + len(last.keys)
+	m.LastBlocks = len(last.keys)
+	t.touchGlobal(m.Path, now.UnixNano())
+	t.enforceBound()
+	return nil
+}
+
+func (t *Tree) newNode(parent *Node, keys []blocks.Key) *Node {
+	n := &Node{
+		parent: parent,
+		keys:   append([]blocks.Key(nil), keys...),
+		depth:  parent.depth + len(parent.keys),
+		rs:     make([]repState, len(t.reps)),
+	}
+	if parent.children == nil {
+		parent.children = make(map[blocks.Key]*Node, 2)
+	}
+	parent.children[n.keys[0]] = n
+	for i, k := range n.keys {
+		t.index[k] = keyEntry{node: n, depth: int32(n.depth + i)}
+	}
+	t.nodes++
+	t.gpushFront(n)
+	return n
+}
+
+// split cuts n after its first at keys; n keeps the upper part (and its
+// identity, so statistics attached to a prefix stay with it), a new node
+// takes the lower part with n's children, caching, refs and assignment.
+func (t *Tree) split(n *Node, at int) *Node {
+	low := &Node{
+		parent:     n,
+		children:   n.children,
+		keys:       n.keys[at:],
+		depth:      n.depth + at,
+		rs:         make([]repState, len(n.rs)),
+		lastAccess: n.lastAccess,
+		Assigned:   n.Assigned.Clone(),
+	}
+	n.keys = n.keys[:at:at]
+	for _, c := range low.children {
+		c.parent = low
+	}
+	n.children = map[blocks.Key]*Node{low.keys[0]: low}
+	for i, k := range low.keys {
+		t.index[k] = keyEntry{node: low, depth: int32(low.depth + i)}
+	}
+	for r := range n.rs {
+		s := &n.rs[r]
+		low.rs[r] = repState{cached: s.cached, ref: s.ref, lastAccess: s.lastAccess}
+		if s.cached {
+			t.linkAfter(r, n, low)
+		}
+	}
+	t.nodes++
+	t.ginsertAfter(n, low)
+	return low
+}
+
+// AddRef adds delta to replica r's in-flight count on every node of path.
+func (t *Tree) AddRef(path []*Node, r int, delta int) {
+	for _, n := range path {
+		if n.evicted {
+			continue
+		}
+		s := n.rep(r)
+		s.ref += int32(delta)
+		if s.ref < 0 {
+			s.ref = 0
+		}
+	}
+}
+
+// Touch records that replica r used path at now: the nodes it caches move to
+// the front of its LRU list, deepest first, so that a parent is never evicted
+// before its children.
+func (t *Tree) Touch(path []*Node, r int, now time.Time) {
+	ns := now.UnixNano()
+	for i := len(path) - 1; i >= 0; i-- {
+		n := path[i]
+		if n.evicted {
+			continue
+		}
+		s := n.rep(r)
+		s.lastAccess = ns
+		if s.cached {
+			t.unlink(r, n)
+			t.pushFront(r, n)
+		}
+	}
+}
+
+// SetCached marks whether replica r holds all of n's blocks. A newly cached
+// node goes to the front of r's LRU list.
+func (t *Tree) SetCached(n *Node, r int, cached bool) {
+	if n.evicted || n.parent == nil {
+		return
+	}
+	s := n.rep(r)
+	if s.cached == cached {
+		return
+	}
+	s.cached = cached
+	if cached {
+		t.pushFront(r, n)
+		t.reps[r].cachedBlocks += len(n.keys)
+	} else {
+		t.unlink(r, n)
+		t.reps[r].cachedBlocks -= len(n.keys)
+	}
+}
+
+// SetPathCached marks every node of path as cached on r and touches it.
+func (t *Tree) SetPathCached(path []*Node, r int, now time.Time) {
+	for _, n := range path {
+		t.SetCached(n, r, true)
+	}
+	t.Touch(path, r, now)
+}
+
+// Find returns the node holding key and the key's offset in its run.
+func (t *Tree) Find(key blocks.Key) (*Node, int, bool) {
+	e, ok := t.index[key]
+	if !ok {
+		return nil, 0, false
+	}
+	return e.node, int(e.depth) - e.node.depth, true
+}
+
+// Isolate splits the tree so that the block key is a node of its own (its
+// run holds just key) and returns that node; ok=false if key is unknown. It
+// is how a single-block removal reported by an engine is applied.
+func (t *Tree) Isolate(key blocks.Key) (*Node, bool) {
+	n, off, ok := t.Find(key)
+	if !ok {
+		return nil, false
+	}
+	if off > 0 {
+		n = t.split(n, off)
+	}
+	if len(n.keys) > 1 {
+		t.split(n, 1)
+	}
+	return n, true
+}
+
+// EachLRU calls fn for the nodes replica r caches, least recently used first,
+// until fn returns false. fn must not change the tree.
+func (t *Tree) EachLRU(r int, fn func(n *Node) bool) {
+	if r < 0 || r >= len(t.reps) {
+		return
+	}
+	for n := t.reps[r].tail; n != nil; {
+		prev := n.rs[r].prev
+		if !fn(n) {
+			return
+		}
+		n = prev
+	}
+}
+
+// EvictLRU uncaches nodes of replica r that no in-flight request on r
+// references, least recently used first, until at least blocks blocks are
+// freed or none is left; it returns the blocks freed. It models the engine's
+// LRU eviction in the router's mirror of a replica that publishes no events.
+func (t *Tree) EvictLRU(r int, blocks int, now time.Time) int {
+	freed := 0
+	if r < 0 || r >= len(t.reps) {
+		return 0
+	}
+	for n := t.reps[r].tail; n != nil && freed < blocks; {
+		prev := n.rs[r].prev
+		if n.rs[r].ref == 0 && !t.hasCachedChild(n, r) {
+			freed += len(n.keys)
+			t.SetCached(n, r, false)
+		}
+		n = prev
+	}
+	return freed
+}
+
+func (t *Tree) hasCachedChild(n *Node, r int) bool {
+	for _, c := range n.children {
+		if c.Cached(r) {
+			return true
+		}
+	}
+	return false
+}
+
+// ClearReplica forgets everything replica r caches, in time proportional to
+// the number of nodes it caches (vLLM's AllBlocksCleared; a replica removed).
+func (t *Tree) ClearReplica(r int) {
+	if r < 0 || r >= len(t.reps) {
+		return
+	}
+	for n := t.reps[r].head; n != nil; {
+		next := n.rs[r].next
+		n.rs[r] = repState{lastAccess: n.rs[r].lastAccess, ref: n.rs[r].ref}
+		n = next
+	}
+	t.reps[r].head, t.reps[r].tail, t.reps[r].cachedBlocks = nil, nil, 0
+}
+
+// --- per-replica LRU list ---
+
+func (t *Tree) pushFront(r int, n *Node) {
+	s := n.rep(r)
+	ri := &t.reps[r]
+	s.prev, s.next = nil, ri.head
+	if ri.head != nil {
+		ri.head.rs[r].prev = n
+	}
+	ri.head = n
+	if ri.tail == nil {
+		ri.tail = n
+	}
+}
+
+func (t *Tree) unlink(r int, n *Node) {
+	s := n.rep(r)
+	ri := &t.reps[r]
+	if s.prev != nil {
+		s.prev.rs[r].next = s.next
+	} else if ri.head == n {
+		ri.head = s.next
+	}
+	if s.next != nil {
+		s.next.rs[r].prev = s.prev
+	} else if ri.tail == n {
+		ri.tail = s.prev
+	}
+	s.prev, s.next = nil, nil
+}
+
+// linkAfter puts low right after n (towards the LRU end) in r's list.
+func (t *Tree) linkAfter(r int, n, low *Node) {
+	ls := low.rep(r)
+	ns := n.rep(r)
+	ls.prev, ls.next = n, ns.next
+	if ns.next != nil {
+		ns.next.rs[r].prev = low
+	} else {
+		t.reps[r].tail = low
+	}
+	ns.next = low
+}
+
+// --- global LRU and the size bound ---
+
+func (t *Tree) gpushFront(n *Node) {
+	n.gprev, n.gnext = nil, t.ghead
+	if t.ghead != nil {
+		t.ghead.gprev = n
+	}
+	t.ghead = n
+	if t.gtail == nil {
+		t.gtail = n
+	}
+}
+
+func (t *Tree) gunlink(n *Node) {
+	if n.gprev != nil {
+		n.gprev.gnext = n.gnext
+	} else if t.ghead == n {
+		t.ghead = n.gnext
+	}
+	if n.gnext != nil {
+		n.gnext.gprev = n.gprev
+	} else if t.gtail == n {
+		t.gtail = n.gprev
+	}
+	n.gprev, n.gnext = nil, nil
+}
+
+func (t *Tree) ginsertAfter(n, low *Node) {
+	low.gprev, low.gnext = n, n.gnext
+	if n.gnext != nil {
+		n.gnext.gprev = low
+	} else {
+		t.gtail = low
+	}
+	n.gnext = low
+}
+
+func (t *Tree) touchGlobal(path []*Node, ns int64) {
+	for i := len(path) - 1; i >= 0; i-- {
+		n := path[i]
+		n.lastAccess = ns
+		t.gunlink(n)
+		t.gpushFront(n)
+	}
+}
+
+// evictScan bounds how many held nodes one insertion may step over while
+// looking for something to evict, so that a tree full of cached prefixes
+// costs O(1) per insertion and is allowed to grow past its bound instead.
+const evictScan = 256
+
+func (t *Tree) enforceBound() {
+	scanned := 0
+	for n := t.gtail; len(t.index) > t.cfg.MaxBlocks && n != nil && scanned < evictScan; {
+		prev := n.gprev
+		if t.evictable(n) {
+			// The parent may just have become an evictable leaf; it sits
+			// before n in LRU order (touched after n), so the scan reaches it.
+			t.remove(n)
+		} else {
+			scanned++
+		}
+		n = prev
+	}
+}
+
+func (t *Tree) evictable(n *Node) bool {
+	if len(n.children) > 0 || n.parent == nil {
+		return false
+	}
+	for i := range n.rs {
+		if n.rs[i].cached || n.rs[i].ref > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func (t *Tree) remove(n *Node) {
+	delete(n.parent.children, n.keys[0])
+	for _, k := range n.keys {
+		delete(t.index, k)
+	}
+	t.gunlink(n)
+	n.evicted = true
+	n.Ext = nil
+	t.nodes--
+	t.evictions++
+}

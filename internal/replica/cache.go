@@ -1,0 +1,134 @@
+package replica
+
+import "github.com/prefixlb/prefixlb/internal/blocks"
+
+// prefixCache is the replica's prefix cache: the set of prompt blocks whose KV
+// is kept for reuse, as vLLM's automatic prefix caching and SGLang's radix
+// cache keep them.
+//
+// Block keys are chained (a key names its whole prefix), so the radix tree
+// over prompts is a map from key to entry: a key's parent in the tree is the
+// key before it in every prompt holding it. The cache is prefix-closed: a
+// block is stored only after its parent (the computing request pins the
+// parent) and only leaves are evicted.
+//
+// Each entry counts the requests that reference it (refs). An entry with no
+// references is evictable and sits in an LRU list ordered by release time,
+// least recently released first, like vLLM's free block queue. Requests
+// release their blocks deepest first, and a request referencing a block
+// references all its ancestors, so in the list every block comes after all of
+// its cached descendants: the head is always a leaf, and evicting from the
+// head evicts unpinned leaves in LRU order.
+type prefixCache struct {
+	idx   map[blocks.Key]int32
+	ents  []entry
+	slots []int32 // free indices in ents
+	head  int32   // least recently released unreferenced entry, or nil
+	tail  int32
+	nLRU  int // entries in the LRU list (refs == 0)
+}
+
+const nilEntry int32 = -1
+
+type entry struct {
+	key        blocks.Key
+	refs       int32
+	prev, next int32 // LRU links while refs == 0
+}
+
+func newPrefixCache() prefixCache {
+	return prefixCache{idx: make(map[blocks.Key]int32), head: nilEntry, tail: nilEntry}
+}
+
+// len is the number of cached blocks, referenced or not.
+func (c *prefixCache) len() int { return len(c.idx) }
+
+// lookup returns the entry holding k, or nilEntry.
+func (c *prefixCache) lookup(k blocks.Key) int32 {
+	if i, ok := c.idx[k]; ok {
+		return i
+	}
+	return nilEntry
+}
+
+// prefix is the number of leading keys of a chain that are cached.
+func (c *prefixCache) prefix(keys []blocks.Key) int {
+	for i, k := range keys {
+		if _, ok := c.idx[k]; !ok {
+			return i
+		}
+	}
+	return len(keys)
+}
+
+// insert adds k, which must be absent, referenced once.
+func (c *prefixCache) insert(k blocks.Key) int32 {
+	var i int32
+	if n := len(c.slots); n > 0 {
+		i = c.slots[n-1]
+		c.slots = c.slots[:n-1]
+	} else {
+		i = int32(len(c.ents))
+		c.ents = append(c.ents, entry{})
+	}
+	c.ents[i] = entry{key: k, refs: 1, prev: nilEntry, next: nilEntry}
+	c.idx[k] = i
+	return i
+}
+
+// pin adds a reference to entry i, taking it off the LRU list.
+func (c *prefixCache) pin(i int32) {
+	e := &c.ents[i]
+	if e.refs == 0 {
+		c.unlink(i)
+	}
+	e.refs++
+}
+
+// unpin drops a reference to entry i; at zero it becomes the most recently
+// released evictable entry.
+func (c *prefixCache) unpin(i int32) {
+	e := &c.ents[i]
+	e.refs--
+	if e.refs > 0 {
+		return
+	}
+	if e.refs < 0 {
+		panic("replica: prefix cache entry unpinned more often than pinned")
+	}
+	e.prev, e.next = c.tail, nilEntry
+	if c.tail != nilEntry {
+		c.ents[c.tail].next = i
+	} else {
+		c.head = i
+	}
+	c.tail = i
+	c.nLRU++
+}
+
+func (c *prefixCache) unlink(i int32) {
+	e := &c.ents[i]
+	if e.prev != nilEntry {
+		c.ents[e.prev].next = e.next
+	} else {
+		c.head = e.next
+	}
+	if e.next != nilEntry {
+		c.ents[e.next].prev = e.prev
+	} else {
+		c.tail = e.prev
+	}
+	e.prev, e.next = nilEntry, nilEntry
+	c.nLRU--
+}
+
+// evict removes the least recently released unreferenced block, a leaf, and
+// returns its key. There must be one (nLRU > 0).
+func (c *prefixCache) evict() blocks.Key {
+	i := c.head
+	c.unlink(i)
+	k := c.ents[i].key
+	delete(c.idx, k)
+	c.slots = append(c.slots, i)
+	return k
+}

@@ -1,0 +1,157 @@
+package replica
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+)
+
+// Names of the local schedulers, as given to Config.Local and on the command
+// line (--local).
+const (
+	// LocalFCFS admits waiting requests in arrival order (vLLM's default
+	// policy), stopping at the first that does not fit.
+	LocalFCFS = "fcfs"
+	// LocalLPM admits the waiting request with the longest cached prefix first
+	// (SGLang's default "lpm" schedule policy), ties in arrival order.
+	LocalLPM = "lpm"
+	// LocalPriority is Preble's "fcfs-mpq" local scheduler: waiting requests
+	// fall into PriorityGroups groups by cache-hit ratio and the groups take
+	// turns (Srivatsa et al., ICLR 2025, §3.3).
+	LocalPriority = "priority"
+)
+
+// Defaults filled in by Config.Default.
+const (
+	// DefaultChunkBudget is the prefill token budget of an iteration, decodes
+	// included: vLLM's max_num_batched_tokens under chunked prefill and
+	// Preble's chunk_prefill_budget in its experiments.
+	DefaultChunkBudget = 512
+	// DefaultMaxRunning is vLLM's default max_num_seqs.
+	DefaultMaxRunning = 256
+	// DefaultPriorityGroups is Preble's number of priority groups.
+	DefaultPriorityGroups = 10
+	// DefaultPriorityQuota is Preble's k: group g admits at most k·(g+1)
+	// requests on its turn (k = 10 in the prototype's chunked-prefill path).
+	DefaultPriorityQuota = 10
+)
+
+// NoChunking, as Config.ChunkBudget, turns chunked prefill off: a prompt is
+// prefilled in one iteration and an iteration has no token limit.
+const NoChunking = -1
+
+// ErrInvalidConfig is wrapped by every error Config.Validate returns.
+var ErrInvalidConfig = errors.New("replica: invalid config")
+
+// Config configures one replica. Fill what you need, call Default for the
+// rest; New does both and validates.
+type Config struct {
+	// Profile prices each iteration (costmodel.Profile.Iteration) and, when
+	// KVCapacity is 0, gives the KV capacity. Required.
+	Profile costmodel.Profile
+	// BlockSize is the number of tokens per KV block (vLLM's --block-size).
+	// It must equal the block size the request keys were made with.
+	// Default blocks.DefaultBlockSize (16).
+	BlockSize int
+	// KVCapacity is the KV cache size in tokens; the replica holds
+	// KVCapacity/BlockSize blocks (a partial block is dropped). 0 means
+	// Profile.KVCapacity().
+	KVCapacity int
+	// ChunkBudget is the most tokens one iteration computes, running decodes
+	// (one token each) included, like vLLM's max_num_batched_tokens with
+	// chunked prefill; a prompt longer than what is left is prefilled over
+	// several iterations. NoChunking (-1) disables chunking and the limit.
+	// When chunking, it must be at least MaxRunning (vLLM requires
+	// max_num_batched_tokens >= max_num_seqs). Default DefaultChunkBudget.
+	ChunkBudget int
+	// MaxRunning is the most requests admitted at once (prefilling or
+	// decoding), vLLM's max_num_seqs. Default DefaultMaxRunning.
+	MaxRunning int
+	// Local names the local scheduler that orders admission: LocalFCFS,
+	// LocalLPM or LocalPriority. Default LocalFCFS.
+	Local string
+	// PriorityGroups is the number of Preble priority groups (LocalPriority
+	// only). Default DefaultPriorityGroups.
+	PriorityGroups int
+	// PriorityQuota is Preble's k: on its turn group g admits at most
+	// PriorityQuota·(g+1) requests (LocalPriority only). Default
+	// DefaultPriorityQuota.
+	PriorityQuota int
+}
+
+// DefaultConfig returns a Config with every default filled in and no Profile.
+func DefaultConfig() Config {
+	var c Config
+	c.Default()
+	return c
+}
+
+// Default fills the zero fields that have a default. It leaves Profile and
+// KVCapacity (0 means the profile's) alone.
+func (c *Config) Default() {
+	if c.BlockSize == 0 {
+		c.BlockSize = blocks.DefaultBlockSize
+	}
+	if c.ChunkBudget == 0 {
+		c.ChunkBudget = DefaultChunkBudget
+	}
+	if c.MaxRunning == 0 {
+		c.MaxRunning = DefaultMaxRunning
+	}
+	if c.Local == "" {
+		c.Local = LocalFCFS
+	}
+	if c.PriorityGroups == 0 {
+		c.PriorityGroups = DefaultPriorityGroups
+	}
+	if c.PriorityQuota == 0 {
+		c.PriorityQuota = DefaultPriorityQuota
+	}
+}
+
+// Validate reports the first rule the config breaks, as an error wrapping
+// ErrInvalidConfig that names the field. It checks the config as given: call
+// Default first if zero fields should mean their defaults.
+func (c Config) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	switch {
+	case c.Profile == nil:
+		return bad("Profile is nil")
+	case c.BlockSize < 1:
+		return bad("BlockSize must be at least 1, got %d", c.BlockSize)
+	case c.KVCapacity < 0:
+		return bad("KVCapacity must be 0 (the profile's) or positive, got %d", c.KVCapacity)
+	}
+	if capTokens := c.capacity(); capTokens/c.BlockSize < 2 {
+		return bad("KV capacity of %d tokens holds %d blocks of %d tokens; need at least 2",
+			capTokens, capTokens/c.BlockSize, c.BlockSize)
+	}
+	switch {
+	case c.MaxRunning < 1:
+		return bad("MaxRunning must be at least 1, got %d", c.MaxRunning)
+	case c.ChunkBudget != NoChunking && c.ChunkBudget < 1:
+		return bad("ChunkBudget must be positive or %d (no chunking), got %d", NoChunking, c.ChunkBudget)
+	case c.ChunkBudget != NoChunking && c.ChunkBudget < c.MaxRunning:
+		return bad("ChunkBudget (%d) must be at least MaxRunning (%d) so every running decode fits an iteration",
+			c.ChunkBudget, c.MaxRunning)
+	case c.Local != LocalFCFS && c.Local != LocalLPM && c.Local != LocalPriority:
+		return bad("Local must be %q, %q or %q, got %q", LocalFCFS, LocalLPM, LocalPriority, c.Local)
+	case c.PriorityGroups < 1:
+		return bad("PriorityGroups must be at least 1, got %d", c.PriorityGroups)
+	case c.PriorityQuota < 1:
+		return bad("PriorityQuota must be at least 1, got %d", c.PriorityQuota)
+	}
+	return nil
+}
+
+// capacity is the KV capacity in tokens; Profile must be set.
+func (c Config) capacity() int {
+	if c.KVCapacity > 0 {
+		return c.KVCapacity
+	}
+	return c.Profile.KVCapacity()
+}

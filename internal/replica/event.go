@@ -1,0 +1,104 @@
+package replica
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+)
+
+// Kind says what an Event reports.
+type Kind uint8
+
+// Event kinds. Step returns them in the order they happen: first those dated
+// at the start of the iteration (Admitted, Preempted, BlocksRemoved), then
+// those dated at its end (BlocksStored, FirstToken, Token, Finished).
+const (
+	// Admitted: the request left the waiting queue and its prefill was
+	// scheduled. HitTokens holds the prompt tokens found in the prefix cache;
+	// Resumed is true when it is re-admitted after a preemption. At is the
+	// start of the iteration.
+	Admitted Kind = iota + 1
+	// FirstToken: the iteration that completed the prompt's prefill produced
+	// output token 1 (N = 1). At is the end of that iteration.
+	FirstToken
+	// Token: output token N (N ≥ 2) was produced at At, the end of an
+	// iteration. A request resumed after a preemption recomputes its prompt
+	// and earlier output, then continues at Token N+1: tokens are never
+	// reported twice.
+	Token
+	// Finished: the request produced its last token (N = OutputTokens) and
+	// released its blocks. It follows that token's event, with the same At.
+	Finished
+	// Preempted: the replica ran out of KV blocks while growing a decode and
+	// dropped this request's KV (vLLM's recompute preemption); it is waiting
+	// again at the front of the queue. N is the tokens generated so far. At
+	// is the start of the iteration.
+	Preempted
+	// Cancelled: Cancel aborted the request; N is the tokens generated so far.
+	Cancelled
+	// BlocksStored: Keys (a consecutive run of one prompt's chain, Parent the
+	// key before it when HasParent) entered the prefix cache at At, the end of
+	// the iteration that computed them.
+	BlocksStored
+	// BlocksRemoved: Keys were evicted from the prefix cache at At, the start
+	// of the iteration that needed their space.
+	BlocksRemoved
+	// AllCleared: the prefix cache was emptied (ResetPrefixCache), like
+	// vLLM's AllBlocksCleared KV event.
+	AllCleared
+)
+
+var kindNames = [...]string{
+	Admitted:      "Admitted",
+	FirstToken:    "FirstToken",
+	Token:         "Token",
+	Finished:      "Finished",
+	Preempted:     "Preempted",
+	Cancelled:     "Cancelled",
+	BlocksStored:  "BlocksStored",
+	BlocksRemoved: "BlocksRemoved",
+	AllCleared:    "AllCleared",
+}
+
+// String returns the kind's name.
+func (k Kind) String() string {
+	if int(k) < len(kindNames) && kindNames[k] != "" {
+		return kindNames[k]
+	}
+	return "Kind(" + strconv.Itoa(int(k)) + ")"
+}
+
+// Event is something that happened on the replica. Which fields are set
+// depends on Kind (see the Kind constants).
+//
+// Applying the BlocksStored, BlocksRemoved and AllCleared events in order to
+// an empty set of keys gives exactly the replica's prefix cache after the
+// call that returned them: the same information vLLM publishes as KV events
+// (BlockStored, BlockRemoved, AllBlocksCleared).
+type Event struct {
+	// Kind says what happened.
+	Kind Kind
+	// At is when it happened, on the caller's clock.
+	At time.Time
+	// RequestID is the request concerned (not set for cache events).
+	RequestID uint64
+	// HitTokens (Admitted) is the number of prompt tokens found in the prefix
+	// cache and not recomputed: whole blocks, at most PromptTokens-1, since
+	// the engine always recomputes the last prompt token to get its logits.
+	HitTokens int
+	// Resumed (Admitted) is true when the request was preempted before.
+	Resumed bool
+	// N (FirstToken, Token, Finished, Preempted, Cancelled) is the number of
+	// output tokens generated so far.
+	N int
+	// Keys (BlocksStored, BlocksRemoved) are the block keys concerned. For
+	// BlocksStored they alias the request's Keys slice; for BlocksRemoved the
+	// slice is new. Do not modify them.
+	Keys []blocks.Key
+	// Parent (BlocksStored) is the key of the block before Keys[0], when
+	// HasParent is true; otherwise Keys[0] is a prompt's first block.
+	Parent blocks.Key
+	// HasParent says whether Parent is set.
+	HasParent bool
+}

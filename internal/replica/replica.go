@@ -1,0 +1,587 @@
+// Package replica models one GPU inference engine (vLLM- or SGLang-like) well
+// enough to price routing decisions: continuous batching, chunked prefill, a
+// paged KV cache holding a prefix cache, recompute preemption and a local
+// scheduler (ALGORITHMS.md §6). The discrete-event simulator drives it in
+// virtual time; the engine command drives it in real time.
+//
+// The model runs one iteration at a time. An iteration's batch is, in order:
+//  1. every running request past its prefill decodes one token (one token of
+//     the budget each), oldest admitted first;
+//  2. requests admitted earlier whose prefill is not done get the next chunk
+//     of their prompt, in admission order;
+//  3. waiting requests are admitted, in the local scheduler's order, while the
+//     budget, MaxRunning and the KV cache allow, each with a first chunk.
+//
+// The iteration takes Profile.Iteration of that batch. Its effects (tokens,
+// stored blocks) happen at its end; admissions, evictions and preemptions at
+// its start.
+//
+// KV memory is counted in blocks of BlockSize tokens. A request holds a block
+// for every BlockSize tokens of its sequence (prompt plus generated tokens);
+// at admission it takes all its prompt blocks at once (the cached prefix is
+// shared, the rest allocated), and a decode takes a new block when its
+// sequence crosses a block boundary. Full prompt blocks enter the prefix cache
+// at the end of the iteration that computed them, as vLLM caches full blocks;
+// generated tokens are never added to the prefix cache (a later request's
+// prompt matching an earlier answer misses it), which keeps the cache's keys
+// exactly the router's chain keys of prompts. Unreferenced cached blocks are
+// evicted LRU, leaves first, when space is needed; when a decode needs a block
+// and none is free or evictable, the youngest running request is preempted:
+// its KV is dropped (cached prompt blocks stay cached, unpinned) and it waits
+// at the front of the queue to recompute (vLLM v1's recompute preemption).
+//
+// A Replica is not safe for concurrent use. It reads no clock: every method
+// takes the current time from the caller.
+package replica
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+)
+
+// Errors returned by Submit.
+var (
+	// ErrInvalidRequest: the request's sizes are inconsistent.
+	ErrInvalidRequest = errors.New("replica: invalid request")
+	// ErrDuplicateID: a request with this ID is already waiting or running.
+	ErrDuplicateID = errors.New("replica: duplicate request ID")
+	// ErrTooLong: the request's prompt and output cannot fit the KV cache
+	// even alone (vLLM rejects such requests against max_model_len).
+	ErrTooLong = errors.New("replica: request does not fit the KV cache")
+)
+
+// Request is one inference request as the replica sees it. The replica keeps
+// the pointer until the request finishes or is cancelled; do not modify it in
+// the meantime (BlocksStored events alias Keys).
+type Request struct {
+	// ID identifies the request in events; unique among live requests.
+	ID uint64
+	// Keys are the chain keys (internal/blocks) of the prompt's full blocks
+	// of BlockSize tokens, in order. Fewer keys than full blocks is allowed:
+	// blocks without a key are computed but never cached.
+	Keys []blocks.Key
+	// PromptTokens is the prompt length, at least len(Keys)·BlockSize; the
+	// partial last block is never cached.
+	PromptTokens int
+	// OutputTokens is the number of tokens to generate, at least 1.
+	OutputTokens int
+}
+
+// seq is a request's state on the replica.
+type seq struct {
+	req       *Request
+	arrival   uint64 // submission order
+	admitted  uint64 // admission order, while running
+	running   bool
+	group     int // priority group while waiting in one, else -1
+	target    int // tokens to prefill at this admission: prompt + generated
+	computed  int // tokens whose KV is computed
+	pinned    int // leading keys referenced in the prefix cache
+	priv      int // blocks held outside the prefix cache
+	generated int // output tokens produced
+	match     int // scratch: cached prefix blocks (lpm)
+	done      bool
+}
+
+// Replica is the model of one GPU engine. Create it with New. It is not safe
+// for concurrent use.
+type Replica struct {
+	cfg     Config
+	local   int
+	nBlocks int
+	cache   prefixCache
+	privAll int // blocks held outside the prefix cache, all requests
+
+	running []*seq // admission order
+	waiting []*seq // fcfs, lpm: the queue; priority: not yet in a group
+	groups  [][]*seq
+	turn    int // priority: the group whose turn comes next
+	byID    map[uint64]*seq
+	nArr    uint64
+	nAdm    uint64
+
+	// Per-step scratch, reused so that a step does not allocate.
+	chunks  []costmodel.Chunk
+	chunked []*seq // the request of each chunk
+	decodes []*seq
+	scratch []int32
+	removed int // index in the step's events of its BlocksRemoved event, or -1
+
+	st Stats
+}
+
+const (
+	localFCFS = iota
+	localLPM
+	localPriority
+)
+
+// New returns an idle replica with an empty cache. Zero fields of cfg take
+// their defaults (Config.Default); the result must pass Config.Validate.
+func New(cfg Config) (*Replica, error) {
+	cfg.Default()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	r := &Replica{
+		cfg:     cfg,
+		nBlocks: cfg.capacity() / cfg.BlockSize,
+		cache:   newPrefixCache(),
+		byID:    make(map[uint64]*seq),
+		removed: -1,
+	}
+	switch cfg.Local {
+	case LocalLPM:
+		r.local = localLPM
+	case LocalPriority:
+		r.local = localPriority
+		r.groups = make([][]*seq, cfg.PriorityGroups)
+		r.turn = cfg.PriorityGroups - 1
+	}
+	return r, nil
+}
+
+// Config returns the replica's configuration, defaults filled in.
+func (r *Replica) Config() Config { return r.cfg }
+
+// Submit enqueues a request; it waits until a Step admits it. now is its
+// arrival time (the queue is kept in Submit order). A caller whose last Step
+// returned busy=false must call Step again to start work on it.
+func (r *Replica) Submit(req *Request, now time.Time) error {
+	B := r.cfg.BlockSize
+	switch {
+	case req.OutputTokens < 1:
+		return fmt.Errorf("%w: request %d: OutputTokens must be at least 1, got %d",
+			ErrInvalidRequest, req.ID, req.OutputTokens)
+	case req.PromptTokens < 1:
+		return fmt.Errorf("%w: request %d: PromptTokens must be at least 1, got %d",
+			ErrInvalidRequest, req.ID, req.PromptTokens)
+	case req.PromptTokens < len(req.Keys)*B:
+		return fmt.Errorf("%w: request %d: %d keys of %d tokens exceed PromptTokens %d",
+			ErrInvalidRequest, req.ID, len(req.Keys), B, req.PromptTokens)
+	case r.byID[req.ID] != nil:
+		return fmt.Errorf("%w: %d", ErrDuplicateID, req.ID)
+	}
+	// The longest sequence whose KV is ever held is prompt + output - 1 (the
+	// last token's KV is never computed); recomputing it after a preemption
+	// needs one more token and a block of headroom.
+	if need := ceilDiv(req.PromptTokens+req.OutputTokens-1, B) + 1; need > r.nBlocks {
+		return fmt.Errorf("%w: request %d needs %d blocks, the replica has %d",
+			ErrTooLong, req.ID, need, r.nBlocks)
+	}
+	s := &seq{req: req, arrival: r.nArr, group: -1}
+	r.nArr++
+	r.byID[req.ID] = s
+	r.waiting = append(r.waiting, s)
+	return nil
+}
+
+// Step runs one iteration starting at now, if there is work: it picks the
+// batch, applies all its effects at once, and returns the iteration's end
+// (now plus Profile.Iteration of the batch) with the iteration's events
+// appended to ev, in time order (see Kind). busy is false, end is now and no
+// event is added when nothing is running or waiting.
+//
+// The caller calls Step again at end (the simulator schedules it; a real-time
+// server sleeps until then). Because the effects are applied when Step
+// returns, Stats and CachedPrefix describe the state at end; the caller
+// delivers the events at their At times. Calling Step before end starts the
+// next iteration early, which a GPU cannot do.
+//
+// Step does not allocate in steady state when ev has room, except for the
+// Keys of a BlocksRemoved event.
+func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, busy bool) {
+	if len(r.running) == 0 && r.nWaiting() == 0 {
+		return now, ev, false
+	}
+	B := r.cfg.BlockSize
+	unlimited := r.cfg.ChunkBudget == NoChunking
+	budget := r.cfg.ChunkBudget
+	r.removed = -1
+	r.chunks, r.chunked, r.decodes = r.chunks[:0], r.chunked[:0], r.decodes[:0]
+
+	// 1. Decodes, oldest first; a decode crossing a block boundary takes a
+	// block, evicting or preempting the youngest request when none is left
+	// (vLLM v1 Scheduler.schedule, running loop).
+	decodeCtx := 0
+	for i := 0; i < len(r.running); i++ {
+		s := r.running[i]
+		if s.computed < s.target {
+			continue // still prefilling
+		}
+		if !unlimited && budget == 0 {
+			break // unreachable: Validate keeps ChunkBudget ≥ MaxRunning
+		}
+		if ceilDiv(s.computed+1, B) > s.pinned+s.priv {
+			for r.freeBlocks() == 0 && r.cache.nLRU == 0 {
+				victim := r.running[len(r.running)-1]
+				r.preempt(victim, now, &ev)
+				if victim == s {
+					break
+				}
+			}
+			if !s.running {
+				break // s preempted itself: it was the youngest
+			}
+			r.allocate(1, now, &ev)
+			s.priv++
+		}
+		r.decodes = append(r.decodes, s)
+		decodeCtx += s.computed + 1
+		if !unlimited {
+			budget--
+		}
+	}
+
+	// 2. Continuing prefills, in admission order.
+	for _, s := range r.running {
+		if s.computed >= s.target {
+			continue
+		}
+		if !unlimited && budget == 0 {
+			break
+		}
+		n := s.target - s.computed
+		if !unlimited && n > budget {
+			n = budget
+		}
+		r.addChunk(s, n)
+		if !unlimited {
+			budget -= n
+		}
+	}
+
+	// 3. Admissions, in the local scheduler's order.
+	if (unlimited || budget > 0) && len(r.running) < r.cfg.MaxRunning && r.nWaiting() > 0 {
+		switch r.local {
+		case localFCFS:
+			r.admitQueue(now, &ev, &budget)
+		case localLPM:
+			r.sortLPM()
+			r.admitQueue(now, &ev, &budget)
+		case localPriority:
+			r.admitPriority(now, &ev, &budget)
+		}
+	}
+
+	if len(r.chunks) == 0 && len(r.decodes) == 0 {
+		// Every waiting request fits an idle replica (Submit checks), and a
+		// running request always gets a token of budget, so this is a bug.
+		panic("replica: internal error: an iteration with work scheduled nothing")
+	}
+
+	d := r.cfg.Profile.Iteration(costmodel.Batch{
+		Prefill:       r.chunks,
+		DecodeSeqs:    len(r.decodes),
+		DecodeContext: decodeCtx,
+	})
+	if d < 0 {
+		d = 0
+	}
+	end = now.Add(d)
+	r.st.Iterations++
+	r.st.BusyTime += d
+
+	// Effects, at end.
+	nDone := 0
+	for _, s := range r.decodes {
+		s.computed++
+		if r.produce(s, end, &ev) {
+			nDone++
+		}
+	}
+	for i, s := range r.chunked {
+		n := r.chunks[i].New
+		s.computed += n
+		r.st.PromptTokensComputed += int64(n)
+		r.store(s, end, &ev)
+		if s.computed == s.target && r.produce(s, end, &ev) {
+			nDone++
+		}
+	}
+	if nDone > 0 {
+		r.running = slices.DeleteFunc(r.running, func(s *seq) bool { return s.done })
+	}
+	return end, ev, true
+}
+
+// produce records one output token for s at end and finishes s after its
+// last. It reports whether s finished.
+func (r *Replica) produce(s *seq, end time.Time, ev *[]Event) bool {
+	s.generated++
+	r.st.GenerationTokens++
+	k := Token
+	if s.generated == 1 {
+		k = FirstToken
+	}
+	*ev = append(*ev, Event{Kind: k, At: end, RequestID: s.req.ID, N: s.generated})
+	if s.generated < s.req.OutputTokens {
+		return false
+	}
+	*ev = append(*ev, Event{Kind: Finished, At: end, RequestID: s.req.ID, N: s.generated})
+	r.release(s)
+	s.done = true
+	delete(r.byID, s.req.ID)
+	r.st.Finished++
+	return true
+}
+
+// addChunk schedules n prefill tokens of s in this iteration.
+func (r *Replica) addChunk(s *seq, n int) {
+	r.chunks = append(r.chunks, costmodel.Chunk{New: n, Seq: s.computed + n})
+	r.chunked = append(r.chunked, s)
+}
+
+// store puts the full prompt blocks s has computed into the prefix cache,
+// reporting the new ones. A block already cached (another request computed
+// the same prefix meanwhile) is shared and s's copy freed, as SGLang's radix
+// cache does on insert.
+func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
+	keys := s.req.Keys
+	full := min(s.computed/r.cfg.BlockSize, len(keys))
+	run := -1 // start of the current run of new keys
+	flush := func(upto int) {
+		if run < 0 {
+			return
+		}
+		e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto]}
+		if run > 0 {
+			e.Parent, e.HasParent = keys[run-1], true
+		}
+		*ev = append(*ev, e)
+		run = -1
+	}
+	for ; s.pinned < full; s.pinned++ {
+		k := keys[s.pinned]
+		if i := r.cache.lookup(k); i != nilEntry {
+			flush(s.pinned)
+			r.cache.pin(i)
+		} else {
+			r.cache.insert(k)
+			if run < 0 {
+				run = s.pinned
+			}
+		}
+		s.priv--
+		r.privAll--
+	}
+	flush(full)
+}
+
+// freeBlocks is the number of blocks neither cached nor held by a request.
+func (r *Replica) freeBlocks() int { return r.nBlocks - r.privAll - r.cache.len() }
+
+// allocate makes n blocks free, evicting LRU leaves as needed, and gives them
+// to a request. The caller has checked that free plus evictable blocks
+// suffice.
+func (r *Replica) allocate(n int, now time.Time, ev *[]Event) {
+	for r.freeBlocks() < n {
+		k := r.cache.evict()
+		if r.removed < 0 {
+			*ev = append(*ev, Event{Kind: BlocksRemoved, At: now})
+			r.removed = len(*ev) - 1
+		}
+		e := &(*ev)[r.removed]
+		e.Keys = append(e.Keys, k)
+	}
+	r.privAll += n
+}
+
+// release drops s's references to cached blocks, deepest first so that they
+// are evicted deepest first, and frees its other blocks.
+func (r *Replica) release(s *seq) {
+	keys := s.req.Keys
+	for j := s.pinned - 1; j >= 0; j-- {
+		r.cache.unpin(r.cache.lookup(keys[j]))
+	}
+	r.privAll -= s.priv
+	s.pinned, s.priv, s.computed, s.target = 0, 0, 0, 0
+	s.running = false
+}
+
+// preempt drops the KV of running request s and puts it back at the front of
+// the waiting queue (vLLM v1: Scheduler._preempt_request, recompute mode).
+func (r *Replica) preempt(s *seq, now time.Time, ev *[]Event) {
+	r.release(s)
+	if i := slices.Index(r.running, s); i >= 0 {
+		r.running = slices.Delete(r.running, i, i+1)
+	}
+	r.waiting = slices.Insert(r.waiting, 0, s)
+	r.st.Preemptions++
+	*ev = append(*ev, Event{Kind: Preempted, At: now, RequestID: s.req.ID, N: s.generated})
+}
+
+// tryAdmit admits waiting request s if its uncached blocks plus one block of
+// headroom fit in free and evictable blocks, scheduling its first chunk. It
+// reports whether s was admitted. The hit is whole cached blocks, leaving at
+// least the last token to compute (vLLM v1 KVCacheManager.get_computed_blocks
+// caps the hit at num_tokens-1, block-aligned).
+func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool {
+	B := r.cfg.BlockSize
+	target := s.req.PromptTokens + s.generated
+	total := ceilDiv(target, B)
+	keys := s.req.Keys
+	maxHit := min(len(keys), (target-1)/B)
+	avail := r.freeBlocks() + r.cache.nLRU
+	if total-maxHit+1 > avail {
+		return false // cannot fit even with the best possible hit
+	}
+	r.scratch = r.scratch[:0]
+	unpinned := 0
+	for _, k := range keys[:maxHit] {
+		i := r.cache.lookup(k)
+		if i == nilEntry {
+			break
+		}
+		if r.cache.ents[i].refs == 0 {
+			unpinned++
+		}
+		r.scratch = append(r.scratch, i)
+	}
+	hit := len(r.scratch)
+	priv := total - hit
+	if priv+1 > avail-unpinned {
+		return false
+	}
+	for _, i := range r.scratch {
+		r.cache.pin(i)
+	}
+	r.allocate(priv, now, ev)
+	s.priv, s.pinned = priv, hit
+	s.computed, s.target = hit*B, target
+	s.running, s.admitted, s.group = true, r.nAdm, -1
+	r.nAdm++
+	r.running = append(r.running, s)
+	r.st.Admissions++
+	r.st.PrefixCacheQueries += int64(target)
+	r.st.PrefixCacheHits += int64(hit * B)
+	*ev = append(*ev, Event{Kind: Admitted, At: now, RequestID: s.req.ID,
+		HitTokens: hit * B, Resumed: s.generated > 0})
+	n := target - s.computed
+	if *budget != NoChunking && n > *budget {
+		n = *budget
+	}
+	r.addChunk(s, n)
+	if *budget != NoChunking {
+		*budget -= n
+	}
+	return true
+}
+
+// Cancel aborts a waiting or running request (its client went away), freeing
+// its blocks; cached prompt blocks stay cached, unreferenced. It returns a
+// Cancelled event at now, or nil if the request is unknown or already
+// finished. Events a Step already returned for the request are not withdrawn:
+// the caller drops those dated after the cancellation.
+func (r *Replica) Cancel(id uint64, now time.Time) []Event {
+	s := r.byID[id]
+	if s == nil {
+		return nil
+	}
+	delete(r.byID, id)
+	switch {
+	case s.running:
+		r.release(s)
+		r.running = slices.DeleteFunc(r.running, func(x *seq) bool { return x == s })
+	case s.group >= 0:
+		g := s.group
+		r.groups[g] = slices.DeleteFunc(r.groups[g], func(x *seq) bool { return x == s })
+	default:
+		r.waiting = slices.DeleteFunc(r.waiting, func(x *seq) bool { return x == s })
+	}
+	r.st.Cancelled++
+	return []Event{{Kind: Cancelled, At: now, RequestID: id, N: s.generated}}
+}
+
+// ResetPrefixCache empties the prefix cache, returning an AllCleared event at
+// now. Like vLLM's reset_prefix_cache it refuses (nil, false) while requests
+// are running, since their blocks are in use.
+func (r *Replica) ResetPrefixCache(now time.Time) ([]Event, bool) {
+	if len(r.running) > 0 {
+		return nil, false
+	}
+	for r.cache.nLRU > 0 {
+		r.cache.evict()
+	}
+	return []Event{{Kind: AllCleared, At: now}}, true
+}
+
+// CachedPrefix returns how many leading keys of a chain are in the prefix
+// cache now.
+func (r *Replica) CachedPrefix(keys []blocks.Key) int { return r.cache.prefix(keys) }
+
+// Stats is a snapshot of the replica, the numbers vLLM exports as metrics.
+// Counters count since New.
+type Stats struct {
+	// Running is the number of admitted requests (prefilling or decoding),
+	// vLLM's num_requests_running.
+	Running int
+	// Waiting is the number of requests waiting for admission, preempted
+	// ones included, vLLM's num_requests_waiting.
+	Waiting int
+	// KVUsage is the fraction of KV blocks held by requests, in [0, 1].
+	// Cached blocks no request references count as free, as in vLLM's
+	// kv_cache_usage_perc.
+	KVUsage float64
+	// TotalBlocks is the KV capacity in blocks.
+	TotalBlocks int
+	// FreeBlocks is the number of blocks neither cached nor held.
+	FreeBlocks int
+	// CachedBlocks is the number of blocks in the prefix cache, referenced
+	// or not.
+	CachedBlocks int
+	// EvictableBlocks is the number of cached blocks no request references.
+	EvictableBlocks int
+	// PrefixCacheQueries is the number of tokens looked up in the prefix
+	// cache at admissions (prompt, plus earlier output when resumed), vLLM's
+	// prefix_cache_queries.
+	PrefixCacheQueries int64
+	// PrefixCacheHits is the number of those tokens found (the HitTokens of
+	// Admitted events), vLLM's prefix_cache_hits.
+	PrefixCacheHits int64
+	// Preemptions counts preemptions, vLLM's num_preemptions.
+	Preemptions int64
+	// Admissions counts admissions, re-admissions after preemption included.
+	Admissions int64
+	// Finished counts requests that produced all their tokens.
+	Finished int64
+	// Cancelled counts requests aborted by Cancel.
+	Cancelled int64
+	// Iterations counts Steps that ran an iteration.
+	Iterations int64
+	// PromptTokensComputed counts prefill tokens computed, recomputation
+	// included.
+	PromptTokensComputed int64
+	// GenerationTokens counts output tokens produced.
+	GenerationTokens int64
+	// BusyTime is the total duration of the iterations run.
+	BusyTime time.Duration
+}
+
+// Stats returns a snapshot of the replica's state and counters.
+func (r *Replica) Stats() Stats {
+	st := r.st
+	st.Running = len(r.running)
+	st.Waiting = r.nWaiting()
+	st.TotalBlocks = r.nBlocks
+	st.FreeBlocks = r.freeBlocks()
+	st.CachedBlocks = r.cache.len()
+	st.EvictableBlocks = r.cache.nLRU
+	st.KVUsage = float64(r.nBlocks-st.FreeBlocks-st.EvictableBlocks) / float64(r.nBlocks)
+	return st
+}
+
+func (r *Replica) nWaiting() int {
+	n := len(r.waiting)
+	for _, g := range r.groups {
+		n += len(g)
+	}
+	return n
+}
+
+func ceilDiv(a, b int) int { return (a + b - 1) / b }

@@ -1,0 +1,427 @@
+// Package router is prefixlb's routing core: the global prefix tree, the
+// replicas' state and a policy, fed by observations. The proxy (prefixlb
+// serve) and the simulator (prefixlb sim) drive the same Router, so that a
+// simulated result is a statement about the code that ships.
+//
+// The Router is pure: it reads no clock, uses no global randomness and does no
+// I/O. It is not safe for concurrent use; its owner serialises calls (the proxy
+// under a mutex, the simulator on its one goroutine).
+package router
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/prefixtree"
+)
+
+// Errors the router returns; wrapped with detail.
+var (
+	ErrEmptyPrompt     = errors.New("router: empty prompt")
+	ErrBadRequest      = errors.New("router: invalid request")
+	ErrUnknownReplica  = errors.New("router: unknown replica")
+	ErrUnknownRequest  = errors.New("router: unknown request")
+	ErrBadLoad         = errors.New("router: invalid load figure")
+	ErrDuplicateFlight = errors.New("router: request id already in flight")
+)
+
+// Config configures a Router.
+type Config struct {
+	// BlockTokens is the tokens per block key (the engines' block size).
+	BlockTokens int
+	// Profile prices prefill and decode on a replica.
+	Profile costmodel.Profile
+	// Policy decides; the router feeds it observations if it is an Observer.
+	Policy policy.Policy
+	// Seed seeds the decisions' random source.
+	Seed uint64
+	// TreeMaxBlocks bounds the global tree (0: prefixtree.DefaultMaxBlocks).
+	TreeMaxBlocks int
+	// MirrorCapacityTokens is the cache size the router assumes for replicas
+	// that publish no KV events, whose cache it mirrors from its own
+	// decisions (0: the profile's KV capacity).
+	MirrorCapacityTokens int
+	// DefaultOutputTokens is the output length assumed for a request that
+	// gives no max_tokens (256).
+	DefaultOutputTokens int
+}
+
+// Validate reports the first invalid field.
+func (c *Config) Validate() error {
+	switch {
+	case c.BlockTokens < 1:
+		return fmt.Errorf("router: block_tokens must be ≥ 1, got %d", c.BlockTokens)
+	case c.Profile == nil:
+		return errors.New("router: a cost profile is required")
+	case c.Policy == nil:
+		return errors.New("router: a policy is required")
+	case c.TreeMaxBlocks < 0:
+		return fmt.Errorf("router: tree_max_blocks must be ≥ 0, got %d", c.TreeMaxBlocks)
+	case c.MirrorCapacityTokens < 0:
+		return fmt.Errorf("router: mirror_capacity_tokens must be ≥ 0, got %d", c.MirrorCapacityTokens)
+	case c.DefaultOutputTokens < 0:
+		return fmt.Errorf("router: default_output_tokens must be ≥ 0, got %d", c.DefaultOutputTokens)
+	}
+	return nil
+}
+
+// flight is one routed request that has not finished.
+type flight struct {
+	keys           []blocks.Key
+	replica        int
+	prompt         int
+	matched        int
+	pendingTokens  int
+	pendingPrefill time.Duration
+	out            int
+	routedAt       time.Time
+	prefilled      bool
+}
+
+// Router is the routing core. See the package comment for its concurrency.
+type Router struct {
+	cfg      Config
+	tree     *prefixtree.Tree
+	pol      policy.Policy
+	obs      policy.Observer
+	reps     []policy.Replica
+	events   []bool // replica r's cache is known from its KV events
+	inflight map[uint64]*flight
+	free     []*flight
+	rng      *rand.Rand
+	match    prefixtree.Match
+	scratch  prefixtree.Match
+	view     policy.View
+	stats    Stats
+}
+
+// Stats counts what the router has done, for metrics and reports.
+type Stats struct {
+	Routed, Finished, Failed int
+	// PredictedTokens and ReportedTokens sum, over finished requests whose
+	// engine reported cached tokens, the router's prediction and the report.
+	PredictedTokens, ReportedTokens int64
+	// PredictionsExact counts requests whose prediction matched the report
+	// within one block; PredictionsChecked those with a report at all.
+	PredictionsExact, PredictionsChecked int
+}
+
+// New returns a Router with no replicas.
+func New(cfg Config) (*Router, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.MirrorCapacityTokens == 0 {
+		cfg.MirrorCapacityTokens = cfg.Profile.KVCapacity()
+	}
+	if cfg.DefaultOutputTokens == 0 {
+		cfg.DefaultOutputTokens = 256
+	}
+	t, err := prefixtree.New(prefixtree.Config{BlockTokens: cfg.BlockTokens, MaxBlocks: cfg.TreeMaxBlocks}, 0)
+	if err != nil {
+		return nil, err
+	}
+	r := &Router{
+		cfg:      cfg,
+		tree:     t,
+		pol:      cfg.Policy,
+		inflight: make(map[uint64]*flight),
+		rng:      rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x5eed)),
+	}
+	r.obs, _ = cfg.Policy.(policy.Observer)
+	r.view = policy.View{Tree: t, Match: &r.match, Profile: cfg.Profile, Rand: r.rng}
+	return r, nil
+}
+
+// Policy returns the router's policy.
+func (r *Router) Policy() policy.Policy { return r.pol }
+
+// Tree returns the global prefix tree (read it under the owner's lock).
+func (r *Router) Tree() *prefixtree.Tree { return r.tree }
+
+// Stats returns the router's counters.
+func (r *Router) Stats() Stats { return r.stats }
+
+// AddReplica adds a replica, up, and returns its ID. events says whether
+// its cache will be reported by KV events (else the router mirrors it).
+func (r *Router) AddReplica(name string, events bool) int {
+	id := r.tree.AddReplica()
+	r.reps = append(r.reps, policy.Replica{ID: id, Name: name, Up: true, Waiting: -1, Running: -1, KVUsage: -1})
+	r.events = append(r.events, events)
+	return id
+}
+
+// Replicas returns a snapshot of the replicas.
+func (r *Router) Replicas() []policy.Replica { return append([]policy.Replica(nil), r.reps...) }
+
+// Replica returns a snapshot of replica id.
+func (r *Router) Replica(id int) (policy.Replica, error) {
+	if id < 0 || id >= len(r.reps) {
+		return policy.Replica{}, fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	return r.reps[id], nil
+}
+
+// SetUp marks replica id up or down. A replica going down leaves the
+// policy's placements; its cached state is kept (it may come back).
+func (r *Router) SetUp(id int, up bool, now time.Time) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	was := r.reps[id].Up
+	r.reps[id].Up = up
+	if was && !up && r.obs != nil {
+		r.obs.ReplicaDown(id, now)
+	}
+	return nil
+}
+
+// SetEvents says whether replica id's cache is reported by KV events. When
+// it switches on, the router's mirror is dropped: events are the truth.
+func (r *Router) SetEvents(id int, on bool) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if on && !r.events[id] {
+		r.tree.ClearReplica(id)
+	}
+	r.events[id] = on
+	return nil
+}
+
+// ReplicaLoad records an engine's own load figures (scraped metrics, or the
+// replica model's state in the simulator). Negative counts mean unknown; a
+// NaN, infinite or out-of-range KV usage is rejected.
+func (r *Router) ReplicaLoad(id, waiting, running int, kvUsage float64) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if math.IsNaN(kvUsage) || math.IsInf(kvUsage, 0) || kvUsage > 1.0001 {
+		return fmt.Errorf("%w: kv usage %v for replica %d", ErrBadLoad, kvUsage, id)
+	}
+	rp := &r.reps[id]
+	rp.Waiting, rp.Running = max(waiting, -1), max(running, -1)
+	if kvUsage < 0 {
+		kvUsage = -1
+	}
+	rp.KVUsage = kvUsage
+	return nil
+}
+
+// Route decides where req goes and commits the decision: the request is
+// in flight on the chosen replica until Finished.
+func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, error) {
+	if req.PromptTokens <= 0 && len(req.Keys) == 0 {
+		return policy.Decision{}, ErrEmptyPrompt
+	}
+	if req.PromptTokens < len(req.Keys)*r.cfg.BlockTokens {
+		return policy.Decision{}, fmt.Errorf("%w: %d prompt tokens but %d blocks of %d", ErrBadRequest, req.PromptTokens, len(req.Keys), r.cfg.BlockTokens)
+	}
+	if req.OutputTokens < 0 {
+		return policy.Decision{}, fmt.Errorf("%w: negative output tokens %d", ErrBadRequest, req.OutputTokens)
+	}
+	if _, dup := r.inflight[req.ID]; dup {
+		return policy.Decision{}, fmt.Errorf("%w: %d", ErrDuplicateFlight, req.ID)
+	}
+	if req.OutputTokens == 0 {
+		req.OutputTokens = r.cfg.DefaultOutputTokens
+	}
+	r.tree.Insert(req.Keys, now, &r.match)
+	r.view.Replicas = r.reps
+	d, err := r.pol.Route(&req, &r.view, now)
+	if err != nil {
+		return d, err
+	}
+	if d.Replica < 0 || d.Replica >= len(r.reps) || !r.reps[d.Replica].Up {
+		return d, fmt.Errorf("router: policy %s chose replica %d, which is not up", r.pol.Name(), d.Replica)
+	}
+	r.commit(&req, &d, now)
+	return d, nil
+}
+
+func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) {
+	id := d.Replica
+	f := r.newFlight()
+	matched := r.view.MatchedTokens(id, req)
+	missed := req.PromptTokens - matched
+	*f = flight{
+		keys: req.Keys, replica: id, prompt: req.PromptTokens, matched: matched,
+		pendingTokens: missed, pendingPrefill: r.cfg.Profile.Prefill(missed, req.PromptTokens),
+		out: req.OutputTokens, routedAt: now,
+	}
+	r.inflight[req.ID] = f
+	rp := &r.reps[id]
+	rp.InFlight++
+	rp.Prefilling++
+	rp.PendingPrefill += f.pendingPrefill
+	rp.PendingPrefillTokens += f.pendingTokens
+	rp.DecodeTokens += f.out
+	path := r.match.Path
+	r.tree.AddRef(path, id, 1)
+	if !r.events[id] {
+		// Mirror: the replica will cache this prompt's blocks; evict its
+		// least recently used unreferenced blocks beyond its capacity.
+		r.tree.SetPathCached(path, id, now)
+		capBlocks := r.cfg.MirrorCapacityTokens / r.cfg.BlockTokens
+		if over := r.tree.CachedBlocks(id) - capBlocks; over > 0 {
+			r.tree.EvictLRU(id, over, now)
+		}
+	} else {
+		r.tree.Touch(path, id, now)
+	}
+	r.stats.Routed++
+	if r.obs != nil {
+		r.obs.Routed(req, d, &r.view, now)
+	}
+}
+
+func (r *Router) newFlight() *flight {
+	if n := len(r.free); n > 0 {
+		f := r.free[n-1]
+		r.free = r.free[:n-1]
+		return f
+	}
+	return &flight{}
+}
+
+// FirstToken records the first output token of request id.
+func (r *Router) FirstToken(id uint64, now time.Time) error {
+	f, ok := r.inflight[id]
+	if !ok {
+		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
+	}
+	if f.prefilled {
+		return nil
+	}
+	f.prefilled = true
+	rp := &r.reps[f.replica]
+	rp.Prefilling--
+	rp.PendingPrefill -= f.pendingPrefill
+	rp.PendingPrefillTokens -= f.pendingTokens
+	rp.Decoding++
+	rp.DecodeContextTokens += f.prompt + f.out/2
+	if r.obs != nil {
+		r.obs.FirstToken(id, f.replica, now.Sub(f.routedAt), now)
+	}
+	return nil
+}
+
+// Finished records the end of request id: outputTokens generated, and the
+// cached prompt tokens the engine reported (-1 if it reported none). ok is
+// false for a failed request.
+func (r *Router) Finished(id uint64, outputTokens, cachedTokens int, ok bool, now time.Time) error {
+	f, found := r.inflight[id]
+	if !found {
+		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
+	}
+	if !f.prefilled {
+		rp := &r.reps[f.replica]
+		rp.Prefilling--
+		rp.PendingPrefill -= f.pendingPrefill
+		rp.PendingPrefillTokens -= f.pendingTokens
+	} else {
+		rp := &r.reps[f.replica]
+		rp.Decoding--
+		rp.DecodeContextTokens -= f.prompt + f.out/2
+	}
+	rp := &r.reps[f.replica]
+	rp.InFlight--
+	rp.DecodeTokens -= f.out
+	// The path may have been split since routing: look it up again.
+	r.tree.Lookup(f.keys, &r.scratch)
+	r.tree.AddRef(r.scratch.Path, f.replica, -1)
+	if ok {
+		r.stats.Finished++
+	} else {
+		r.stats.Failed++
+	}
+	if ok && cachedTokens >= 0 {
+		r.stats.PredictionsChecked++
+		r.stats.PredictedTokens += int64(f.matched)
+		r.stats.ReportedTokens += int64(cachedTokens)
+		if d := f.matched - cachedTokens; d <= r.cfg.BlockTokens && d >= -r.cfg.BlockTokens {
+			r.stats.PredictionsExact++
+		}
+	}
+	if r.obs != nil {
+		r.obs.Finished(id, f.replica, outputTokens, ok, now)
+	}
+	delete(r.inflight, id)
+	*f = flight{}
+	r.free = append(r.free, f)
+	return nil
+}
+
+// InFlight is the number of requests routed and not finished.
+func (r *Router) InFlight() int { return len(r.inflight) }
+
+// CacheStored applies an engine's report that replica id stored keys, a
+// consecutive chain continuing parent (hasParent=false: from the prompt's
+// start). It fails with prefixtree.ErrUnknownParent when the router does not
+// know the parent (events were missed: the caller should replay).
+func (r *Router) CacheStored(id int, parent blocks.Key, hasParent bool, keys []blocks.Key, now time.Time) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	if err := r.tree.InsertBelow(parent, hasParent, keys, now, &r.scratch); err != nil {
+		return err
+	}
+	// Mark the nodes that hold keys: the tail of the path, len(keys) blocks.
+	need := len(keys)
+	for i := len(r.scratch.Path) - 1; i >= 0 && need > 0; i-- {
+		n := r.scratch.Path[i]
+		r.tree.SetCached(n, id, true)
+		need -= n.Own()
+	}
+	return nil
+}
+
+// CacheRemoved applies an engine's report that replica id evicted keys.
+// Unknown keys are ignored (the router may have dropped them already).
+func (r *Router) CacheRemoved(id int, keys []blocks.Key) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	for _, k := range keys {
+		if n, _, ok := r.tree.Find(k); ok && n.Cached(id) {
+			if n, ok := r.tree.Isolate(k); ok {
+				r.tree.SetCached(n, id, false)
+			}
+		}
+	}
+	return nil
+}
+
+// CacheCleared applies an engine's report that replica id dropped its whole
+// prefix cache (vLLM's AllBlocksCleared, or an engine restart).
+func (r *Router) CacheCleared(id int) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	r.tree.ClearReplica(id)
+	return nil
+}
+
+// Predict returns, without committing anything, the decision the policy
+// would make for req now (for POST /debug/route). Policies with state may
+// still advance their clocks.
+func (r *Router) Predict(req policy.Request, now time.Time) (policy.Decision, error) {
+	if req.PromptTokens <= 0 && len(req.Keys) == 0 {
+		return policy.Decision{}, ErrEmptyPrompt
+	}
+	if req.OutputTokens == 0 {
+		req.OutputTokens = r.cfg.DefaultOutputTokens
+	}
+	r.tree.Insert(req.Keys, now, &r.match)
+	r.view.Replicas = r.reps
+	return r.pol.Route(&req, &r.view, now)
+}

@@ -1,0 +1,366 @@
+// Package sim is prefixlb's discrete-event simulator: a cluster of modelled
+// GPU replicas (internal/replica) behind the routing core (internal/router),
+// on a virtual clock. Every arrival goes through the same policy code as the
+// live router; the replicas' cache events reach the router after a
+// configurable lag, as vLLM's KV events do.
+package sim
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/replica"
+	"github.com/prefixlb/prefixlb/internal/report"
+	"github.com/prefixlb/prefixlb/internal/router"
+	"github.com/prefixlb/prefixlb/internal/workload"
+)
+
+// Config describes one simulated run.
+type Config struct {
+	// Replicas is the number of replicas.
+	Replicas int
+	// Replica configures every replica (its Profile is set from Profile).
+	Replica replica.Config
+	// Profile prices the replicas' work and the router's estimates.
+	Profile costmodel.Profile
+	// Policy routes; use a fresh one per run (policies keep state).
+	Policy policy.Policy
+	// KVEvents feeds the router the replicas' cache events (after EventLag)
+	// instead of letting it mirror caches from its own decisions.
+	KVEvents bool
+	// EventLag delays cache events on their way to the router.
+	EventLag time.Duration
+	// Seed seeds the router's random source.
+	Seed uint64
+	// Rate labels the results (requests/s of the arrival process).
+	Rate float64
+	// Progress, when set, is called now and then with requests finished.
+	Progress func(done, total int)
+}
+
+// Validate reports the first invalid field.
+func (c *Config) Validate() error {
+	switch {
+	case c.Replicas < 1:
+		return fmt.Errorf("sim: replicas must be ≥ 1, got %d", c.Replicas)
+	case c.Profile == nil:
+		return errors.New("sim: a cost profile is required")
+	case c.Policy == nil:
+		return errors.New("sim: a policy is required")
+	case c.EventLag < 0:
+		return fmt.Errorf("sim: event lag must be ≥ 0, got %v", c.EventLag)
+	}
+	return nil
+}
+
+// Result is what a run produced.
+type Result struct {
+	// Records has one entry per request, in request order.
+	Records []report.RequestRecord
+	// Span is the virtual time from the first arrival to the last finish.
+	Span time.Duration
+	// Router holds the routing core's counters.
+	Router router.Stats
+	// Replicas holds each replica's final counters.
+	Replicas []replica.Stats
+	// Branches counts decisions by branch.
+	Branches map[string]int
+	// Events counts cache events delivered to the router, and Unknown those
+	// whose parent it did not know.
+	Events, UnknownParents int
+}
+
+// epoch is virtual time zero.
+var epoch = time.Unix(1_700_000_000, 0).UTC()
+
+type evKind uint8
+
+const (
+	evArrival evKind = iota
+	evStepDone
+	evCache
+)
+
+type event struct {
+	at   time.Time
+	seq  uint64
+	kind evKind
+	idx  int // request index (arrival) or replica (step, cache)
+	ev   replica.Event
+}
+
+type eventHeap []*event
+
+func (h eventHeap) Len() int { return len(h) }
+func (h eventHeap) Less(i, j int) bool {
+	if !h[i].at.Equal(h[j].at) {
+		return h[i].at.Before(h[j].at)
+	}
+	return h[i].seq < h[j].seq
+}
+func (h eventHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *eventHeap) Push(x any)   { *h = append(*h, x.(*event)) }
+func (h *eventHeap) Pop() any {
+	old := *h
+	n := len(old)
+	x := old[n-1]
+	old[n-1] = nil
+	*h = old[:n-1]
+	return x
+}
+
+type reqState struct {
+	keys     []blocks.Key
+	rreq     replica.Request
+	replica  int
+	arrival  time.Time
+	first    time.Time
+	finish   time.Time
+	hit      int
+	admitted bool
+	out      int
+	err      string
+}
+
+type runner struct {
+	cfg      Config
+	rt       *router.Router
+	reps     []*replica.Replica
+	stepping []bool
+	pending  [][]replica.Event
+	h        eventHeap
+	seq      uint64
+	reqs     []workload.Request
+	st       []reqState
+	res      *Result
+	done     int
+	free     []*event
+}
+
+// Run simulates reqs (sorted by Arrival) on the configured cluster.
+func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	bt := cfg.Replica.BlockSize
+	if bt == 0 {
+		bt = blocks.DefaultBlockSize
+	}
+	rt, err := router.New(router.Config{BlockTokens: bt, Profile: cfg.Profile, Policy: cfg.Policy, Seed: cfg.Seed,
+		MirrorCapacityTokens: cfg.Replica.KVCapacity})
+	if err != nil {
+		return nil, err
+	}
+	rn := &runner{cfg: cfg, rt: rt, reqs: reqs, st: make([]reqState, len(reqs)),
+		res: &Result{Branches: map[string]int{}}}
+	for i := 0; i < cfg.Replicas; i++ {
+		rc := cfg.Replica
+		rc.Profile = cfg.Profile
+		rc.BlockSize = bt
+		rp, err := replica.New(rc)
+		if err != nil {
+			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
+		}
+		rn.reps = append(rn.reps, rp)
+		rt.AddReplica(fmt.Sprintf("replica-%d", i), cfg.KVEvents)
+	}
+	rn.stepping = make([]bool, cfg.Replicas)
+	rn.pending = make([][]replica.Event, cfg.Replicas)
+	for i := range reqs {
+		rn.push(epoch.Add(reqs[i].Arrival), evArrival, i, replica.Event{})
+	}
+	for n := 0; rn.h.Len() > 0; n++ {
+		if n&0xfff == 0 {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+		}
+		e := heap.Pop(&rn.h).(*event)
+		rn.handle(e)
+		rn.free = append(rn.free, e)
+	}
+	rn.finish()
+	return rn.res, nil
+}
+
+func (rn *runner) push(at time.Time, k evKind, idx int, ev replica.Event) {
+	var e *event
+	if n := len(rn.free); n > 0 {
+		e = rn.free[n-1]
+		rn.free = rn.free[:n-1]
+	} else {
+		e = &event{}
+	}
+	rn.seq++
+	*e = event{at: at, seq: rn.seq, kind: k, idx: idx, ev: ev}
+	heap.Push(&rn.h, e)
+}
+
+func (rn *runner) handle(e *event) {
+	switch e.kind {
+	case evArrival:
+		rn.arrive(e.idx, e.at)
+	case evStepDone:
+		rn.stepDone(e.idx, e.at)
+	case evCache:
+		rn.deliverCache(e.idx, e.ev, e.at)
+	}
+}
+
+func (rn *runner) arrive(i int, now time.Time) {
+	w := &rn.reqs[i]
+	s := &rn.st[i]
+	bt := rn.rt.Tree().BlockTokens()
+	s.keys = blocks.Keys(nil, w.Tokens, bt)
+	s.arrival = now
+	s.replica = -1
+	out := max(w.OutputTokens, 1)
+	d, err := rn.rt.Route(policy.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens),
+		OutputTokens: out, Session: w.Session}, now)
+	if err != nil {
+		s.err = err.Error()
+		rn.done++
+		return
+	}
+	rn.res.Branches[d.Branch]++
+	s.replica = d.Replica
+	s.rreq = replica.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens), OutputTokens: out}
+	rp := rn.reps[d.Replica]
+	if err := rp.Submit(&s.rreq, now); err != nil {
+		s.err = err.Error()
+		rn.done++
+		_ = rn.rt.Finished(uint64(i), 0, -1, false, now)
+		return
+	}
+	rn.updateLoad(d.Replica)
+	if !rn.stepping[d.Replica] {
+		rn.step(d.Replica, now)
+	}
+}
+
+// step starts replica r's next iteration at now and schedules its end.
+func (rn *runner) step(r int, now time.Time) {
+	end, evs, busy := rn.reps[r].Step(now, rn.pending[r][:0])
+	rn.pending[r] = evs
+	// Events dated at the start of the iteration (admissions, evictions)
+	// apply now; the rest at its end.
+	for _, ev := range evs {
+		if !ev.At.After(now) {
+			rn.apply(r, ev)
+		}
+	}
+	rn.stepping[r] = busy
+	if busy {
+		rn.push(end, evStepDone, r, replica.Event{})
+	}
+	rn.updateLoad(r)
+}
+
+func (rn *runner) stepDone(r int, now time.Time) {
+	for _, ev := range rn.pending[r] {
+		if ev.At.Equal(now) {
+			rn.apply(r, ev)
+		}
+	}
+	rn.step(r, now)
+}
+
+func (rn *runner) apply(r int, ev replica.Event) {
+	switch ev.Kind {
+	case replica.Admitted:
+		s := &rn.st[ev.RequestID]
+		if !s.admitted {
+			s.admitted = true
+			s.hit = ev.HitTokens
+		}
+	case replica.FirstToken:
+		s := &rn.st[ev.RequestID]
+		s.first = ev.At
+		_ = rn.rt.FirstToken(ev.RequestID, ev.At)
+	case replica.Finished:
+		s := &rn.st[ev.RequestID]
+		s.finish = ev.At
+		s.out = ev.N
+		_ = rn.rt.Finished(ev.RequestID, ev.N, s.hit, true, ev.At)
+		rn.done++
+		if rn.cfg.Progress != nil && rn.done%500 == 0 {
+			rn.cfg.Progress(rn.done, len(rn.reqs))
+		}
+	case replica.BlocksStored, replica.BlocksRemoved, replica.AllCleared:
+		if rn.cfg.KVEvents {
+			rn.push(ev.At.Add(rn.cfg.EventLag), evCache, r, ev)
+		}
+	}
+}
+
+func (rn *runner) deliverCache(r int, ev replica.Event, now time.Time) {
+	rn.res.Events++
+	switch ev.Kind {
+	case replica.BlocksStored:
+		if err := rn.rt.CacheStored(r, ev.Parent, ev.HasParent, ev.Keys, now); err != nil {
+			rn.res.UnknownParents++
+		}
+	case replica.BlocksRemoved:
+		_ = rn.rt.CacheRemoved(r, ev.Keys)
+	case replica.AllCleared:
+		_ = rn.rt.CacheCleared(r)
+	}
+}
+
+func (rn *runner) updateLoad(r int) {
+	st := rn.reps[r].Stats()
+	_ = rn.rt.ReplicaLoad(r, st.Waiting, st.Running, st.KVUsage)
+}
+
+func (rn *runner) finish() {
+	res := rn.res
+	var first, last time.Time
+	res.Records = make([]report.RequestRecord, len(rn.reqs))
+	for i := range rn.st {
+		s := &rn.st[i]
+		w := &rn.reqs[i]
+		rec := report.RequestRecord{
+			ID: i, Replica: replicaName(s.replica), ArrivalS: s.arrival.Sub(epoch).Seconds(),
+			Session: w.Session, Group: w.Group,
+			PromptTokens: len(w.Tokens), CachedTokens: s.hit, OutputTokens: s.out, Error: s.err,
+		}
+		if s.err == "" && !s.finish.IsZero() {
+			rec.TTFTMs = ms(s.first.Sub(s.arrival))
+			rec.LatencyMs = ms(s.finish.Sub(s.arrival))
+			if s.out > 1 {
+				rec.TPOTMs = ms(s.finish.Sub(s.first)) / float64(s.out-1)
+			}
+			if last.Before(s.finish) {
+				last = s.finish
+			}
+		} else if s.err == "" {
+			rec.Error = "sim: request did not finish"
+		}
+		if i == 0 || s.arrival.Before(first) {
+			first = s.arrival
+		}
+		res.Records[i] = rec
+	}
+	if !last.IsZero() {
+		res.Span = last.Sub(first)
+	}
+	res.Router = rn.rt.Stats()
+	for _, rp := range rn.reps {
+		res.Replicas = append(res.Replicas, rp.Stats())
+	}
+}
+
+func replicaName(r int) string {
+	if r < 0 {
+		return ""
+	}
+	return fmt.Sprintf("replica-%d", r)
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

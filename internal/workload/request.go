@@ -1,0 +1,25 @@
+// Package workload generates the request streams prefixlb is measured on (the
+// workloads of Preble and llm-d's benchmarks) and reads traces, so that the
+// simulator, the load generator and the analyzer all consume one type.
+package workload
+
+import "time"
+
+// Request is one request of a workload: its prompt as token ids, when it
+// arrives, and how many tokens it generates.
+type Request struct {
+	// ID is the request's index in its workload, starting at 0.
+	ID int
+	// Arrival is the time since the start of the run at which it is sent.
+	Arrival time.Duration
+	// Tokens is the prompt. Requests that share a prefix share its token ids
+	// (and may share the backing array: treat Tokens as read-only).
+	Tokens []uint32
+	// OutputTokens is the number of tokens the request generates (ignore EOS).
+	OutputTokens int
+	// Session groups the requests of one conversation or agent run ("" if none).
+	Session string
+	// Group names the shared prefix the generator built the prompt on (a tool,
+	// a document, a repository, a system prompt), for analysis; "" if none.
+	Group string
+}
