@@ -74,18 +74,22 @@ func writeJSON(name string, stdout io.Writer, st workload.Stats, source string, 
 		Skipped int            `json:"skipped_lines"`
 		Stats   workload.Stats `json:"stats"`
 	}{source, skipped, st}
-	w := stdout
-	if name != "-" {
-		fh, err := os.Create(name)
-		if err != nil {
-			return err
-		}
-		defer fh.Close()
-		w = fh
+	if name == "-" {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(doc)
 	}
-	enc := json.NewEncoder(w)
+	fh, err := os.Create(name)
+	if err != nil {
+		return err
+	}
+	enc := json.NewEncoder(fh)
 	enc.SetIndent("", "  ")
-	return enc.Encode(doc)
+	if err := enc.Encode(doc); err != nil {
+		fh.Close()
+		return err
+	}
+	return fh.Close()
 }
 
 func init() {

@@ -49,11 +49,15 @@ routing core, once per policy (and per rate in a sweep), on a built-in workload
 or a trace, and prints TTFT, latency and hit-ratio figures next to the oracle
 bound (every request alone on a replica that holds every earlier prefix).
 
-Policies may carry E2 settings: --policies 'e2,e2-preble,e2-preble:mixing=false'.`,
+Policies may carry E2 settings and a local scheduler of their own:
+  --policies 'round-robin@lpm,e2@priority,e2-preble:mixing=false'.`,
 		Example: `  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --policies round-robin,e2 --rates 4,8,12
   prefixlb sim --trace trace.jsonl --trace-format mooncake --replicas 8 --profile llama3-70b-h100x2 --json out.json`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if !cmd.Flags().Changed("workload-replicas") {
+				o.wl.Spec.Replicas = o.replicas
+			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt)
 			defer stop()
 			return runSim(ctx, o, cmd.OutOrStdout(), cmd.ErrOrStderr())
@@ -113,8 +117,17 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 	specs := strings.Split(o.policies, ",")
 	opts := policy.DefaultOptions()
 	for _, s := range specs {
-		if _, err := policy.Parse(s, opts); err != nil {
+		name, local, hasLocal := strings.Cut(s, "@")
+		if _, err := policy.Parse(name, opts); err != nil {
 			return err
+		}
+		if hasLocal {
+			c := replica.DefaultConfig()
+			c.Local = local
+			c.Profile = prof
+			if err := c.Validate(); err != nil {
+				return fmt.Errorf("--policies %q: %w", s, err)
+			}
 		}
 	}
 	rc := replica.DefaultConfig()
@@ -123,9 +136,6 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 	rc.Profile = prof
 	if err := rc.Validate(); err != nil {
 		return err
-	}
-	if o.wl.Spec.Replicas == 0 {
-		o.wl.Spec.Replicas = o.replicas
 	}
 	if o.outDir != "" {
 		if err := os.MkdirAll(o.outDir, 0o755); err != nil {
@@ -153,13 +163,17 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 		}
 		oSum := orc.Summary()
 		for _, spec := range specs {
+			label := spec
+			prc := rc
+			if name, local, ok := strings.Cut(spec, "@"); ok {
+				spec, prc.Local = name, local
+			}
 			pol, err := policy.Parse(spec, opts)
 			if err != nil {
 				return err
 			}
-			label := spec
 			start := time.Now()
-			cfg := sim.Config{Replicas: o.replicas, Replica: rc, Profile: prof, Policy: pol,
+			cfg := sim.Config{Replicas: o.replicas, Replica: prc, Profile: prof, Policy: pol,
 				KVEvents: o.kvEvents, EventLag: o.eventLag, Seed: o.routerSeed, Rate: rate}
 			if !o.quiet {
 				cfg.Progress = func(done, total int) {
@@ -180,7 +194,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			r.Workload = o.wl.Describe()
 			r.Replicas = o.replicas
 			r.Profile = prof.Name()
-			r.Local = o.local
+			r.Local = prc.Local
 			os := oSum
 			r.OracleTTFT = &os
 			if oSum.Mean > 0 {

@@ -56,6 +56,13 @@ type E2Config struct {
 	// PendingWeight weighs the prefill still queued on the replica now (the
 	// "queue now" that llm-d scores), in GPU seconds.
 	PendingWeight float64 `json:"pending_weight"`
+	// DecodeWeight weighs L's in-flight decode term (1 in the paper).
+	DecodeWeight float64 `json:"decode_weight"`
+	// InterferenceWeight weighs the delay this request's prefill imposes on
+	// the requests decoding on the replica: every iteration that carries a
+	// chunk of its prompt also carries one token of each running decode, so
+	// its prefill time P is added to each of their latencies (0 in the paper).
+	InterferenceWeight float64 `json:"interference_weight"`
 	// EvictionWeight weighs M, the eviction cost (1 in the paper).
 	EvictionWeight float64 `json:"eviction_weight"`
 	// Mixing enables the prefill/decode mixing rule.
@@ -94,6 +101,7 @@ func PrebleE2Config() E2Config {
 		MarginalDecode:      false,
 		HistoryWeight:       1,
 		PendingWeight:       0,
+		DecodeWeight:        1,
 		EvictionWeight:      1,
 		Mixing:              true,
 		Rebalance:           true,
@@ -147,6 +155,10 @@ func (c E2Config) Validate() error {
 		return fmt.Errorf("policy: e2 %s: history_weight must be ≥ 0, got %v", c.Name, c.HistoryWeight)
 	case !finite(c.PendingWeight) || c.PendingWeight < 0:
 		return fmt.Errorf("policy: e2 %s: pending_weight must be ≥ 0, got %v", c.Name, c.PendingWeight)
+	case !finite(c.DecodeWeight) || c.DecodeWeight < 0:
+		return fmt.Errorf("policy: e2 %s: decode_weight must be ≥ 0, got %v", c.Name, c.DecodeWeight)
+	case !finite(c.InterferenceWeight) || c.InterferenceWeight < 0:
+		return fmt.Errorf("policy: e2 %s: interference_weight must be ≥ 0, got %v", c.Name, c.InterferenceWeight)
 	case !finite(c.EvictionWeight) || c.EvictionWeight < 0:
 		return fmt.Errorf("policy: e2 %s: eviction_weight must be ≥ 0, got %v", c.Name, c.EvictionWeight)
 	case c.RebalanceInterval < 0:
@@ -311,7 +323,10 @@ func (p *E2) decodeLoad(rp *Replica, prof costmodel.Profile) float64 {
 // load is L(r).
 func (p *E2) load(r int, v *View) float64 {
 	rp := &v.Replicas[r]
-	l := p.decodeLoad(rp, v.Profile)
+	l := 0.0
+	if p.cfg.DecodeWeight > 0 {
+		l = p.cfg.DecodeWeight * p.decodeLoad(rp, v.Profile)
+	}
 	if p.cfg.HistoryWeight > 0 {
 		l += p.cfg.HistoryWeight * p.rep(r).hist
 	}
@@ -357,8 +372,12 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 	c := Candidate{Replica: r, MatchedTokens: m}
 	c.Load = p.load(r, v)
 	c.Eviction = p.eviction(r, missed, v)
-	if p.cfg.IncludePrefill {
-		c.Prefill = secs(v.Profile.Prefill(missed, req.PromptTokens))
+	if p.cfg.IncludePrefill || p.cfg.InterferenceWeight > 0 {
+		pf := secs(v.Profile.Prefill(missed, req.PromptTokens))
+		if p.cfg.IncludePrefill {
+			c.Prefill = pf
+		}
+		c.Load += p.cfg.InterferenceWeight * pf * float64(v.Replicas[r].Decoding)
 	}
 	c.Score = c.Load + c.Eviction + c.Prefill
 	return c

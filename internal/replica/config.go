@@ -19,7 +19,7 @@ const (
 	LocalLPM = "lpm"
 	// LocalPriority is Preble's "fcfs-mpq" local scheduler: waiting requests
 	// fall into PriorityGroups groups by cache-hit ratio and the groups take
-	// turns (Srivatsa et al., ICLR 2025, §3.3).
+	// turns (Srivatsa et al., ICLR 2025, and its prototype WukLab/preble).
 	LocalPriority = "priority"
 )
 

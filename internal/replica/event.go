@@ -84,8 +84,11 @@ type Event struct {
 	// RequestID is the request concerned (not set for cache events).
 	RequestID uint64
 	// HitTokens (Admitted) is the number of prompt tokens found in the prefix
-	// cache and not recomputed: whole blocks, at most PromptTokens-1, since
-	// the engine always recomputes the last prompt token to get its logits.
+	// cache and not recomputed: whole blocks, at most PromptTokens-1 (on a
+	// resumed admission, prompt plus generated tokens minus 1), since the
+	// engine always recomputes the last token to get its logits. As in vLLM
+	// v1 the cap is block-aligned: a fully cached prompt whose length is a
+	// multiple of the block size recomputes its whole last block.
 	HitTokens int
 	// Resumed (Admitted) is true when the request was preempted before.
 	Resumed bool

@@ -102,6 +102,7 @@ type Replica struct {
 	groups  [][]*seq
 	turn    int // priority: the group whose turn comes next
 	byID    map[uint64]*seq
+	spare   []*seq // finished requests' state, for reuse
 	nArr    uint64
 	nAdm    uint64
 
@@ -174,7 +175,14 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 		return fmt.Errorf("%w: request %d needs %d blocks, the replica has %d",
 			ErrTooLong, req.ID, need, r.nBlocks)
 	}
-	s := &seq{req: req, arrival: r.nArr, group: -1}
+	var s *seq
+	if n := len(r.spare); n > 0 {
+		s = r.spare[n-1]
+		r.spare = r.spare[:n-1]
+	} else {
+		s = new(seq)
+	}
+	*s = seq{req: req, arrival: r.nArr, group: -1}
 	r.nArr++
 	r.byID[req.ID] = s
 	r.waiting = append(r.waiting, s)
@@ -232,7 +240,7 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 			s.priv++
 		}
 		r.decodes = append(r.decodes, s)
-		decodeCtx += s.computed + 1
+		decodeCtx += s.computed + 1 // its sequence once this token's KV is in
 		if !unlimited {
 			budget--
 		}
@@ -305,7 +313,16 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 		}
 	}
 	if nDone > 0 {
-		r.running = slices.DeleteFunc(r.running, func(s *seq) bool { return s.done })
+		kept := r.running[:0]
+		for _, s := range r.running {
+			if s.done {
+				r.recycle(s)
+			} else {
+				kept = append(kept, s)
+			}
+		}
+		clear(r.running[len(kept):])
+		r.running = kept
 	}
 	return end, ev, true
 }
@@ -325,7 +342,7 @@ func (r *Replica) produce(s *seq, end time.Time, ev *[]Event) bool {
 	}
 	*ev = append(*ev, Event{Kind: Finished, At: end, RequestID: s.req.ID, N: s.generated})
 	r.release(s)
-	s.done = true
+	s.done = true // recycled after r.running is compacted
 	delete(r.byID, s.req.ID)
 	r.st.Finished++
 	return true
@@ -380,14 +397,15 @@ func (r *Replica) freeBlocks() int { return r.nBlocks - r.privAll - r.cache.len(
 // to a request. The caller has checked that free plus evictable blocks
 // suffice.
 func (r *Replica) allocate(n int, now time.Time, ev *[]Event) {
-	for r.freeBlocks() < n {
-		k := r.cache.evict()
+	if short := n - r.freeBlocks(); short > 0 {
 		if r.removed < 0 {
-			*ev = append(*ev, Event{Kind: BlocksRemoved, At: now})
+			*ev = append(*ev, Event{Kind: BlocksRemoved, At: now, Keys: make([]blocks.Key, 0, short)})
 			r.removed = len(*ev) - 1
 		}
 		e := &(*ev)[r.removed]
-		e.Keys = append(e.Keys, k)
+		for range short {
+			e.Keys = append(e.Keys, r.cache.evict())
+		}
 	}
 	r.privAll += n
 }
@@ -495,7 +513,15 @@ func (r *Replica) Cancel(id uint64, now time.Time) []Event {
 		r.waiting = slices.DeleteFunc(r.waiting, func(x *seq) bool { return x == s })
 	}
 	r.st.Cancelled++
-	return []Event{{Kind: Cancelled, At: now, RequestID: id, N: s.generated}}
+	n := s.generated
+	r.recycle(s)
+	return []Event{{Kind: Cancelled, At: now, RequestID: id, N: n}}
+}
+
+// recycle keeps a dead request's state for the next Submit.
+func (r *Replica) recycle(s *seq) {
+	*s = seq{}
+	r.spare = append(r.spare, s)
 }
 
 // ResetPrefixCache empties the prefix cache, returning an AllCleared event at

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -297,6 +298,34 @@ func TestTimelines(t *testing.T) {
 			"47.41ms Token #2 n=39",
 			"48.42ms Token #2 n=40",
 			"48.42ms Finished #2 n=40",
+		},
+	}, {
+		// 4 blocks. #1 (1 block) and #2 (2 blocks) leave 1 free, which #1's
+		// first decode takes (its sequence reaches 17 tokens). At 9.56 ms
+		// (prefill 1.40 ms, 8 decodes of two) #2, the youngest, needs a
+		// third block and preempts itself; #1 finishes alone (1.01 ms); #2
+		// recomputes 33 - 16 cached = 17 tokens (1.17 ms) for token 10,
+		// then decodes 10 more tokens.
+		name: "self-preemption",
+		cfg:  Config{Profile: linear{kv: 4 * 16}},
+		arrivals: []arrival{
+			{0, req(1, 16, 10, 1)},
+			{0, req(2, 24, 20, 2)},
+		},
+		keep: func(e Event) bool { return e.Kind != Token || e.RequestID == 2 && (e.N == 9 || e.N == 10) },
+		want: []string{
+			"0s Admitted #1 hit=0",
+			"0s Admitted #2 hit=0",
+			"1.4ms Stored [1]",
+			"1.4ms FirstToken #1",
+			"1.4ms Stored [2]",
+			"1.4ms FirstToken #2",
+			"9.56ms Token #2 n=9",
+			"9.56ms Preempted #2 n=9",
+			"10.57ms Finished #1 n=10",
+			"10.57ms Admitted #2 hit=16 resumed",
+			"11.74ms Token #2 n=10",
+			"21.84ms Finished #2 n=20",
 		},
 	}, {
 		// 1000 prompt tokens in chunks of 512: 6.12 + 5.88 ms.
@@ -637,5 +666,66 @@ func TestValidate(t *testing.T) {
 	}
 	if st := r.Stats(); st.TotalBlocks != 62 {
 		t.Errorf("TotalBlocks = %d, want 1000/16 = 62", st.TotalBlocks)
+	}
+}
+
+// BenchmarkStep measures one decode iteration of 64 running requests (64
+// tokens appended to a reused event buffer, a block taken every 16 steps).
+func BenchmarkStep(b *testing.B) {
+	r := newReplica(b, Config{Profile: linear{kv: 1 << 30}})
+	for i := range 64 {
+		keys := []blocks.Key{blocks.Key(1000 + i), blocks.Key(2000 + i)}
+		if err := r.Submit(req(uint64(i), 40, 1<<22, keys...), t0); err != nil {
+			b.Fatal(err)
+		}
+	}
+	now := t0
+	ev := make([]Event, 0, 256)
+	now, ev, _ = r.Step(now, ev[:0]) // the prefill
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		now, ev, _ = r.Step(now, ev[:0])
+	}
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "steps/s")
+}
+
+// BenchmarkStepChurn measures iterations under a steady stream of requests
+// sharing prefixes on a cache small enough to evict: admissions, chunked
+// prefills, stored and removed blocks, finishes.
+func BenchmarkStepChurn(b *testing.B) {
+	r := newReplica(b, Config{Profile: linear{kv: 2048 * 16}, Local: LocalLPM})
+	rng := rand.New(rand.NewPCG(1, 2))
+	var systems [][]uint32
+	for range 8 {
+		tok := make([]uint32, 512)
+		for i := range tok {
+			tok[i] = rng.Uint32()
+		}
+		systems = append(systems, tok)
+	}
+	var reqs []*Request
+	for i := range 4096 {
+		tok := append([]uint32(nil), systems[rng.IntN(len(systems))]...)
+		for range 200 {
+			tok = append(tok, rng.Uint32())
+		}
+		reqs = append(reqs, req(uint64(i), len(tok), 1+rng.IntN(100), blocks.Keys(nil, tok, 16)...))
+	}
+	now := t0
+	ev := make([]Event, 0, 1024)
+	next := 0
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		if st := r.Stats(); st.Running+st.Waiting < 96 {
+			q := reqs[next%len(reqs)]
+			q.ID = uint64(next)
+			next++
+			if err := r.Submit(q, now); err != nil {
+				b.Fatal(err)
+			}
+		}
+		now, ev, _ = r.Step(now, ev[:0])
 	}
 }

@@ -64,7 +64,9 @@ func (r *Replica) sortLPM() {
 //     in arrival order; a request that does not fit is skipped, not waited
 //     for (unlike fcfs), as in the prototype.
 //
-// The group index is computed in integers, so a hit of exactly 3/10 is group
+// The prototype also falls back to unchunked scheduling while more than half
+// the KV cache is free; that is not modelled. The group index is computed in
+// integers, so a hit of exactly 3/10 is group
 // 2 (the prototype's floating point can put it in 3).
 func (r *Replica) admitPriority(now time.Time, ev *[]Event, budget *int) {
 	G := len(r.groups)

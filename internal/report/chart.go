@@ -245,7 +245,7 @@ func writePanel(b *strings.Builder, p panel, ss []series, px, py int, xlo, xhi f
 	if ymax >= 10000 {
 		unit, scale = "s", 1000
 	}
-	ymax /= scale
+	ymax = ymax / scale * 1.05 // headroom: a top point never sits on the frame
 	if ymax <= 0 {
 		ymax = 1
 	}
