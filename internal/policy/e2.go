@@ -58,11 +58,23 @@ type E2Config struct {
 	PendingWeight float64 `json:"pending_weight"`
 	// DecodeWeight weighs L's in-flight decode term (1 in the paper).
 	DecodeWeight float64 `json:"decode_weight"`
+	// SelfDecodeWeight weighs this request's own decode time on the replica:
+	// its expected output times the replica's decode step at its batch size
+	// plus one (0 in the paper).
+	SelfDecodeWeight float64 `json:"self_decode_weight"`
+	// PrefillWeight weighs P (1 in the paper). Above 1 it charges a
+	// recompute for the requests that will queue behind it.
+	PrefillWeight float64 `json:"prefill_weight"`
 	// InterferenceWeight weighs the delay this request's prefill imposes on
 	// the requests decoding on the replica: every iteration that carries a
 	// chunk of its prompt also carries one token of each running decode, so
 	// its prefill time P is added to each of their latencies (0 in the paper).
 	InterferenceWeight float64 `json:"interference_weight"`
+	// EvictionRecompute prices an evicted prefix that was used in the window
+	// at one recompute of it (the next request for it pays its prefill),
+	// instead of the paper's missRate·count·T_prefill, which prices a prefix
+	// that always hits — the one most worth keeping — at zero.
+	EvictionRecompute bool `json:"eviction_recompute"`
 	// EvictionWeight weighs M, the eviction cost (1 in the paper).
 	EvictionWeight float64 `json:"eviction_weight"`
 	// Mixing enables the prefill/decode mixing rule.
@@ -102,6 +114,7 @@ func PrebleE2Config() E2Config {
 		HistoryWeight:       1,
 		PendingWeight:       0,
 		DecodeWeight:        1,
+		PrefillWeight:       1,
 		EvictionWeight:      1,
 		Mixing:              true,
 		Rebalance:           true,
@@ -110,11 +123,22 @@ func PrebleE2Config() E2Config {
 }
 
 // DefaultE2Config returns prefixlb's `e2`: Preble's E2 with the changes the
-// simulator justified (docs/simulator.md): route by cost over every replica
-// (P credits each replica's cache, so hot prefixes spread by themselves),
-// include P, charge decode at its marginal batched cost, count the prefill
-// queued now next to the window's history, and rebalance on movable load at
-// most once a second with a per-prefix cooldown.
+// simulator justified (docs/simulator.md, "Tuning e2"). The cost of a replica
+// is an estimate of what placing the request there costs in GPU seconds of
+// latency, over every replica (P credits each replica's cache, so a hot
+// prefix spreads by itself once its holder's queue outweighs a recompute):
+//
+//	L = prefill queued on r now                      (llm-d's "queue now", in seconds)
+//	  + 0.3·P·(requests decoding on r)               (interference: each of their
+//	                                                  iterations carries a chunk of P)
+//	  + out·T_decode(batch_r+1)                      (this request's own decode on r)
+//	M = the paper's eviction cost
+//	P = 3·T_prefill(missed on r, prompt)             (a recompute also delays the
+//	                                                  requests that queue behind it)
+//
+// Rebalancing and replication run on movable (windowed prefill) load at most
+// once a second with a per-prefix cooldown; with exploit over every replica
+// they only maintain placements for reports.
 func DefaultE2Config() E2Config {
 	c := PrebleE2Config()
 	c.Name = "e2"
@@ -123,6 +147,10 @@ func DefaultE2Config() E2Config {
 	c.MarginalDecode = true
 	c.HistoryWeight = 0
 	c.PendingWeight = 1
+	c.DecodeWeight = 0
+	c.SelfDecodeWeight = 1
+	c.PrefillWeight = 3
+	c.InterferenceWeight = 0.3
 	c.Mixing = false
 	c.RebalanceInterval = time.Second
 	c.MoveCooldown = 30 * time.Second
@@ -157,6 +185,10 @@ func (c E2Config) Validate() error {
 		return fmt.Errorf("policy: e2 %s: pending_weight must be ≥ 0, got %v", c.Name, c.PendingWeight)
 	case !finite(c.DecodeWeight) || c.DecodeWeight < 0:
 		return fmt.Errorf("policy: e2 %s: decode_weight must be ≥ 0, got %v", c.Name, c.DecodeWeight)
+	case !finite(c.SelfDecodeWeight) || c.SelfDecodeWeight < 0:
+		return fmt.Errorf("policy: e2 %s: self_decode_weight must be ≥ 0, got %v", c.Name, c.SelfDecodeWeight)
+	case !finite(c.PrefillWeight) || c.PrefillWeight < 0:
+		return fmt.Errorf("policy: e2 %s: prefill_weight must be ≥ 0, got %v", c.Name, c.PrefillWeight)
 	case !finite(c.InterferenceWeight) || c.InterferenceWeight < 0:
 		return fmt.Errorf("policy: e2 %s: interference_weight must be ≥ 0, got %v", c.Name, c.InterferenceWeight)
 	case !finite(c.EvictionWeight) || c.EvictionWeight < 0:
@@ -203,12 +235,12 @@ type e2NodeReplica struct {
 }
 
 type e2Replica struct {
-	hist               float64 // windowed prefill seconds (L's history term)
-	mixPrompt, mixHit  int
-	tpot               []float64
-	tpotNext           int
-	tpotMedian         float64
-	tpotDirty          int
+	hist              float64 // windowed prefill seconds (L's history term)
+	mixPrompt, mixHit int
+	tpot              []float64
+	tpotNext          int
+	tpotMedian        float64
+	tpotDirty         int
 }
 
 // E2 is Preble's E2 scheduler: exploit a replica that caches most of the
@@ -357,8 +389,13 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 		}
 		freed += n.Own()
 		if s, ok := n.Ext.(*e2Node); ok && n.Important() && s.count > 0 {
-			miss := 1 - float64(s.hit)/float64(max(s.prompt, 1))
-			cost += miss * float64(s.count) * secs(v.Profile.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
+			t := secs(v.Profile.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
+			if p.cfg.EvictionRecompute {
+				cost += t
+			} else {
+				miss := 1 - float64(s.hit)/float64(max(s.prompt, 1))
+				cost += miss * float64(s.count) * t
+			}
 		}
 		return freed < need
 	})
@@ -375,9 +412,18 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 	if p.cfg.IncludePrefill || p.cfg.InterferenceWeight > 0 {
 		pf := secs(v.Profile.Prefill(missed, req.PromptTokens))
 		if p.cfg.IncludePrefill {
-			c.Prefill = pf
+			c.Prefill = p.cfg.PrefillWeight * pf
 		}
 		c.Load += p.cfg.InterferenceWeight * pf * float64(v.Replicas[r].Decoding)
+	}
+	if p.cfg.SelfDecodeWeight > 0 && req.OutputTokens > 1 {
+		rp := &v.Replicas[r]
+		ctx := req.PromptTokens
+		if rp.Decoding > 0 {
+			ctx = rp.DecodeContextTokens / rp.Decoding
+		}
+		step := v.Profile.Iteration(costmodel.Batch{DecodeSeqs: rp.Decoding + 1, DecodeContext: ctx * (rp.Decoding + 1)})
+		c.Load += p.cfg.SelfDecodeWeight * float64(req.OutputTokens-1) * secs(step)
 	}
 	c.Score = c.Load + c.Eviction + c.Prefill
 	return c

@@ -159,14 +159,14 @@ type replicaInfo struct {
 
 // Tree is the global prefix tree. See the package comment for ownership.
 type Tree struct {
-	cfg      Config
-	root     *Node
-	index    map[blocks.Key]keyEntry
-	reps     []replicaInfo
-	nodes    int
-	ghead    *Node // global LRU: head = MRU
-	gtail    *Node
-	path     []*Node // scratch
+	cfg       Config
+	root      *Node
+	index     map[blocks.Key]keyEntry
+	reps      []replicaInfo
+	nodes     int
+	ghead     *Node // global LRU: head = MRU
+	gtail     *Node
+	path      []*Node // scratch
 	evictions int
 }
 

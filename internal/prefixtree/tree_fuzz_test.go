@@ -1,6 +1,8 @@
 package prefixtree
 
 import (
+	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -8,11 +10,21 @@ import (
 )
 
 // naive is the obviously-correct model the tree is checked against: the set of
-// keys present (every prefix of every inserted prompt) and, per replica, the
-// set of keys cached.
+// keys present (every prefix of every inserted prompt), per replica the set of
+// keys cached, and per replica the in-flight count through each key.
 type naive struct {
 	present map[blocks.Key]bool
 	cached  []map[blocks.Key]bool
+	refs    []map[blocks.Key]int
+}
+
+func newNaive(reps int) *naive {
+	m := &naive{present: map[blocks.Key]bool{}}
+	for i := 0; i < reps; i++ {
+		m.cached = append(m.cached, map[blocks.Key]bool{})
+		m.refs = append(m.refs, map[blocks.Key]int{})
+	}
+	return m
 }
 
 func (m *naive) match(keys []blocks.Key) (int, []int) {
@@ -22,91 +34,311 @@ func (m *naive) match(keys []blocks.Key) (int, []int) {
 	}
 	per := make([]int, len(m.cached))
 	for r, c := range m.cached {
-		for per[r] < n && c[keys[per[r]]] {
+		for per[r] < len(keys) && c[keys[per[r]]] {
 			per[r]++
 		}
 	}
 	return n, per
 }
 
-// FuzzTreeAgainstNaive drives the tree and the naive model with the same
-// operations over a 3-token alphabet (block size 1, so prompts collide often)
-// and checks that every lookup agrees.
+// fuzzPrompt derives a prompt of 1..8 tokens over {0,1,2} (block size 1, so
+// prompts collide often) from two bytes.
+func fuzzPrompt(op, arg byte) []blocks.Key {
+	ln := int(arg%8) + 1
+	toks := make([]uint32, ln)
+	x := uint32(op)*7 + uint32(arg)
+	for j := range toks {
+		toks[j] = x % 3
+		x = x*1103515245 + 12345
+		x >>= 3
+	}
+	return blocks.Keys(nil, toks, 1)
+}
+
+type hold struct {
+	keys []blocks.Key
+	r    int
+}
+
+// runTreeOps drives the tree and the naive model with the operations encoded
+// in data and checks them against each other after every operation. With
+// maxBlocks = 0 the tree is unbounded and must agree with the model exactly;
+// with a small bound it may have dropped keys nobody holds, so it must hold a
+// subset of the model's keys, stay prefix-closed, keep every cached and
+// referenced key, and respect the bound whenever nothing is held.
+func runTreeOps(t *testing.T, data []byte, maxBlocks int) {
+	const reps = 3
+	tr, err := New(Config{BlockTokens: 1, MaxBlocks: maxBlocks}, reps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bounded := maxBlocks > 0
+	m := newNaive(reps)
+	var prompts [][]blocks.Key
+	var holds []hold
+	var mt Match
+	now := time.Unix(0, 0)
+	// cachePath marks path cached on r in the tree and the model. A bounded
+	// tree may have evicted the tail of the path it just inserted.
+	cachePath := func(path []*Node, r int) {
+		tr.SetPathCached(path, r, now)
+		for _, n := range path {
+			if n.Evicted() {
+				continue
+			}
+			for _, k := range n.Keys() {
+				m.cached[r][k] = true
+			}
+		}
+	}
+	for i := 0; i+1 < len(data); i += 2 {
+		op, arg := data[i], data[i+1]
+		r := int(arg>>4) % reps
+		switch op % 8 {
+		case 0, 1: // insert a prompt, and on odd ops cache it on r
+			keys := fuzzPrompt(op, arg)
+			tr.Insert(keys, now, &mt)
+			if !bounded && (mt.Blocks != len(keys) || len(mt.Path) == 0) {
+				t.Fatalf("op %d: Insert of %d keys left a path of %d blocks", i/2, len(keys), mt.Blocks)
+			}
+			for _, k := range keys {
+				m.present[k] = true
+			}
+			if op%8 == 1 {
+				cachePath(mt.Path, r)
+			}
+			prompts = append(prompts, keys)
+		case 2: // remove one cached block of an earlier prompt from r
+			if len(prompts) == 0 {
+				continue
+			}
+			p := prompts[int(arg)%len(prompts)]
+			k := p[int(arg)%len(p)]
+			if n, ok := tr.Isolate(k); ok {
+				if n.Own() != 1 || n.Keys()[0] != k {
+					t.Fatalf("op %d: Isolate returned a node of %d keys", i/2, n.Own())
+				}
+				tr.SetCached(n, r, false)
+			}
+			delete(m.cached[r], k)
+		case 3:
+			tr.ClearReplica(r)
+			m.cached[r] = map[blocks.Key]bool{}
+		case 4: // an engine reports storing a prompt's tail below its head
+			keys := fuzzPrompt(op, arg)
+			j := int(arg>>3) % (len(keys) + 1)
+			if j == len(keys) {
+				j = 0
+			}
+			var parent blocks.Key
+			if j > 0 {
+				parent = keys[j-1]
+			}
+			_, _, parentIn := tr.Find(parent)
+			err := tr.InsertBelow(parent, j > 0, keys[j:], now, &mt)
+			if j > 0 && !parentIn {
+				if !errors.Is(err, ErrUnknownParent) {
+					t.Fatalf("op %d: InsertBelow under a missing parent: err %v, want ErrUnknownParent", i/2, err)
+				}
+				if !bounded && m.present[parent] {
+					t.Fatalf("op %d: the tree lost parent key %x", i/2, parent)
+				}
+				continue
+			}
+			if err != nil {
+				t.Fatalf("op %d: InsertBelow: %v", i/2, err)
+			}
+			own := 0
+			for _, n := range mt.Path {
+				own += n.Own()
+			}
+			if mt.Blocks != len(keys) || own != len(keys) {
+				t.Fatalf("op %d: InsertBelow path holds %d blocks (Blocks=%d), want %d", i/2, own, mt.Blocks, len(keys))
+			}
+			for _, k := range keys {
+				m.present[k] = true
+			}
+			// Cache the stored tail: nodes end exactly where keys[j:] starts.
+			need := len(keys) - j
+			var tail []*Node
+			for x := len(mt.Path) - 1; x >= 0 && need > 0; x-- {
+				tail = append(tail, mt.Path[x])
+				need -= mt.Path[x].Own()
+			}
+			if need != 0 {
+				t.Fatalf("op %d: stored keys do not start at a node boundary (%d left)", i/2, need)
+			}
+			slices.Reverse(tail)
+			cachePath(tail, r)
+			prompts = append(prompts, keys)
+		case 5: // a request on r holds an earlier prompt's path
+			if len(prompts) == 0 {
+				continue
+			}
+			p := prompts[int(arg)%len(prompts)]
+			tr.Lookup(p, &mt)
+			if mt.Blocks != len(p) {
+				continue // partly evicted by the bound: nothing to hold
+			}
+			tr.AddRef(mt.Path, r, 1)
+			for _, k := range p {
+				m.refs[r][k]++
+			}
+			holds = append(holds, hold{p, r})
+		case 6: // a held request finishes; its path is looked up again
+			if len(holds) == 0 {
+				continue
+			}
+			x := int(arg) % len(holds)
+			h := holds[x]
+			holds = append(holds[:x], holds[x+1:]...)
+			tr.Lookup(h.keys, &mt)
+			if mt.Blocks != len(h.keys) {
+				t.Fatalf("op %d: a held prompt lost keys: %d of %d present", i/2, mt.Blocks, len(h.keys))
+			}
+			tr.AddRef(mt.Path, h.r, -1)
+			for _, k := range h.keys {
+				m.refs[h.r][k]--
+			}
+		case 7: // the mirror evicts blocks of r, LRU first
+			want := int(arg%8) + 1
+			before := len(m.cached[r])
+			freed := tr.EvictLRU(r, want, now)
+			for k := range m.cached[r] {
+				n, _, ok := tr.Find(k)
+				if !ok {
+					t.Fatalf("op %d: cached key %x left the tree", i/2, k)
+				}
+				if !n.Cached(r) {
+					if m.refs[r][k] > 0 {
+						t.Fatalf("op %d: EvictLRU uncached key %x held by %d requests", i/2, k, m.refs[r][k])
+					}
+					delete(m.cached[r], k)
+				}
+			}
+			if got := before - len(m.cached[r]); got != freed {
+				t.Fatalf("op %d: EvictLRU reports %d blocks freed, %d were", i/2, freed, got)
+			}
+			if freed < want {
+				// It stops short only when nothing evictable is left.
+				tr.EachLRU(r, func(n *Node) bool {
+					if n.Ref(r) == 0 && n.ChildCount() == 0 {
+						t.Fatalf("op %d: EvictLRU stopped at %d of %d blocks with an evictable leaf left", i/2, freed, want)
+					}
+					return true
+				})
+			}
+		}
+		now = now.Add(time.Millisecond)
+		checkTree(t, i/2, tr, m, prompts, holds, maxBlocks)
+	}
+}
+
+func checkTree(t *testing.T, op int, tr *Tree, m *naive, prompts [][]blocks.Key, holds []hold, maxBlocks int) {
+	t.Helper()
+	var mt Match
+	for _, p := range prompts {
+		tr.Lookup(p, &mt)
+		wantN, wantPer := m.match(p)
+		// Prefix-closed: the keys present are a prefix of the prompt.
+		present := 0
+		for present < len(p) {
+			if _, _, ok := tr.Find(p[present]); !ok {
+				break
+			}
+			present++
+		}
+		for _, k := range p[present:] {
+			if _, _, ok := tr.Find(k); ok {
+				t.Fatalf("op %d: key %x present below a missing key (not prefix-closed)", op, k)
+			}
+		}
+		if mt.Blocks != present {
+			t.Fatalf("op %d: Lookup matches %d blocks, %d leading keys are present", op, mt.Blocks, present)
+		}
+		if maxBlocks == 0 && mt.Blocks != wantN {
+			t.Fatalf("op %d: match %d blocks, want %d", op, mt.Blocks, wantN)
+		}
+		if mt.Blocks > wantN {
+			t.Fatalf("op %d: match %d blocks, more than the %d ever inserted", op, mt.Blocks, wantN)
+		}
+		// Cached blocks are never dropped, so per-replica matches are exact.
+		for r := range wantPer {
+			if mt.PerReplica[r] != wantPer[r] {
+				t.Fatalf("op %d: replica %d matches %d, want %d", op, r, mt.PerReplica[r], wantPer[r])
+			}
+		}
+		// Path and depth bookkeeping.
+		depth := 0
+		for x, n := range mt.Path {
+			if n.Depth() != depth || n.Evicted() {
+				t.Fatalf("op %d: path node %d has depth %d (evicted %v), want %d", op, x, n.Depth(), n.Evicted(), depth)
+			}
+			depth += n.Own()
+		}
+		if len(mt.Path) > 0 && depth-mt.Path[len(mt.Path)-1].Own()+mt.LastBlocks != mt.Blocks {
+			t.Fatalf("op %d: path covers %d blocks with LastBlocks %d, want %d", op, depth, mt.LastBlocks, mt.Blocks)
+		}
+		for _, k := range p[:present] {
+			n, _, _ := tr.Find(k)
+			for r := range m.refs {
+				if got, want := n.Ref(r), m.refs[r][k]; got != want {
+					t.Fatalf("op %d: key %x: Ref(%d) = %d, want %d", op, k, r, got, want)
+				}
+			}
+		}
+	}
+	for r := range m.cached {
+		if got, want := tr.CachedBlocks(r), len(m.cached[r]); got != want {
+			t.Fatalf("op %d: replica %d caches %d blocks, want %d", op, r, got, want)
+		}
+		n := 0
+		tr.EachLRU(r, func(nd *Node) bool {
+			if !nd.Cached(r) {
+				t.Fatalf("op %d: an uncached node is in replica %d's LRU list", op, r)
+			}
+			n += nd.Own()
+			return true
+		})
+		if n != len(m.cached[r]) {
+			t.Fatalf("op %d: replica %d's LRU list holds %d blocks, want %d", op, r, n, len(m.cached[r]))
+		}
+	}
+	if maxBlocks == 0 {
+		if got, want := tr.Blocks(), len(m.present); got != want {
+			t.Fatalf("op %d: tree holds %d blocks, want %d", op, got, want)
+		}
+		return
+	}
+	idle := len(holds) == 0
+	for r := range m.cached {
+		idle = idle && len(m.cached[r]) == 0
+	}
+	if idle && tr.Blocks() > maxBlocks {
+		t.Fatalf("op %d: tree holds %d blocks with nothing held, bound %d", op, tr.Blocks(), maxBlocks)
+	}
+}
+
+// FuzzTreeAgainstNaive drives an unbounded tree and the naive model with the
+// same operations (Insert, SetPathCached, Isolate, ClearReplica, InsertBelow,
+// AddRef, EvictLRU) over a 3-token alphabet and checks that they agree.
+// Seeds live in testdata/fuzz/FuzzTreeAgainstNaive.
 func FuzzTreeAgainstNaive(f *testing.F) {
 	f.Add([]byte{0, 1, 2, 0, 1, 1, 3, 0, 2, 1, 0})
 	f.Add([]byte{0, 0, 0, 0, 16, 0, 0, 1, 32, 2, 48, 1})
 	f.Add([]byte{5, 5, 5, 5, 5, 21, 37, 53, 69, 85, 101, 117})
+	f.Fuzz(func(t *testing.T, data []byte) { runTreeOps(t, data, 0) })
+}
+
+// FuzzTreeBounded runs the same operations on a tree bounded at 1..12
+// blocks (the first byte) and checks the invariants that eviction must keep.
+func FuzzTreeBounded(f *testing.F) {
+	f.Add([]byte{3, 0, 7, 0, 5, 1, 23, 5, 0, 6, 0, 0, 3, 7, 4})
+	f.Add([]byte{0, 1, 7, 0, 6, 0, 5, 1, 22, 7, 16, 0, 4, 4, 40})
 	f.Fuzz(func(t *testing.T, data []byte) {
-		const reps = 3
-		tr, err := New(Config{BlockTokens: 1}, reps)
-		if err != nil {
-			t.Fatal(err)
+		if len(data) == 0 {
+			return
 		}
-		m := &naive{present: map[blocks.Key]bool{}}
-		for i := 0; i < reps; i++ {
-			m.cached = append(m.cached, map[blocks.Key]bool{})
-		}
-		var prompts [][]blocks.Key
-		var mt Match
-		now := time.Unix(0, 0)
-		for i := 0; i+1 < len(data); i += 2 {
-			op, arg := data[i], data[i+1]
-			r := int(arg>>4) % reps
-			switch op % 5 {
-			case 0, 1: // insert a prompt of length 1..8 tokens over {0,1,2}
-				ln := int(arg%8) + 1
-				toks := make([]uint32, ln)
-				x := uint32(op)*7 + uint32(arg)
-				for j := range toks {
-					toks[j] = x % 3
-					x = x*1103515245 + 12345
-					x >>= 3
-				}
-				keys := blocks.Keys(nil, toks, 1)
-				tr.Insert(keys, now, &mt)
-				for _, k := range keys {
-					m.present[k] = true
-				}
-				if op%5 == 1 { // and cache it on r
-					tr.SetPathCached(mt.Path, r, now)
-					for _, k := range keys {
-						m.cached[r][k] = true
-					}
-				}
-				prompts = append(prompts, keys)
-			case 2: // remove one cached block of an earlier prompt from r
-				if len(prompts) == 0 {
-					continue
-				}
-				p := prompts[int(arg)%len(prompts)]
-				k := p[int(arg)%len(p)]
-				if n, ok := tr.Isolate(k); ok {
-					tr.SetCached(n, r, false)
-				}
-				delete(m.cached[r], k)
-			case 3:
-				tr.ClearReplica(r)
-				m.cached[r] = map[blocks.Key]bool{}
-			case 4: // lookups happen below for every prompt
-			}
-			now = now.Add(time.Millisecond)
-			for _, p := range prompts {
-				tr.Lookup(p, &mt)
-				wantN, wantPer := m.match(p)
-				if mt.Blocks != wantN {
-					t.Fatalf("op %d: match %d blocks, want %d", i/2, mt.Blocks, wantN)
-				}
-				for rr := range wantPer {
-					if mt.PerReplica[rr] != wantPer[rr] {
-						t.Fatalf("op %d: replica %d matches %d, want %d", i/2, rr, mt.PerReplica[rr], wantPer[rr])
-					}
-				}
-			}
-			for rr := 0; rr < reps; rr++ {
-				if got, want := tr.CachedBlocks(rr), len(m.cached[rr]); got != want {
-					t.Fatalf("op %d: replica %d caches %d blocks, want %d", i/2, rr, got, want)
-				}
-			}
-		}
+		runTreeOps(t, data[1:], int(data[0]%12)+1)
 	})
 }

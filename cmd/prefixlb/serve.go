@@ -1,0 +1,179 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/proxy"
+)
+
+// serveFlags binds `prefixlb serve`'s flags; fields a flag sets override
+// the config file.
+type serveFlags struct {
+	cfg      proxy.Config
+	backends string
+	config   string
+	logLevel string
+}
+
+// overrides copies, for every flag the user set, its value into c.
+func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
+	set := map[string]func(){
+		"listen":                  func() { c.Listen = f.cfg.Listen },
+		"backend":                 func() { c.Backends = proxy.ParseBackends(f.backends) },
+		"policy":                  func() { c.Policy = f.cfg.Policy },
+		"profile":                 func() { c.Profile = f.cfg.Profile },
+		"block-tokens":            func() { c.BlockTokens = f.cfg.BlockTokens },
+		"seed":                    func() { c.Seed = f.cfg.Seed },
+		"admin-token":             func() { c.AdminToken = f.cfg.AdminToken },
+		"connect-timeout":         func() { c.ConnectTimeout = f.cfg.ConnectTimeout },
+		"response-header-timeout": func() { c.ResponseHeaderTimeout = f.cfg.ResponseHeaderTimeout },
+		"idle-timeout":            func() { c.IdleTimeout = f.cfg.IdleTimeout },
+		"request-timeout":         func() { c.RequestTimeout = f.cfg.RequestTimeout },
+		"read-header-timeout":     func() { c.ReadHeaderTimeout = f.cfg.ReadHeaderTimeout },
+		"health-path":             func() { c.HealthPath = f.cfg.HealthPath },
+		"health-interval":         func() { c.HealthInterval = f.cfg.HealthInterval },
+		"health-timeout":          func() { c.HealthTimeout = f.cfg.HealthTimeout },
+		"eject-after":             func() { c.EjectAfter = f.cfg.EjectAfter },
+		"readmit-after":           func() { c.ReadmitAfter = f.cfg.ReadmitAfter },
+		"metrics-path":            func() { c.MetricsPath = f.cfg.MetricsPath },
+		"scrape-interval":         func() { c.ScrapeInterval = f.cfg.ScrapeInterval },
+		"max-body-bytes":          func() { c.MaxBodyBytes = f.cfg.MaxBodyBytes },
+		"max-response-bytes":      func() { c.MaxResponseBytes = f.cfg.MaxResponseBytes },
+		"max-retries":             func() { c.MaxRetries = f.cfg.MaxRetries },
+		"drain-timeout":           func() { c.DrainTimeout = f.cfg.DrainTimeout },
+	}
+	fs.Visit(func(fl *pflag.Flag) {
+		if apply, ok := set[fl.Name]; ok {
+			apply()
+		}
+	})
+}
+
+func newServeCmd() *cobra.Command {
+	f := &serveFlags{cfg: proxy.DefaultConfig()}
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Route OpenAI-compatible requests to inference replicas (the router)",
+		Long: `serve is prefixlb's router: an OpenAI-compatible reverse proxy in front of
+vLLM, SGLang or prefixlb engine replicas. It routes /v1/completions and
+/v1/chat/completions by prompt prefix with the chosen policy (e2 by default),
+passes streams through as they arrive, retries requests that fail before any
+byte reached the client, checks the replicas' health and scrapes their load.
+
+Every response carries x-prefixlb-replica and x-prefixlb-route (the decision's
+branch, matched tokens and cost terms). POST /debug/route explains a decision
+without forwarding; /metrics serves the router's Prometheus metrics.
+
+Settings come from defaults, then --config FILE (YAML, snake_case keys such as
+backends, policy, health_interval: 5s), then the flags given.`,
+		Example: `  prefixlb serve --listen :8080 --backend http://10.0.0.1:8000,http://10.0.0.2:8000
+  prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return runServe(ctx, cmd, f)
+		},
+	}
+	fs := cmd.Flags()
+	d := &f.cfg
+	fs.StringVar(&d.Listen, "listen", d.Listen, "address to listen on")
+	fs.StringVar(&f.backends, "backend", "", "replica base URLs, comma-separated (replaces the config file's backends)")
+	fs.StringVar(&d.Policy, "policy", d.Policy, "routing policy: "+strings.Join(policy.Names(), ", ")+" (e2 settings: 'e2:mixing=false')")
+	fs.StringVar(&f.config, "config", "", "YAML config file; flags given override its values")
+	fs.StringVar(&d.Profile, "profile", d.Profile, "cost profile name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file")
+	fs.IntVar(&d.BlockTokens, "block-tokens", d.BlockTokens, "tokens per routing key (engine block size); text is keyed in chunks of 4x this many bytes")
+	fs.Uint64Var(&d.Seed, "seed", d.Seed, "seed of the router's random choices")
+	fs.StringVar(&d.AdminToken, "admin-token", "", "bearer token required by /debug/* (default $PREFIXLB_ADMIN_TOKEN)")
+	fs.DurationVar(&d.ConnectTimeout, "connect-timeout", d.ConnectTimeout, "timeout to connect to a replica")
+	fs.DurationVar(&d.ResponseHeaderTimeout, "response-header-timeout", d.ResponseHeaderTimeout, "timeout for a replica's response headers (0: none)")
+	fs.DurationVar(&d.IdleTimeout, "idle-timeout", d.IdleTimeout, "longest silence inside a response body (0: none)")
+	fs.DurationVar(&d.RequestTimeout, "request-timeout", d.RequestTimeout, "timeout of a whole request, retries included (0: none)")
+	fs.DurationVar(&d.ReadHeaderTimeout, "read-header-timeout", d.ReadHeaderTimeout, "timeout to read a client's request headers")
+	fs.StringVar(&d.HealthPath, "health-path", d.HealthPath, "replicas' health endpoint")
+	fs.DurationVar(&d.HealthInterval, "health-interval", d.HealthInterval, "interval of active health checks")
+	fs.DurationVar(&d.HealthTimeout, "health-timeout", d.HealthTimeout, "timeout of one health check or metrics scrape")
+	fs.IntVar(&d.EjectAfter, "eject-after", d.EjectAfter, "consecutive failed health checks that eject a replica")
+	fs.IntVar(&d.ReadmitAfter, "readmit-after", d.ReadmitAfter, "consecutive good health checks that re-admit a replica")
+	fs.StringVar(&d.MetricsPath, "metrics-path", d.MetricsPath, "replicas' Prometheus endpoint")
+	fs.DurationVar(&d.ScrapeInterval, "scrape-interval", d.ScrapeInterval, "interval of load scrapes (0: never)")
+	fs.Int64Var(&d.MaxBodyBytes, "max-body-bytes", d.MaxBodyBytes, "largest request body accepted")
+	fs.Int64Var(&d.MaxResponseBytes, "max-response-bytes", d.MaxResponseBytes, "largest non-streamed response checked (larger ones pass unchecked)")
+	fs.IntVar(&d.MaxRetries, "max-retries", d.MaxRetries, "other replicas to try when one fails before any byte reached the client")
+	fs.DurationVar(&d.DrainTimeout, "drain-timeout", d.DrainTimeout, "how long shutdown waits for in-flight requests")
+	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	return cmd
+}
+
+func init() { rootCmd.AddCommand(newServeCmd()) }
+
+// runServe builds the configuration (defaults, file, flags), then serves
+// until ctx ends and drains.
+func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
+		return fmt.Errorf("serve: --log-level: %w", err)
+	}
+	log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
+
+	cfg := proxy.DefaultConfig()
+	if f.config != "" {
+		var err error
+		if cfg, err = proxy.LoadConfig(f.config, cfg); err != nil {
+			return fmt.Errorf("serve: %w", err)
+		}
+	}
+	f.overrides(cmd.Flags(), &cfg)
+	if cfg.AdminToken == "" {
+		cfg.AdminToken = os.Getenv("PREFIXLB_ADMIN_TOKEN")
+	}
+	cfg.Logger = log
+	if len(cfg.Backends) == 0 {
+		return errors.New("serve: no replicas: give --backend URL[,URL..] or backends in --config")
+	}
+	p, err := proxy.New(cfg)
+	if err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	defer p.Close()
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("serve: listen: %w", err)
+	}
+	names := make([]string, len(cfg.Backends))
+	for i, b := range cfg.Backends {
+		names[i] = b.URL
+	}
+	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
+		"backends", strings.Join(names, ","), "admin_token", cfg.AdminToken != "")
+
+	runCtx, stopRun := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_ = p.Run(runCtx)
+	}()
+	err = p.Serve(ctx, ln)
+	stopRun() // health checks run on while draining
+	wg.Wait()
+	if err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	log.Info("drained")
+	return nil
+}

@@ -1,0 +1,592 @@
+// Package engine serves the replica model (internal/replica) behind vLLM's
+// OpenAI-compatible HTTP API, in real time: the `prefixlb engine` command, and
+// the replicas `prefixlb demo` and the router's tests start in-process.
+//
+// One goroutine, Run's, owns the replica. It runs an iteration (Step), waits
+// until the iteration's modelled end on the Clock (Config.TimeScale times
+// sooner), hands every request its new tokens, and starts the next iteration
+// with the requests and cancellations that arrived meanwhile, as a real
+// engine's scheduler does between forward passes. HTTP handlers never touch
+// the replica: they queue work for Run and wait for their request's progress,
+// which Run publishes without ever blocking on a client.
+//
+// What a client sees is vLLM's API (INTERFACES.md §1–2): /v1/completions and
+// /v1/chat/completions, streamed (SSE) or not, with usage including
+// prompt_tokens_details.cached_tokens (the prefix-cache hit of the request's
+// admission); /v1/models, /health, /tokenize and /metrics with vLLM's metric
+// names. The model generates no real text: every request produces exactly
+// max_tokens tokens (as if ignore_eos were set), finish_reason "length", and
+// token k is a word chosen by a hash of the prompt and k, so the same request
+// always gets the same text.
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/replica"
+)
+
+// Defaults filled in by Config.Default.
+const (
+	// DefaultModel is the model name served when Config.Model is empty.
+	DefaultModel = "prefixlb-sim"
+	// DefaultMaxModelLen is the longest prompt plus output accepted, in
+	// tokens, like vLLM's --max-model-len (131072 is Llama 3.1's context).
+	DefaultMaxModelLen = 131072
+	// DefaultMaxBodyBytes bounds a request body: a full 131072-token prompt
+	// sent as token ids is about 1 MiB of JSON.
+	DefaultMaxBodyBytes = 16 << 20
+	// DefaultMaxTokens is the output length of a request that gives no
+	// max_tokens (vLLM's default for completions).
+	DefaultMaxTokens = 16
+)
+
+// Errors of the engine.
+var (
+	// ErrInvalidConfig is wrapped by every error Config.Validate returns.
+	ErrInvalidConfig = errors.New("engine: invalid config")
+	// ErrStopped: Run has returned (or the request was still waiting when it
+	// did); the engine serves no more requests.
+	ErrStopped = errors.New("engine: stopped")
+	// ErrRunning: Run was called a second time.
+	ErrRunning = errors.New("engine: Run called twice")
+	// ErrBusy: the prefix cache cannot be reset while requests are running.
+	ErrBusy = errors.New("engine: requests are running")
+)
+
+// Clock is the engine's source of time. Run reads Now at each iteration and
+// waits on After for the iteration to end; timestamps in responses and
+// metrics come from Now.
+type Clock interface {
+	// Now returns the current time.
+	Now() time.Time
+	// After returns a channel that receives the time once d has passed.
+	After(d time.Duration) <-chan time.Time
+}
+
+// RealClock is the wall clock (package time).
+type RealClock struct{}
+
+// Now returns time.Now().
+func (RealClock) Now() time.Time { return time.Now() }
+
+// After returns time.After(d).
+func (RealClock) After(d time.Duration) <-chan time.Time { return time.After(d) }
+
+var _ Clock = RealClock{}
+
+// Config configures an Engine. Fill what you need and pass it to New, which
+// fills the rest (Default) and validates it.
+type Config struct {
+	// Replica configures the modelled GPU: Replica.Profile is required; its
+	// zero fields take replica's defaults.
+	Replica replica.Config
+	// Model is the model name /v1/models lists and responses carry.
+	// Default DefaultModel.
+	Model string
+	// StrictModel makes a request that names another model fail with 404,
+	// as vLLM does. By default any model name is accepted, so that a client
+	// configured for the real model can talk to the engine unchanged.
+	StrictModel bool
+	// TimeScale divides every modelled duration: at 10 an iteration the
+	// profile prices at 50 ms takes 5 ms of real time. Latencies in metrics
+	// are real (scaled) time. Default 1.
+	TimeScale float64
+	// MaxModelLen is the most prompt plus output tokens a request may ask
+	// for (vLLM's --max-model-len); longer requests fail with 400.
+	// Default DefaultMaxModelLen.
+	MaxModelLen int
+	// MaxBodyBytes bounds a request body; a larger one fails with 413.
+	// Default DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// DefaultMaxTokens is the output length of a request without
+	// max_tokens (chat requests included, where vLLM would fill the
+	// context). Default DefaultMaxTokens.
+	DefaultMaxTokens int
+	// Tokenizer turns text prompts and rendered chats into token ids.
+	// Default WordTokenizer.
+	Tokenizer Tokenizer
+	// RenderChat renders chat messages into the text the Tokenizer sees.
+	// Default RenderChat.
+	RenderChat func([]ChatMessage) string
+	// Clock is the engine's time source. Default RealClock.
+	Clock Clock
+	// OnKVEvent, when set, receives every BlocksStored, BlocksRemoved and
+	// AllCleared event of the replica, in order, with At on Clock's time
+	// (not the modelled time). It is called from Run's goroutine, so it sees
+	// one event at a time and delays the engine by as long as it takes: hand
+	// the event off rather than doing I/O in it. The event's Keys must not be
+	// modified; they may be kept. A KV-event publisher (vLLM's ZMQ stream)
+	// plugs in here.
+	OnKVEvent func(replica.Event)
+	// Logger receives the engine's rare log lines. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// DefaultConfig returns a Config with every default filled in and no
+// Replica.Profile.
+func DefaultConfig() Config {
+	var c Config
+	c.Default()
+	return c
+}
+
+// Default fills the zero fields that have a default, Replica's included.
+func (c *Config) Default() {
+	c.Replica.Default()
+	if c.Model == "" {
+		c.Model = DefaultModel
+	}
+	if c.TimeScale == 0 {
+		c.TimeScale = 1
+	}
+	if c.MaxModelLen == 0 {
+		c.MaxModelLen = DefaultMaxModelLen
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.DefaultMaxTokens == 0 {
+		c.DefaultMaxTokens = DefaultMaxTokens
+	}
+	if c.Tokenizer == nil {
+		c.Tokenizer = WordTokenizer{}
+	}
+	if c.RenderChat == nil {
+		c.RenderChat = RenderChat
+	}
+	if c.Clock == nil {
+		c.Clock = RealClock{}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Validate reports the first rule the config breaks, as an error wrapping
+// ErrInvalidConfig that names the field (replica.ErrInvalidConfig for the
+// Replica fields). It checks the config as given: call Default first.
+func (c Config) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	switch {
+	case c.Model == "":
+		return bad("Model is empty")
+	case !(c.TimeScale > 0) || math.IsInf(c.TimeScale, 0):
+		return bad("TimeScale must be positive and finite, got %v", c.TimeScale)
+	case c.MaxModelLen < 2:
+		return bad("MaxModelLen must be at least 2, got %d", c.MaxModelLen)
+	case c.MaxBodyBytes < 1:
+		return bad("MaxBodyBytes must be positive, got %d", c.MaxBodyBytes)
+	case c.DefaultMaxTokens < 1:
+		return bad("DefaultMaxTokens must be at least 1, got %d", c.DefaultMaxTokens)
+	case c.Tokenizer == nil:
+		return bad("Tokenizer is nil")
+	case c.RenderChat == nil:
+		return bad("RenderChat is nil")
+	case c.Clock == nil:
+		return bad("Clock is nil")
+	case c.Logger == nil:
+		return bad("Logger is nil")
+	}
+	if err := c.Replica.Validate(); err != nil {
+		return fmt.Errorf("%w: Replica: %w", ErrInvalidConfig, err)
+	}
+	return nil
+}
+
+// Engine is one modelled replica behind vLLM's HTTP API. Create it with New,
+// serve Handler, and call Run to start the model; requests wait until Run
+// starts and fail with 503 once it has returned. Its methods are safe for
+// concurrent use.
+type Engine struct {
+	cfg         Config
+	rep         *replica.Replica // owned by Run's goroutine
+	totalBlocks int
+	created     time.Time
+	handler     http.Handler
+	met         metrics
+	ids         atomic.Uint64 // last request ID handed out
+
+	mu      sync.Mutex // guards ops, started and stopped
+	ops     []op       // work queued for Run, in arrival order
+	started bool
+	stopped bool
+	wake    chan struct{} // capacity 1; signalled when ops grows
+
+	statsMu sync.Mutex    // guards stats and changed
+	stats   replica.Stats // the replica's state as of Run's last publish
+	changed chan struct{} // closed (and replaced) when stats is published
+}
+
+// New returns an engine with an idle replica. It starts nothing: serve
+// Handler and call Run.
+func New(cfg Config) (*Engine, error) {
+	cfg.Default()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	rep, err := replica.New(cfg.Replica)
+	if err != nil {
+		return nil, fmt.Errorf("engine: new replica: %w", err)
+	}
+	cfg.Replica = rep.Config()
+	e := &Engine{
+		cfg:     cfg,
+		rep:     rep,
+		created: cfg.Clock.Now(),
+		wake:    make(chan struct{}, 1),
+		changed: make(chan struct{}),
+	}
+	e.stats = rep.Stats()
+	e.totalBlocks = e.stats.TotalBlocks
+	e.met.init()
+	e.handler = e.routes()
+	return e, nil
+}
+
+// Config returns the engine's configuration, defaults filled in.
+func (e *Engine) Config() Config { return e.cfg }
+
+// Handler returns the HTTP API: POST /v1/completions, POST
+// /v1/chat/completions, GET /v1/models, GET /health (200 while Run runs, 503
+// otherwise), POST /tokenize, GET /metrics and POST /reset_prefix_cache.
+func (e *Engine) Handler() http.Handler { return e.handler }
+
+// Stats returns the replica's state as Run last published it: while an
+// iteration runs, Running counts every request in it (those finishing at its
+// end included) and the counters are as of its end.
+func (e *Engine) Stats() replica.Stats {
+	e.statsMu.Lock()
+	defer e.statsMu.Unlock()
+	return e.stats
+}
+
+// waitStats blocks until cond holds for the published stats or ctx is done.
+func (e *Engine) waitStats(ctx context.Context, cond func(replica.Stats) bool) error {
+	for {
+		e.statsMu.Lock()
+		st, ch := e.stats, e.changed
+		e.statsMu.Unlock()
+		if cond(st) {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return fmt.Errorf("engine: wait for stats: %w (last %+v)", ctx.Err(), st)
+		}
+	}
+}
+
+func (e *Engine) publish(st replica.Stats) {
+	e.statsMu.Lock()
+	e.stats = st
+	close(e.changed)
+	e.changed = make(chan struct{})
+	e.statsMu.Unlock()
+}
+
+// opKind says what an op asks of Run.
+type opKind uint8
+
+const (
+	opSubmit opKind = iota + 1
+	opCancel
+	opReset
+)
+
+// op is work a handler queues for Run's goroutine.
+type op struct {
+	kind  opKind
+	st    *stream    // opSubmit
+	id    uint64     // opCancel
+	reply chan error // opReset; capacity 1
+}
+
+// enqueue hands o to Run. It fails with ErrStopped once Run has returned.
+func (e *Engine) enqueue(o op) error {
+	e.mu.Lock()
+	if e.stopped {
+		e.mu.Unlock()
+		return ErrStopped
+	}
+	e.ops = append(e.ops, o)
+	e.mu.Unlock()
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// running reports whether Run is serving.
+func (e *Engine) running() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.started && !e.stopped
+}
+
+// resetPrefixCache empties the replica's prefix cache between iterations.
+func (e *Engine) resetPrefixCache(ctx context.Context) error {
+	reply := make(chan error, 1)
+	if err := e.enqueue(op{kind: opReset, reply: reply}); err != nil {
+		return err
+	}
+	select {
+	case err := <-reply:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// progress is what a handler knows of its request.
+type progress struct {
+	hit       int   // cached prompt tokens at the first admission
+	generated int   // output tokens produced so far
+	finished  bool  // all tokens produced
+	err       error // the request failed (the engine stopped)
+}
+
+// stream is one request in flight, shared between its handler and Run.
+type stream struct {
+	req     replica.Request
+	arrival time.Time     // when the handler submitted it, on the Clock
+	notify  chan struct{} // capacity 1; signalled when p changes
+
+	last time.Time // Run only: when the last token came
+
+	mu sync.Mutex // guards p
+	p  progress
+}
+
+func newStream(req replica.Request, now time.Time) *stream {
+	return &stream{req: req, arrival: now, notify: make(chan struct{}, 1)}
+}
+
+// update changes the progress and wakes the handler; it never blocks.
+func (s *stream) update(f func(*progress)) {
+	s.mu.Lock()
+	f(&s.p)
+	s.mu.Unlock()
+	select {
+	case s.notify <- struct{}{}:
+	default:
+	}
+}
+
+func (s *stream) progress() progress {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.p
+}
+
+// Run runs the replica in real time until ctx is done, then fails the
+// requests still in flight with ErrStopped and returns nil. It returns
+// ErrRunning if called again.
+func (e *Engine) Run(ctx context.Context) error {
+	e.mu.Lock()
+	if e.started {
+		e.mu.Unlock()
+		return fmt.Errorf("engine: run: %w", ErrRunning)
+	}
+	e.started = true
+	e.mu.Unlock()
+	d := &driver{
+		e:     e,
+		rep:   e.rep,
+		clock: e.cfg.Clock,
+		scale: e.cfg.TimeScale,
+		live:  make(map[uint64]*stream),
+	}
+	d.base = d.clock.Now()
+	defer d.stop()
+	d.loop(ctx)
+	return nil
+}
+
+// driver is the state of Run's goroutine.
+type driver struct {
+	e     *Engine
+	rep   *replica.Replica
+	clock Clock
+	scale float64
+	base  time.Time          // real time at which modelled time = real time
+	live  map[uint64]*stream // submitted, neither finished nor cancelled
+	evbuf []replica.Event
+	ops   []op
+}
+
+// modelled maps real time to the replica's modelled time, which runs
+// TimeScale times faster from base.
+func (d *driver) modelled(t time.Time) time.Time {
+	if d.scale == 1 {
+		return t
+	}
+	return d.base.Add(time.Duration(float64(t.Sub(d.base)) * d.scale))
+}
+
+// real maps a modelled duration to real time.
+func (d *driver) real(dur time.Duration) time.Duration {
+	if d.scale == 1 {
+		return dur
+	}
+	return time.Duration(float64(dur) / d.scale)
+}
+
+func (d *driver) loop(ctx context.Context) {
+	for ctx.Err() == nil {
+		d.applyOps()
+		start := d.clock.Now()
+		mStart := d.modelled(start)
+		mEnd, evs, busy := d.rep.Step(mStart, d.evbuf[:0])
+		if !busy {
+			d.e.publish(d.rep.Stats())
+			select {
+			case <-ctx.Done():
+			case <-d.e.wake:
+			}
+			continue
+		}
+		// Events dated at the start (admissions, preemptions, evictions)
+		// come first; the rest are dated at the end.
+		split := len(evs)
+		finishing := 0
+		for i, ev := range evs {
+			if split == len(evs) && ev.At.After(mStart) {
+				split = i
+			}
+			if ev.Kind == replica.Finished {
+				finishing++
+			}
+		}
+		// During the iteration the requests finishing at its end still run.
+		st := d.rep.Stats()
+		st.Running += finishing
+		d.e.publish(st)
+		d.deliver(evs[:split], start)
+		if wait := d.real(mEnd.Sub(mStart)); wait > 0 {
+			select {
+			case <-ctx.Done():
+				clear(evs)
+				return
+			case <-d.clock.After(wait):
+			}
+		}
+		d.deliver(evs[split:], d.clock.Now())
+		d.e.publish(d.rep.Stats())
+		clear(evs) // drop references to requests' keys
+		d.evbuf = evs[:0]
+	}
+}
+
+// applyOps runs the work handlers queued since the last iteration.
+func (d *driver) applyOps() {
+	d.e.mu.Lock()
+	d.ops, d.e.ops = d.e.ops, d.ops[:0]
+	d.e.mu.Unlock()
+	if len(d.ops) == 0 {
+		return
+	}
+	now := d.clock.Now()
+	mNow := d.modelled(now)
+	for i, o := range d.ops {
+		switch o.kind {
+		case opSubmit:
+			if err := d.rep.Submit(&o.st.req, mNow); err != nil {
+				o.st.update(func(p *progress) { p.err = fmt.Errorf("engine: submit: %w", err) })
+				break
+			}
+			d.live[o.st.req.ID] = o.st
+		case opCancel:
+			if d.live[o.id] != nil {
+				d.rep.Cancel(o.id, mNow)
+				delete(d.live, o.id)
+			}
+		case opReset:
+			evs, ok := d.rep.ResetPrefixCache(mNow)
+			if !ok {
+				o.reply <- ErrBusy
+				break
+			}
+			d.deliver(evs, now)
+			o.reply <- nil
+		}
+		d.ops[i] = op{}
+	}
+	d.ops = d.ops[:0]
+}
+
+// deliver hands events that happened at now (real time) to their requests,
+// the metrics and the KV-event hook.
+func (d *driver) deliver(evs []replica.Event, now time.Time) {
+	m := &d.e.met
+	for _, ev := range evs {
+		switch ev.Kind {
+		case replica.BlocksStored, replica.BlocksRemoved, replica.AllCleared:
+			if d.e.cfg.OnKVEvent != nil {
+				ev.At = now
+				d.e.cfg.OnKVEvent(ev)
+			}
+			continue
+		}
+		s := d.live[ev.RequestID]
+		if s == nil {
+			continue
+		}
+		switch ev.Kind {
+		case replica.Admitted:
+			if !ev.Resumed {
+				hit := ev.HitTokens
+				s.update(func(p *progress) { p.hit = hit })
+			}
+		case replica.FirstToken, replica.Token:
+			if ev.Kind == replica.FirstToken {
+				m.firstToken(now.Sub(s.arrival), s.req.PromptTokens)
+			} else {
+				m.token(now.Sub(s.last))
+			}
+			s.last = now
+			n := ev.N
+			s.update(func(p *progress) { p.generated = n })
+		case replica.Finished:
+			m.finished(now.Sub(s.arrival))
+			delete(d.live, ev.RequestID)
+			s.update(func(p *progress) { p.finished = true })
+		}
+	}
+}
+
+// stop ends Run: no more work is accepted, and every request queued or in
+// flight fails with ErrStopped.
+func (d *driver) stop() {
+	d.e.mu.Lock()
+	d.e.stopped = true
+	pending := d.e.ops
+	d.e.ops = nil
+	d.e.mu.Unlock()
+	fail := func(p *progress) { p.err = ErrStopped }
+	for _, o := range pending {
+		switch o.kind {
+		case opSubmit:
+			o.st.update(fail)
+		case opReset:
+			o.reply <- ErrStopped
+		}
+	}
+	for id, s := range d.live {
+		s.update(fail)
+		delete(d.live, id)
+	}
+	d.e.publish(d.rep.Stats())
+}

@@ -1,0 +1,217 @@
+package proxy
+
+import (
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+// writeJSON answers v as JSON with status.
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		writeErrorStatus(w, http.StatusInternalServerError, fmt.Errorf("proxy: encode response: %w", err))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(append(b, '\n'))
+}
+
+// admin wraps h with the bearer-token check when AdminToken is set. The
+// token is compared in constant time.
+func (p *Proxy) admin(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if want := p.cfg.AdminToken; want != "" {
+			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+			if !ok || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), []byte(want)) != 1 {
+				writeError(w, fmt.Errorf("proxy: %s: %w", r.URL.Path, ErrUnauthorized))
+				return
+			}
+		}
+		h(w, r)
+	}
+}
+
+// serveHealth answers 200 when at least one replica is in routing, else 503.
+func (p *Proxy) serveHealth(w http.ResponseWriter, r *http.Request) {
+	n := p.upCount()
+	status, word := http.StatusOK, "ok"
+	if n == 0 {
+		status, word = http.StatusServiceUnavailable, "no replica up"
+	}
+	writeJSON(w, status, map[string]any{"status": word, "replicas_up": n, "replicas": len(p.backends)})
+}
+
+// serveModels answers the union of the up replicas' /v1/models lists (each
+// model once, by id, in replica order).
+func (p *Proxy) serveModels(w http.ResponseWriter, r *http.Request) {
+	type answer struct {
+		models []json.RawMessage
+		err    error
+	}
+	p.mu.Lock()
+	var up []*backend
+	for i, s := range p.state {
+		if s.up {
+			up = append(up, p.backends[i])
+		}
+	}
+	p.mu.Unlock()
+	answers := make([]answer, len(up))
+	var wg sync.WaitGroup
+	for i, b := range up {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			answers[i].err = p.get(r.Context(), b, "/v1/models", func(body io.Reader) error {
+				var list struct {
+					Data []json.RawMessage `json:"data"`
+				}
+				if err := json.NewDecoder(io.LimitReader(body, maxErrorBody)).Decode(&list); err != nil {
+					return fmt.Errorf("decode model list: %w", err)
+				}
+				answers[i].models = list.Data
+				return nil
+			})
+		}()
+	}
+	wg.Wait()
+	seen := map[string]bool{}
+	data := []json.RawMessage{}
+	var errs []error
+	answered := 0
+	for _, a := range answers {
+		if a.err != nil {
+			errs = append(errs, a.err)
+			continue
+		}
+		answered++
+		for _, m := range a.models {
+			var id struct {
+				ID string `json:"id"`
+			}
+			if json.Unmarshal(m, &id) != nil || id.ID == "" || seen[id.ID] {
+				continue
+			}
+			seen[id.ID] = true
+			data = append(data, m)
+		}
+	}
+	if answered == 0 {
+		err := fmt.Errorf("proxy: list models: %w", policy.ErrNoReplica)
+		if len(errs) > 0 {
+			err = fmt.Errorf("proxy: list models: %w: %w", ErrUpstream, errors.Join(errs...))
+		}
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+}
+
+// RouteExplanation is POST /debug/route's answer: the decision the policy
+// would make for a request body now, without forwarding or committing it.
+type RouteExplanation struct {
+	Replica       string               `json:"replica"`
+	ReplicaID     int                  `json:"replica_id"`
+	Policy        string               `json:"policy"`
+	Branch        string               `json:"branch"`
+	MatchedTokens int                  `json:"matched_tokens"`
+	PromptTokens  int                  `json:"prompt_tokens"`
+	Keys          int                  `json:"keys"`
+	Candidates    []CandidateExplained `json:"candidates"`
+	Explain       string               `json:"explain"`
+}
+
+// CandidateExplained is one candidate of a RouteExplanation, with its name.
+type CandidateExplained struct {
+	Name string `json:"name"`
+	policy.Candidate
+}
+
+// serveDebugRoute answers the decision for the request body (a completions
+// body, or a chat body when it has "messages").
+func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
+	body, err := readBody(w, r, p.cfg.MaxBodyBytes)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	kind := KindCompletion
+	var probe struct {
+		Messages json.RawMessage `json:"messages"`
+	}
+	if json.Unmarshal(body, &probe) == nil && probe.Messages != nil {
+		kind = KindChat
+	}
+	req, err := ParseRequest(kind, body)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	keys, tokens, err := p.keyer.Keys(req)
+	if err != nil {
+		writeError(w, fmt.Errorf("proxy: key prompt: %w", err))
+		return
+	}
+	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession)}
+	if preq.Session == "" {
+		preq.Session = req.User
+	}
+	d, err := p.predict(preq)
+	if err != nil {
+		writeError(w, fmt.Errorf("proxy: route: %w", err))
+		return
+	}
+	out := RouteExplanation{
+		Replica: p.backends[d.Replica].name, ReplicaID: d.Replica, Policy: p.policy,
+		Branch: d.Branch, MatchedTokens: d.MatchedTokens, PromptTokens: tokens, Keys: len(keys),
+		Candidates: []CandidateExplained{}, Explain: d.Explain(),
+	}
+	for _, c := range d.Candidates {
+		name := ""
+		if c.Replica >= 0 && c.Replica < len(p.backends) {
+			name = p.backends[c.Replica].name
+		}
+		out.Candidates = append(out.Candidates, CandidateExplained{Name: name, Candidate: c})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// ReplicaStatus is one replica in GET /debug/replicas.
+type ReplicaStatus struct {
+	Name     string  `json:"name"`
+	URL      string  `json:"url"`
+	Up       bool    `json:"up"`
+	InFlight int     `json:"in_flight"`
+	Waiting  int     `json:"waiting"`
+	Running  int     `json:"running"`
+	KVUsage  float64 `json:"kv_usage"`
+}
+
+// serveDebugReplicas answers the replicas' state as the router sees it.
+func (p *Proxy) serveDebugReplicas(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"policy": p.policy, "replicas": p.Replicas()})
+}
+
+// Replicas returns a snapshot of the replicas as the router sees them.
+func (p *Proxy) Replicas() []ReplicaStatus {
+	p.mu.Lock()
+	reps := p.rt.Replicas()
+	state := append([]health(nil), p.state...)
+	p.mu.Unlock()
+	out := make([]ReplicaStatus, len(reps))
+	for i, rp := range reps {
+		b := p.backends[i]
+		out[i] = ReplicaStatus{Name: b.name, URL: b.url.String(), Up: state[i].up, InFlight: rp.InFlight,
+			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage}
+	}
+	return out
+}

@@ -1,0 +1,349 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+// Backend is one replica the proxy forwards to.
+type Backend struct {
+	// Name identifies the replica in headers, metrics and logs ("" : the
+	// URL's host:port).
+	Name string `json:"name"`
+	// URL is the replica's base URL (http or https, no path needed).
+	URL string `json:"url"`
+}
+
+// Config configures a Proxy. DefaultConfig gives every default; a zero
+// timeout means "none" unless its comment says otherwise.
+type Config struct {
+	// Listen is the address `prefixlb serve` listens on (not used by New).
+	Listen string
+	// Backends are the replicas, in ID order.
+	Backends []Backend
+	// Policy is the routing policy spec (policy.Parse: "e2",
+	// "e2-preble:mixing=false", "round-robin", ...).
+	Policy string
+	// Profile is the cost profile: a built-in name or a YAML file
+	// (costmodel.Lookup / costmodel.Load).
+	Profile string
+	// BlockTokens is the tokens one routing key stands for: token-id
+	// prompts are keyed in blocks of BlockTokens, text in chunks of
+	// 4·BlockTokens bytes (ChunkKeyer).
+	BlockTokens int
+	// Seed seeds the router's random choices.
+	Seed uint64
+
+	// ConnectTimeout bounds dialing a replica.
+	ConnectTimeout time.Duration
+	// ResponseHeaderTimeout bounds the wait for a replica's response
+	// headers once the request is sent (a non-streamed completion sends
+	// them only when it is done).
+	ResponseHeaderTimeout time.Duration
+	// IdleTimeout bounds the silence between two reads of a response body.
+	IdleTimeout time.Duration
+	// RequestTimeout bounds a client request as a whole, retries included.
+	RequestTimeout time.Duration
+	// ReadHeaderTimeout bounds reading a client's request headers (Serve).
+	ReadHeaderTimeout time.Duration
+
+	// HealthPath is polled on every replica every HealthInterval (> 0),
+	// each poll bounded by HealthTimeout (> 0).
+	HealthPath     string
+	HealthInterval time.Duration
+	HealthTimeout  time.Duration
+	// EjectAfter consecutive failed checks take a replica out of routing;
+	// ReadmitAfter consecutive good ones bring it back (both ≥ 1).
+	EjectAfter, ReadmitAfter int
+	// MetricsPath is scraped every ScrapeInterval (0: never) for the
+	// replica's load (vLLM and SGLang gauges).
+	MetricsPath    string
+	ScrapeInterval time.Duration
+
+	// MaxBodyBytes bounds a client request body (> 0).
+	MaxBodyBytes int64
+	// MaxResponseBytes bounds the part of a non-streamed response the
+	// proxy reads to check it and find its usage; a larger response is
+	// passed through unchecked (> 0).
+	MaxResponseBytes int64
+	// MaxRetries is how many other replicas a request that failed before
+	// any byte reached the client is retried on (≥ 0).
+	MaxRetries int
+	// AdminToken, when set, is the bearer token /debug/* requires.
+	AdminToken string
+	// DrainTimeout bounds how long Serve waits for in-flight requests after
+	// its context ends.
+	DrainTimeout time.Duration
+
+	// Logger receives the proxy's logs (nil: slog.Default()).
+	Logger *slog.Logger
+}
+
+// DefaultConfig returns the defaults: e2 on llama3.1-8b-h100, blocks of 16
+// tokens, health checks every 5s, up to 2 retries, 16 MiB bodies.
+func DefaultConfig() Config {
+	return Config{
+		Listen:                "127.0.0.1:8080",
+		Policy:                "e2",
+		Profile:               costmodel.Llama31_8BH100,
+		BlockTokens:           blocks.DefaultBlockSize,
+		Seed:                  1,
+		ConnectTimeout:        5 * time.Second,
+		ResponseHeaderTimeout: 10 * time.Minute,
+		IdleTimeout:           5 * time.Minute,
+		RequestTimeout:        0,
+		ReadHeaderTimeout:     10 * time.Second,
+		HealthPath:            "/health",
+		HealthInterval:        5 * time.Second,
+		HealthTimeout:         2 * time.Second,
+		EjectAfter:            3,
+		ReadmitAfter:          2,
+		MetricsPath:           "/metrics",
+		ScrapeInterval:        5 * time.Second,
+		MaxBodyBytes:          16 << 20,
+		MaxResponseBytes:      64 << 20,
+		MaxRetries:            2,
+		DrainTimeout:          30 * time.Second,
+	}
+}
+
+// Validate reports the first invalid field, by its YAML name.
+func (c *Config) Validate() error {
+	bad := func(field, format string, args ...any) error {
+		return fmt.Errorf("proxy: config: %s: %s", field, fmt.Sprintf(format, args...))
+	}
+	if len(c.Backends) == 0 {
+		return bad("backends", "at least one backend is required")
+	}
+	names := map[string]bool{}
+	for i, b := range c.Backends {
+		u, err := url.Parse(b.URL)
+		if err != nil {
+			return bad(fmt.Sprintf("backends[%d].url", i), "%v", err)
+		}
+		if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return bad(fmt.Sprintf("backends[%d].url", i), "%q is not an http(s) URL with a host", b.URL)
+		}
+		n := backendName(b)
+		if names[n] {
+			return bad(fmt.Sprintf("backends[%d].name", i), "duplicate backend name %q", n)
+		}
+		names[n] = true
+	}
+	if c.BlockTokens < 1 {
+		return bad("block_tokens", "must be ≥ 1, got %d", c.BlockTokens)
+	}
+	if _, err := policy.Parse(c.Policy, policyOptions(c)); err != nil {
+		return bad("policy", "%v", err)
+	}
+	if c.Profile == "" {
+		return bad("profile", "a cost profile is required")
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"connect_timeout", c.ConnectTimeout}, {"response_header_timeout", c.ResponseHeaderTimeout},
+		{"idle_timeout", c.IdleTimeout}, {"request_timeout", c.RequestTimeout},
+		{"read_header_timeout", c.ReadHeaderTimeout}, {"scrape_interval", c.ScrapeInterval},
+		{"drain_timeout", c.DrainTimeout},
+	} {
+		if d.v < 0 {
+			return bad(d.name, "must be ≥ 0, got %v", d.v)
+		}
+	}
+	switch {
+	case c.HealthInterval <= 0:
+		return bad("health_interval", "must be > 0, got %v", c.HealthInterval)
+	case c.HealthTimeout <= 0:
+		return bad("health_timeout", "must be > 0, got %v", c.HealthTimeout)
+	case !strings.HasPrefix(c.HealthPath, "/"):
+		return bad("health_path", "must start with /, got %q", c.HealthPath)
+	case c.ScrapeInterval > 0 && !strings.HasPrefix(c.MetricsPath, "/"):
+		return bad("metrics_path", "must start with /, got %q", c.MetricsPath)
+	case c.EjectAfter < 1:
+		return bad("eject_after", "must be ≥ 1, got %d", c.EjectAfter)
+	case c.ReadmitAfter < 1:
+		return bad("readmit_after", "must be ≥ 1, got %d", c.ReadmitAfter)
+	case c.MaxBodyBytes <= 0:
+		return bad("max_body_bytes", "must be > 0, got %d", c.MaxBodyBytes)
+	case c.MaxResponseBytes <= 0:
+		return bad("max_response_bytes", "must be > 0, got %d", c.MaxResponseBytes)
+	case c.MaxRetries < 0:
+		return bad("max_retries", "must be ≥ 0, got %d", c.MaxRetries)
+	}
+	return nil
+}
+
+// policyOptions are the policy options for c (block size from c).
+func policyOptions(c *Config) policy.Options {
+	o := policy.DefaultOptions()
+	o.ApproxCapacityBlocks = o.ApproxCapacityBlocks * o.BlockTokens / c.BlockTokens
+	o.BlockTokens = c.BlockTokens
+	return o
+}
+
+// backendName is b's name, or its URL's host:port.
+func backendName(b Backend) string {
+	if b.Name != "" {
+		return b.Name
+	}
+	if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
+		return u.Host
+	}
+	return b.URL
+}
+
+// ParseBackends turns "URL[,URL..]" into backends named by host:port.
+func ParseBackends(list string) []Backend {
+	var out []Backend
+	for _, s := range strings.Split(list, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, Backend{URL: s})
+		}
+	}
+	return out
+}
+
+// duration is a YAML/JSON duration: a Go duration string ("5s", "1m30s").
+type duration time.Duration
+
+func (d *duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return errors.New("expected a duration string such as \"5s\"")
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = duration(v)
+	return nil
+}
+
+// fileConfig is the YAML form of Config: snake_case names, durations as
+// strings, every field optional (absent fields keep their base value).
+type fileConfig struct {
+	Listen                *string    `json:"listen"`
+	Backends              *[]Backend `json:"backends"`
+	Policy                *string    `json:"policy"`
+	Profile               *string    `json:"profile"`
+	BlockTokens           *int       `json:"block_tokens"`
+	Seed                  *uint64    `json:"seed"`
+	ConnectTimeout        *duration  `json:"connect_timeout"`
+	ResponseHeaderTimeout *duration  `json:"response_header_timeout"`
+	IdleTimeout           *duration  `json:"idle_timeout"`
+	RequestTimeout        *duration  `json:"request_timeout"`
+	ReadHeaderTimeout     *duration  `json:"read_header_timeout"`
+	HealthPath            *string    `json:"health_path"`
+	HealthInterval        *duration  `json:"health_interval"`
+	HealthTimeout         *duration  `json:"health_timeout"`
+	EjectAfter            *int       `json:"eject_after"`
+	ReadmitAfter          *int       `json:"readmit_after"`
+	MetricsPath           *string    `json:"metrics_path"`
+	ScrapeInterval        *duration  `json:"scrape_interval"`
+	MaxBodyBytes          *int64     `json:"max_body_bytes"`
+	MaxResponseBytes      *int64     `json:"max_response_bytes"`
+	MaxRetries            *int       `json:"max_retries"`
+	AdminToken            *string    `json:"admin_token"`
+	DrainTimeout          *duration  `json:"drain_timeout"`
+}
+
+// ParseConfig applies the YAML document data over base and returns the
+// result (not yet validated). Unknown fields are errors.
+func ParseConfig(data []byte, base Config) (Config, error) {
+	js, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		return base, fmt.Errorf("proxy: parse config: %w", err)
+	}
+	var f fileConfig
+	if t := bytes.TrimSpace(js); len(t) > 0 && string(t) != "null" {
+		dec := json.NewDecoder(bytes.NewReader(js))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&f); err != nil {
+			return base, fmt.Errorf("proxy: parse config: %w", err)
+		}
+	}
+	c := base
+	setS := func(dst *string, v *string) {
+		if v != nil {
+			*dst = *v
+		}
+	}
+	setI := func(dst *int, v *int) {
+		if v != nil {
+			*dst = *v
+		}
+	}
+	setD := func(dst *time.Duration, v *duration) {
+		if v != nil {
+			*dst = time.Duration(*v)
+		}
+	}
+	setS(&c.Listen, f.Listen)
+	if f.Backends != nil {
+		c.Backends = append([]Backend(nil), *f.Backends...)
+	}
+	setS(&c.Policy, f.Policy)
+	setS(&c.Profile, f.Profile)
+	setI(&c.BlockTokens, f.BlockTokens)
+	if f.Seed != nil {
+		c.Seed = *f.Seed
+	}
+	setD(&c.ConnectTimeout, f.ConnectTimeout)
+	setD(&c.ResponseHeaderTimeout, f.ResponseHeaderTimeout)
+	setD(&c.IdleTimeout, f.IdleTimeout)
+	setD(&c.RequestTimeout, f.RequestTimeout)
+	setD(&c.ReadHeaderTimeout, f.ReadHeaderTimeout)
+	setS(&c.HealthPath, f.HealthPath)
+	setD(&c.HealthInterval, f.HealthInterval)
+	setD(&c.HealthTimeout, f.HealthTimeout)
+	setI(&c.EjectAfter, f.EjectAfter)
+	setI(&c.ReadmitAfter, f.ReadmitAfter)
+	setS(&c.MetricsPath, f.MetricsPath)
+	setD(&c.ScrapeInterval, f.ScrapeInterval)
+	if f.MaxBodyBytes != nil {
+		c.MaxBodyBytes = *f.MaxBodyBytes
+	}
+	if f.MaxResponseBytes != nil {
+		c.MaxResponseBytes = *f.MaxResponseBytes
+	}
+	setI(&c.MaxRetries, f.MaxRetries)
+	setS(&c.AdminToken, f.AdminToken)
+	setD(&c.DrainTimeout, f.DrainTimeout)
+	return c, nil
+}
+
+// LoadConfig reads the YAML file at path over base (ParseConfig).
+func LoadConfig(path string, base Config) (Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return base, fmt.Errorf("proxy: load config: %w", err)
+	}
+	c, err := ParseConfig(data, base)
+	if err != nil {
+		return base, fmt.Errorf("%w (file %s)", err, path)
+	}
+	return c, nil
+}
+
+// loadProfile resolves a profile name or YAML path.
+func loadProfile(name string) (costmodel.Profile, error) {
+	if strings.HasSuffix(name, ".yaml") || strings.HasSuffix(name, ".yml") || strings.ContainsRune(name, os.PathSeparator) {
+		return costmodel.Load(name)
+	}
+	return costmodel.Lookup(name)
+}

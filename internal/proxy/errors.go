@@ -1,0 +1,148 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/router"
+)
+
+// Errors the proxy's operations return; the HTTP edge (writeError) maps
+// them to a status.
+var (
+	// ErrBodyTooLarge is returned for a request body over Config.MaxBodyBytes.
+	ErrBodyTooLarge = errors.New("request body too large")
+	// ErrUnauthorized is returned for an admin or debug request without the
+	// configured bearer token.
+	ErrUnauthorized = errors.New("missing or wrong bearer token")
+	// ErrUpstream is wrapped by every failure of a replica to answer.
+	ErrUpstream = errors.New("replica failed")
+	// errGarbage marks a replica answer that is not what the API promises.
+	errGarbage = errors.New("replica answered garbage")
+	// errTruncated marks a stream that ended before "data: [DONE]".
+	errTruncated = errors.New("stream ended before [DONE]")
+	// errIdle marks an upstream that sent nothing for Config.IdleTimeout.
+	errIdle = errors.New("replica idle timeout")
+)
+
+// Reasons an attempt failed, as metric labels.
+const (
+	reasonDial    = "dial"
+	reasonConn    = "connection"
+	reasonTimeout = "timeout"
+	reasonStatus  = "status"
+	reasonGarbage = "garbage"
+)
+
+// attemptError is a failed attempt to forward a request to one replica.
+type attemptError struct {
+	replica string
+	reason  string
+	status  int // the replica's status, for reasonStatus
+	err     error
+}
+
+func (e *attemptError) Error() string {
+	if e.reason == reasonStatus {
+		return fmt.Sprintf("proxy: forward to %s: %v: status %d", e.replica, ErrUpstream, e.status)
+	}
+	return fmt.Sprintf("proxy: forward to %s: %v: %s: %v", e.replica, ErrUpstream, e.reason, e.err)
+}
+
+func (e *attemptError) Unwrap() []error { return []error{ErrUpstream, e.err} }
+
+// statusOf chooses the HTTP status for err: the one place errors become
+// statuses.
+func statusOf(err error) int {
+	var ae *attemptError
+	switch {
+	case errors.Is(err, ErrBadRequest), errors.Is(err, router.ErrEmptyPrompt), errors.Is(err, router.ErrBadRequest):
+		return http.StatusBadRequest
+	case errors.Is(err, ErrBodyTooLarge):
+		return http.StatusRequestEntityTooLarge
+	case errors.Is(err, ErrUnauthorized):
+		return http.StatusUnauthorized
+	case errors.Is(err, policy.ErrNoReplica):
+		return http.StatusServiceUnavailable
+	case errors.As(err, &ae) && (ae.reason == reasonTimeout):
+		return http.StatusGatewayTimeout
+	case errors.Is(err, context.DeadlineExceeded):
+		return http.StatusGatewayTimeout
+	case errors.Is(err, ErrUpstream):
+		return http.StatusBadGateway
+	}
+	return http.StatusInternalServerError
+}
+
+// errorType is the OpenAI error "type" for a status.
+func errorType(status int) string {
+	switch status {
+	case http.StatusBadRequest, http.StatusRequestEntityTooLarge, http.StatusMethodNotAllowed:
+		return "invalid_request_error"
+	case http.StatusUnauthorized:
+		return "authentication_error"
+	case http.StatusNotFound:
+		return "not_found_error"
+	case http.StatusServiceUnavailable:
+		return "service_unavailable_error"
+	case http.StatusGatewayTimeout:
+		return "timeout_error"
+	}
+	return "upstream_error"
+}
+
+// apiError is an OpenAI-style error object.
+type apiError struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    int     `json:"code"`
+}
+
+// errorBody renders the OpenAI error body for status and err.
+func errorBody(status int, err error) []byte {
+	var e struct {
+		Error apiError `json:"error"`
+	}
+	e.Error = apiError{Message: err.Error(), Type: errorType(status), Code: status}
+	if errors.Is(err, errNoModel) {
+		p := "model"
+		e.Error.Param = &p
+	}
+	b, _ := json.Marshal(e)
+	return b
+}
+
+// writeError answers err as an OpenAI-style JSON error.
+func writeError(w http.ResponseWriter, err error) int {
+	status := statusOf(err)
+	writeErrorStatus(w, status, err)
+	return status
+}
+
+// writeErrorStatus answers err with the given status.
+func writeErrorStatus(w http.ResponseWriter, status int, err error) {
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Del("Content-Length")
+	if status == http.StatusUnauthorized {
+		h.Set("WWW-Authenticate", `Bearer realm="prefixlb"`)
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(errorBody(status, err))
+}
+
+// sseErrorEvent renders the event that ends a stream which failed after its
+// first bytes reached the client, followed by "[DONE]" as vLLM does.
+func sseErrorEvent(err error) []byte {
+	body := errorBody(http.StatusBadGateway, err)
+	out := make([]byte, 0, len(body)+32)
+	out = append(out, "data: "...)
+	out = append(out, body...)
+	out = append(out, "\n\ndata: [DONE]\n\n"...)
+	return out
+}

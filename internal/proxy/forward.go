@@ -1,0 +1,493 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+// maxErrorBody bounds the body of a 5xx answer kept to replay to the client
+// when no other replica can be tried.
+const maxErrorBody = 1 << 20
+
+// hopHeaders are hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
+var hopHeaders = []string{
+	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
+	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade",
+}
+
+// exchange is one client request on its way through the proxy.
+type exchange struct {
+	p     *Proxy
+	w     http.ResponseWriter
+	r     *http.Request
+	body  []byte
+	req   *Request
+	start time.Time
+	// wrote is set once any byte of the response went to the client: from
+	// then on the request cannot be retried.
+	wrote bool
+	// code is the outcome label of prefixlb_requests_total.
+	code string
+}
+
+// result is the outcome of one attempt on one replica.
+type result struct {
+	// err is nil when the attempt answered the client.
+	err error
+	// retry says the attempt failed before any byte reached the client and
+	// another replica may be tried; dead says the replica refused the
+	// connection (it is ejected at once).
+	retry, dead bool
+	// resp is a replica's 5xx answer, kept to replay if no retry succeeds.
+	resp *storedResponse
+}
+
+// storedResponse is a buffered replica answer.
+type storedResponse struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// serveInference routes and forwards one /v1 request.
+func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind Kind) {
+	x := &exchange{p: p, w: w, r: r, start: time.Now()}
+	replica := ""
+	defer func() {
+		p.m.requests.WithLabelValues(p.policy, replica, x.code).Inc()
+	}()
+	fail := func(err error) {
+		x.code = strconv.Itoa(writeError(w, err))
+	}
+	body, err := readBody(w, r, p.cfg.MaxBodyBytes)
+	if err != nil {
+		fail(err)
+		return
+	}
+	x.body = body
+	req, err := ParseRequest(kind, body)
+	if err != nil {
+		fail(err)
+		return
+	}
+	x.req = req
+	keys, tokens, err := p.keyer.Keys(req)
+	if err != nil {
+		fail(fmt.Errorf("proxy: key prompt: %w", err))
+		return
+	}
+	preq := policy.Request{Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession)}
+	if preq.Session == "" {
+		preq.Session = req.User
+	}
+	ctx := r.Context()
+	if p.cfg.RequestTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, p.cfg.RequestTimeout)
+		defer cancel()
+	}
+
+	var tried []int
+	var last result
+	var lastD policy.Decision
+	for attempt := 0; ; attempt++ {
+		preq.ID = p.nextID.Add(1)
+		d, err := p.route(preq, tried)
+		if err != nil {
+			if attempt == 0 {
+				fail(fmt.Errorf("proxy: route: %w", err))
+				return
+			}
+			break // no replica left to try: answer the last failure
+		}
+		b := p.backends[d.Replica]
+		replica = b.name
+		p.m.decisions.WithLabelValues(p.policy, d.Branch, b.name).Inc()
+		res := x.attempt(ctx, preq.ID, &d, b, attempt)
+		if res.err == nil {
+			return
+		}
+		last, lastD = res, d
+		if !res.retry || x.wrote || ctx.Err() != nil || attempt >= p.cfg.MaxRetries {
+			break
+		}
+		reason := reasonOf(res.err)
+		p.m.retries.WithLabelValues(b.name, reason).Inc()
+		p.log.Warn("retrying on another replica", "replica", b.name, "reason", reason, "err", res.err)
+		if res.dead {
+			p.checked(d.Replica, false, true)
+		}
+		tried = append(tried, d.Replica)
+	}
+	if x.wrote {
+		return // the attempt ended the stream itself
+	}
+	if r.Context().Err() != nil {
+		x.code = "cancelled"
+		return
+	}
+	x.setRouteHeaders(&lastD, len(tried))
+	if last.resp != nil {
+		x.code = strconv.Itoa(last.resp.status)
+		copyHeader(w.Header(), last.resp.header)
+		w.Header().Set("Content-Length", strconv.Itoa(len(last.resp.body)))
+		w.WriteHeader(last.resp.status)
+		_, _ = w.Write(last.resp.body)
+		return
+	}
+	err = last.err
+	if ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		err = fmt.Errorf("proxy: request timeout after %v: %w", p.cfg.RequestTimeout, context.DeadlineExceeded)
+	}
+	fail(err)
+}
+
+// reasonOf is the metric label of an attempt's failure.
+func reasonOf(err error) string {
+	var ae *attemptError
+	if errors.As(err, &ae) {
+		return ae.reason
+	}
+	return reasonConn
+}
+
+// readBody reads the request body, bounded by limit.
+func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
+	if r.ContentLength > limit {
+		return nil, fmt.Errorf("proxy: read body: %w: %d bytes over the limit of %d", ErrBodyTooLarge, r.ContentLength, limit)
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, fmt.Errorf("proxy: read body: %w: over the limit of %d bytes", ErrBodyTooLarge, limit)
+		}
+		return nil, fmt.Errorf("proxy: read body: %w: %v", ErrBadRequest, err)
+	}
+	return body, nil
+}
+
+// setRouteHeaders sets the explanation headers of decision d.
+func (x *exchange) setRouteHeaders(d *policy.Decision, retries int) {
+	h := x.w.Header()
+	h.Set(HeaderReplica, x.p.backends[d.Replica].name)
+	h.Set(HeaderRoute, d.Explain())
+	if retries > 0 {
+		h.Set(HeaderRetries, strconv.Itoa(retries))
+	} else {
+		h.Del(HeaderRetries)
+	}
+}
+
+// attempt forwards the request to replica b as request id, decided by d.
+// It reports the request's end to the core (exactly once) and answers the
+// client unless it returns a retryable failure.
+func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b *backend, n int) result {
+	p := x.p
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	gauge := p.m.inflight.WithLabelValues(b.name)
+	gauge.Inc()
+	defer gauge.Dec()
+
+	out, err := x.outRequest(ctx, b)
+	if err != nil {
+		p.finish(id, 0, -1, false)
+		return result{err: err}
+	}
+	resp, err := p.fwd.RoundTrip(out)
+	if err != nil {
+		p.finish(id, 0, -1, false)
+		return x.transportFailure(b, err)
+	}
+	defer resp.Body.Close()
+
+	var idled atomic.Bool
+	body := io.Reader(resp.Body)
+	if p.cfg.IdleTimeout > 0 {
+		t := time.AfterFunc(p.cfg.IdleTimeout, func() { idled.Store(true); cancel() })
+		defer t.Stop()
+		body = &idleReader{r: resp.Body, t: t, d: p.cfg.IdleTimeout}
+	}
+	readFailure := func(err error) *attemptError {
+		if idled.Load() {
+			return &attemptError{replica: b.name, reason: reasonTimeout, err: errIdle}
+		}
+		if errors.Is(err, errGarbage) || errors.Is(err, errTruncated) || errors.Is(err, errEventTooLong) {
+			return &attemptError{replica: b.name, reason: reasonGarbage, err: err}
+		}
+		return &attemptError{replica: b.name, reason: reasonConn, err: err}
+	}
+
+	if resp.StatusCode >= 500 {
+		buf, _ := io.ReadAll(io.LimitReader(body, maxErrorBody))
+		p.finish(id, 0, -1, false)
+		return result{
+			err:   &attemptError{replica: b.name, reason: reasonStatus, status: resp.StatusCode},
+			retry: true,
+			resp:  &storedResponse{status: resp.StatusCode, header: filterHeader(resp.Header), body: buf},
+		}
+	}
+	if isEventStream(resp.Header) && resp.StatusCode < 300 {
+		return x.stream(id, d, b, n, resp, body, readFailure)
+	}
+	return x.buffered(id, d, b, n, resp, body, readFailure)
+}
+
+// outRequest builds the request to replica b.
+func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, error) {
+	u := *b.url
+	u.Path = strings.TrimSuffix(b.url.Path, "/") + x.r.URL.Path
+	u.RawPath = ""
+	u.RawQuery = x.r.URL.RawQuery
+	var body io.Reader
+	if len(x.body) > 0 {
+		body = bytes.NewReader(x.body)
+	}
+	out, err := http.NewRequestWithContext(ctx, x.r.Method, u.String(), body)
+	if err != nil {
+		return nil, fmt.Errorf("proxy: build request to %s: %w", b.name, err)
+	}
+	copyHeader(out.Header, x.r.Header)
+	removeHop(out.Header)
+	out.Header.Del("Accept-Encoding") // identity: the proxy reads the body on the side
+	if host, _, err := net.SplitHostPort(x.r.RemoteAddr); err == nil {
+		if prior := x.r.Header.Values("X-Forwarded-For"); len(prior) > 0 {
+			host = strings.Join(prior, ", ") + ", " + host
+		}
+		out.Header.Set("X-Forwarded-For", host)
+	}
+	return out, nil
+}
+
+// transportFailure classifies an error of the round trip (no response).
+func (x *exchange) transportFailure(b *backend, err error) result {
+	if x.r.Context().Err() != nil {
+		return result{err: fmt.Errorf("proxy: forward to %s: client gone: %w", b.name, err)}
+	}
+	var op *net.OpError
+	if errors.As(err, &op) && op.Op == "dial" {
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return result{err: &attemptError{replica: b.name, reason: reasonTimeout, err: err}, retry: true}
+		}
+		return result{err: &attemptError{replica: b.name, reason: reasonDial, err: err}, retry: true, dead: true}
+	}
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return result{err: &attemptError{replica: b.name, reason: reasonTimeout, err: err}, retry: true}
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return result{err: &attemptError{replica: b.name, reason: reasonTimeout, err: err}}
+	}
+	return result{err: &attemptError{replica: b.name, reason: reasonConn, err: err}, retry: true}
+}
+
+// writeHead sends the response status and headers (the replica's, less
+// hop-by-hop ones, plus the explanation).
+func (x *exchange) writeHead(d *policy.Decision, n int, resp *http.Response, contentLength int) {
+	h := x.w.Header()
+	copyHeader(h, filterHeader(resp.Header))
+	h.Del("Content-Length")
+	if contentLength >= 0 {
+		h.Set("Content-Length", strconv.Itoa(contentLength))
+	}
+	x.setRouteHeaders(d, n)
+	x.w.WriteHeader(resp.StatusCode)
+	x.wrote = true
+	x.code = strconv.Itoa(resp.StatusCode)
+}
+
+// stream passes a Server-Sent Events response through event by event,
+// flushing each, and reads the events on the side. The status and headers
+// go out with the first event, so a replica that fails before its first
+// event is retried.
+func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, body io.Reader, readFailure func(error) *attemptError) result {
+	p := x.p
+	rc := http.NewResponseController(x.w)
+	fr := newSSEFramer(body, 0)
+	var st streamState
+	first := false
+	fail := func(err error) result {
+		p.finish(id, st.tokens, -1, false)
+		if !x.wrote {
+			return result{err: err, retry: x.r.Context().Err() == nil}
+		}
+		if x.r.Context().Err() != nil {
+			x.code = "cancelled"
+			return result{err: err}
+		}
+		p.log.Warn("stream failed after its first event", "replica", b.name, "err", err)
+		_, _ = x.w.Write(sseErrorEvent(err))
+		_ = rc.Flush()
+		x.code = "aborted"
+		return result{err: err}
+	}
+	for {
+		ev, err := fr.Next()
+		if err == io.EOF {
+			if !st.sawDone {
+				return fail(readFailure(errTruncated))
+			}
+			break
+		}
+		if err != nil {
+			if err == io.ErrUnexpectedEOF {
+				err = fmt.Errorf("%w: cut inside an event", errTruncated)
+			}
+			return fail(readFailure(err))
+		}
+		token, gerr := st.observe(&ev)
+		if gerr != nil {
+			return fail(readFailure(gerr))
+		}
+		if !x.wrote {
+			x.writeHead(d, n, resp, -1)
+		}
+		if _, werr := x.w.Write(ev.Raw); werr != nil {
+			p.finish(id, st.tokens, -1, false)
+			x.code = "cancelled"
+			return result{err: fmt.Errorf("proxy: write to client: %w", werr)}
+		}
+		_ = rc.Flush()
+		if token && !first {
+			first = true
+			p.firstToken(id)
+			p.m.ttft.WithLabelValues(b.name).Observe(time.Since(x.start).Seconds())
+		}
+		if st.sawDone {
+			break
+		}
+	}
+	out, cached := st.tokens, -1
+	if st.usage != nil {
+		out, cached = st.usage.CompletionTokens, st.usage.cached()
+	}
+	x.done(id, d, b, out, cached, !st.upstreamError)
+	return result{}
+}
+
+// buffered forwards a response that is not a stream: it reads it (up to
+// MaxResponseBytes), checks that a successful completion is JSON, learns its
+// usage, and answers. A larger response is passed through unchecked.
+func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, body io.Reader, readFailure func(error) *attemptError) result {
+	p := x.p
+	limit := p.cfg.MaxResponseBytes
+	buf, err := io.ReadAll(io.LimitReader(body, limit+1))
+	if err != nil {
+		p.finish(id, 0, -1, false)
+		return result{err: readFailure(err), retry: x.r.Context().Err() == nil}
+	}
+	ok := resp.StatusCode < 400
+	out, cached := 0, -1
+	if int64(len(buf)) > limit {
+		x.writeHead(d, n, resp, -1)
+		_, _ = x.w.Write(buf)
+		if _, err := io.Copy(x.w, body); err != nil {
+			p.log.Warn("copy large response", "replica", b.name, "err", err)
+			ok = false
+			x.code = "aborted"
+		}
+		if ok {
+			x.done(id, d, b, 0, -1, true)
+		} else {
+			p.finish(id, 0, -1, false)
+		}
+		return result{}
+	}
+	if ok && resp.StatusCode < 300 && x.req.Kind != KindOther {
+		var c chunkInfo
+		if err := json.Unmarshal(buf, &c); err != nil {
+			p.finish(id, 0, -1, false)
+			return result{err: readFailure(fmt.Errorf("%w: response is not JSON", errGarbage)), retry: true}
+		}
+		if c.Usage != nil {
+			out, cached = c.Usage.CompletionTokens, c.Usage.cached()
+		}
+	}
+	x.writeHead(d, n, resp, len(buf))
+	_, _ = x.w.Write(buf)
+	if ok {
+		x.done(id, d, b, out, cached, true)
+	} else {
+		p.finish(id, out, -1, false)
+	}
+	return result{}
+}
+
+// done records a request that the replica answered.
+func (x *exchange) done(id uint64, d *policy.Decision, b *backend, out, cached int, ok bool) {
+	p := x.p
+	p.finish(id, out, cached, ok)
+	if ok {
+		p.m.latency.WithLabelValues(b.name).Observe(time.Since(x.start).Seconds())
+		if cached >= 0 {
+			p.m.prediction(d.MatchedTokens, cached, p.cfg.BlockTokens)
+		}
+	}
+}
+
+// idleReader cancels its request (through t) when a read has waited d.
+type idleReader struct {
+	r io.Reader
+	t *time.Timer
+	d time.Duration
+}
+
+func (ir *idleReader) Read(b []byte) (int, error) {
+	n, err := ir.r.Read(b)
+	if n > 0 {
+		ir.t.Reset(ir.d)
+	}
+	return n, err
+}
+
+// isEventStream reports whether h declares a Server-Sent Events body.
+func isEventStream(h http.Header) bool {
+	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
+	return err == nil && mt == "text/event-stream"
+}
+
+// copyHeader adds src's values to dst.
+func copyHeader(dst, src http.Header) {
+	for k, vv := range src {
+		for _, v := range vv {
+			dst.Add(k, v)
+		}
+	}
+}
+
+// filterHeader returns h less hop-by-hop headers.
+func filterHeader(h http.Header) http.Header {
+	out := h.Clone()
+	removeHop(out)
+	return out
+}
+
+// removeHop deletes hop-by-hop headers, including those named in
+// Connection.
+func removeHop(h http.Header) {
+	for _, f := range h.Values("Connection") {
+		for _, name := range strings.Split(f, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				h.Del(name)
+			}
+		}
+	}
+	for _, k := range hopHeaders {
+		h.Del(k)
+	}
+}

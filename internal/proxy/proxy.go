@@ -1,0 +1,399 @@
+// Package proxy is `prefixlb serve`: an OpenAI-compatible reverse proxy in
+// front of inference replicas (vLLM, SGLang, prefixlb engine) that routes
+// every request with the routing core (internal/router) and feeds the core
+// what it observes: first tokens, finishes, output tokens and the cached
+// tokens the replicas report.
+//
+// Like net/http/httputil.ReverseProxy it is one concrete type, Proxy,
+// configured by a plain Config. Streamed responses (Server-Sent Events) are
+// passed through event by event, byte for byte, flushed the moment each
+// event's blank line arrives, and read on the side for the router's
+// observations. A request that fails before any byte reached the client is
+// retried on another replica; after that the client gets a clean SSE error
+// event. Active health checks eject and re-admit replicas; a loop scrapes
+// each replica's /metrics for its load.
+//
+// The routing core is not safe for concurrent use and does no I/O: the Proxy
+// holds its lock only around core calls, never during I/O.
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/router"
+)
+
+// Response headers that explain a routing decision.
+const (
+	// HeaderReplica names the replica that served the response.
+	HeaderReplica = "x-prefixlb-replica"
+	// HeaderRoute is policy.Decision.Explain of the decision: branch,
+	// matched tokens, cost terms per candidate.
+	HeaderRoute = "x-prefixlb-route"
+	// HeaderRetries counts the replicas tried before the one that answered
+	// (absent when the first one did).
+	HeaderRetries = "x-prefixlb-retries"
+	// HeaderSession is the request header that carries a session key (else
+	// the body's "user" is used).
+	HeaderSession = "x-session-id"
+)
+
+// backend is one replica as the proxy reaches it.
+type backend struct {
+	id   int
+	name string
+	url  *url.URL
+}
+
+// health is a replica's health-check state.
+type health struct {
+	up         bool
+	fails, oks int // consecutive failed and good checks
+}
+
+// Proxy is the router's HTTP front: see the package comment. Create it with
+// New; serve Handler; run Run for health checks and load scraping. A Proxy
+// is safe for concurrent use.
+type Proxy struct {
+	cfg      Config
+	log      *slog.Logger
+	keyer    Keyer
+	backends []*backend
+	policy   string          // the policy's name, as a metric label
+	fwd      *http.Transport // forwards client requests
+	checks   *http.Client    // health checks, scrapes, /v1/models
+	m        *metrics
+	nextID   atomic.Uint64
+
+	mu    sync.Mutex // guards rt, excl and state
+	rt    *router.Router
+	excl  *excluder
+	state []health
+
+	// hookState, when set (tests), is called after a replica is ejected or
+	// re-admitted, outside the lock.
+	hookState func(name string, up bool)
+	// hookShutdown, when set (tests), is called once Serve has stopped
+	// accepting connections and is draining.
+	hookShutdown func()
+}
+
+// New builds a Proxy from cfg (validated here). It starts nothing: serve
+// Handler and call Run.
+func New(cfg Config) (*Proxy, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	prof, err := loadProfile(cfg.Profile)
+	if err != nil {
+		return nil, fmt.Errorf("proxy: config: profile: %w", err)
+	}
+	pol, err := policy.Parse(cfg.Policy, policyOptions(&cfg))
+	if err != nil {
+		return nil, fmt.Errorf("proxy: config: policy: %w", err)
+	}
+	ex := newExcluder(pol)
+	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: ex, Seed: cfg.Seed})
+	if err != nil {
+		return nil, fmt.Errorf("proxy: new router: %w", err)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	p := &Proxy{
+		cfg:    cfg,
+		log:    log,
+		keyer:  ChunkKeyer{BlockTokens: cfg.BlockTokens},
+		policy: pol.Name(),
+		m:      newMetrics(),
+		rt:     rt,
+		excl:   ex,
+	}
+	for _, b := range cfg.Backends {
+		u, _ := url.Parse(b.URL) // Validate parsed it
+		name := backendName(b)
+		id := rt.AddReplica(name, false)
+		p.backends = append(p.backends, &backend{id: id, name: name, url: u})
+		p.state = append(p.state, health{up: true})
+		p.m.up.WithLabelValues(name).Set(1)
+		p.m.inflight.WithLabelValues(name)
+	}
+	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
+	p.fwd = &http.Transport{
+		DialContext:           dialer.DialContext,
+		ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
+		IdleConnTimeout:       90 * time.Second,
+		MaxIdleConnsPerHost:   256,
+		DisableCompression:    true, // identity bodies: the proxy reads them on the side
+		ExpectContinueTimeout: time.Second,
+	}
+	p.checks = &http.Client{
+		Transport: &http.Transport{
+			DialContext:         dialer.DialContext,
+			IdleConnTimeout:     90 * time.Second,
+			MaxIdleConnsPerHost: 4,
+		},
+		Timeout: cfg.HealthTimeout,
+	}
+	return p, nil
+}
+
+// Config returns the proxy's configuration.
+func (p *Proxy) Config() Config { return p.cfg }
+
+// Handler returns the proxy's HTTP handler: /v1/* forwarded (completions
+// and chat routed by prompt), /v1/models (the union of the replicas'),
+// /health, /metrics, and the debug endpoints POST /debug/route and GET
+// /debug/replicas (bearer AdminToken when set).
+func (p *Proxy) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindCompletion) })
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindChat) })
+	mux.HandleFunc("GET /v1/models", p.serveModels)
+	mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindOther) })
+	mux.HandleFunc("GET /health", p.serveHealth)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
+	mux.HandleFunc("GET /debug/replicas", p.admin(p.serveDebugReplicas))
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeErrorStatus(w, http.StatusNotFound, fmt.Errorf("no route for %s %s", r.Method, r.URL.Path))
+	})
+	return mux
+}
+
+// Run checks every replica's health and scrapes its load, one goroutine per
+// replica, until ctx ends; it returns nil then.
+func (p *Proxy) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	for _, b := range p.backends {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p.watch(ctx, b)
+		}()
+	}
+	wg.Wait()
+	return nil
+}
+
+// Serve serves Handler on ln until ctx ends, then stops accepting and lets
+// in-flight requests (streams included) finish for up to DrainTimeout
+// before closing what is left. It returns nil after a complete drain.
+// Serve does not run the health loops: call Run too.
+func (p *Proxy) Serve(ctx context.Context, ln net.Listener) error {
+	srv := &http.Server{
+		Handler:           p.Handler(),
+		ReadHeaderTimeout: p.cfg.ReadHeaderTimeout,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(p.log.Handler(), slog.LevelWarn),
+	}
+	if p.hookShutdown != nil {
+		srv.RegisterOnShutdown(p.hookShutdown)
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("proxy: serve: %w", err)
+	case <-ctx.Done():
+	}
+	p.log.Info("draining", "timeout", p.cfg.DrainTimeout)
+	dctx, cancel := context.WithTimeout(context.Background(), p.cfg.DrainTimeout)
+	defer cancel()
+	err := srv.Shutdown(dctx)
+	if serr := <-errc; serr != nil && !errors.Is(serr, http.ErrServerClosed) {
+		p.log.Warn("serve ended", "err", serr)
+	}
+	if err != nil {
+		_ = srv.Close()
+		return fmt.Errorf("proxy: drain: %w", err)
+	}
+	return nil
+}
+
+// Close releases idle connections to the replicas.
+func (p *Proxy) Close() {
+	p.fwd.CloseIdleConnections()
+	p.checks.CloseIdleConnections()
+}
+
+// route decides where req goes, excluding the replicas in exclude (tried
+// already), and commits the decision in the core.
+func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, error) {
+	now := time.Now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.excl.exclude = exclude
+	d, err := p.rt.Route(req, now)
+	p.excl.exclude = nil
+	return d, err
+}
+
+// predict returns the decision for req without committing it.
+func (p *Proxy) predict(req policy.Request) (policy.Decision, error) {
+	now := time.Now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.rt.Predict(req, now)
+}
+
+// firstToken reports request id's first output token to the core.
+func (p *Proxy) firstToken(id uint64) {
+	now := time.Now()
+	p.mu.Lock()
+	err := p.rt.FirstToken(id, now)
+	p.mu.Unlock()
+	if err != nil {
+		p.log.Warn("router first token", "id", id, "err", err)
+	}
+}
+
+// finish reports the end of request id to the core.
+func (p *Proxy) finish(id uint64, outputTokens, cachedTokens int, ok bool) {
+	now := time.Now()
+	p.mu.Lock()
+	err := p.rt.Finished(id, outputTokens, cachedTokens, ok, now)
+	p.mu.Unlock()
+	if err != nil {
+		p.log.Warn("router finished", "id", id, "err", err)
+	}
+}
+
+// checked records one health observation of replica id (an active check,
+// or a passive one: a request that could not connect) and ejects or
+// re-admits it when a threshold is crossed. eject=true takes the replica
+// out at once (it refused a connection).
+func (p *Proxy) checked(id int, ok, eject bool) {
+	now := time.Now()
+	changed := false
+	p.mu.Lock()
+	s := &p.state[id]
+	if ok {
+		s.fails, s.oks = 0, s.oks+1
+		if !s.up && s.oks >= p.cfg.ReadmitAfter {
+			s.up, changed = true, true
+		}
+	} else {
+		s.oks, s.fails = 0, s.fails+1
+		if s.up && (eject || s.fails >= p.cfg.EjectAfter) {
+			s.up, changed = false, true
+		}
+	}
+	up := s.up
+	if changed {
+		if err := p.rt.SetUp(id, up, now); err != nil {
+			p.log.Error("router set up", "replica", p.backends[id].name, "err", err)
+		}
+	}
+	p.mu.Unlock()
+	if !changed {
+		return
+	}
+	name := p.backends[id].name
+	if up {
+		p.m.up.WithLabelValues(name).Set(1)
+		p.log.Info("replica re-admitted", "replica", name)
+	} else {
+		p.m.up.WithLabelValues(name).Set(0)
+		p.log.Warn("replica ejected", "replica", name, "passive", eject)
+	}
+	if p.hookState != nil {
+		p.hookState(name, up)
+	}
+}
+
+// upCount is the number of replicas in routing.
+func (p *Proxy) upCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, s := range p.state {
+		if s.up {
+			n++
+		}
+	}
+	return n
+}
+
+// excluder wraps the configured policy so that one decision can leave out
+// replicas a request already failed on, without marking them down in the
+// core (which would tell the policy they left the pool). The proxy sets
+// exclude under its lock around Route.
+type excluder struct {
+	inner   policy.Policy
+	obs     policy.Observer // inner as an Observer, or nil
+	exclude []int
+	reps    []policy.Replica // scratch copy of the view's replicas
+}
+
+var (
+	_ policy.Policy   = (*excluder)(nil)
+	_ policy.Observer = (*excluder)(nil)
+)
+
+func newExcluder(inner policy.Policy) *excluder {
+	e := &excluder{inner: inner}
+	e.obs, _ = inner.(policy.Observer)
+	return e
+}
+
+// Name implements policy.Policy.
+func (e *excluder) Name() string { return e.inner.Name() }
+
+// Route implements policy.Policy: the inner policy sees excluded replicas
+// as down.
+func (e *excluder) Route(req *policy.Request, v *policy.View, now time.Time) (policy.Decision, error) {
+	if len(e.exclude) == 0 {
+		return e.inner.Route(req, v, now)
+	}
+	e.reps = append(e.reps[:0], v.Replicas...)
+	for _, r := range e.exclude {
+		if r >= 0 && r < len(e.reps) {
+			e.reps[r].Up = false
+		}
+	}
+	vv := *v
+	vv.Replicas = e.reps
+	return e.inner.Route(req, &vv, now)
+}
+
+// Routed implements policy.Observer.
+func (e *excluder) Routed(req *policy.Request, d *policy.Decision, v *policy.View, now time.Time) {
+	if e.obs != nil {
+		e.obs.Routed(req, d, v, now)
+	}
+}
+
+// FirstToken implements policy.Observer.
+func (e *excluder) FirstToken(id uint64, replica int, ttft time.Duration, now time.Time) {
+	if e.obs != nil {
+		e.obs.FirstToken(id, replica, ttft, now)
+	}
+}
+
+// Finished implements policy.Observer.
+func (e *excluder) Finished(id uint64, replica int, outputTokens int, ok bool, now time.Time) {
+	if e.obs != nil {
+		e.obs.Finished(id, replica, outputTokens, ok, now)
+	}
+}
+
+// ReplicaDown implements policy.Observer.
+func (e *excluder) ReplicaDown(replica int, now time.Time) {
+	if e.obs != nil {
+		e.obs.ReplicaDown(replica, now)
+	}
+}

@@ -1,0 +1,384 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+)
+
+// Kind is the OpenAI endpoint a request is for.
+type Kind int
+
+// The kinds of request the proxy parses.
+const (
+	// KindOther is any other /v1 path: forwarded, keyed if it has a prompt.
+	KindOther Kind = iota
+	// KindCompletion is POST /v1/completions.
+	KindCompletion
+	// KindChat is POST /v1/chat/completions.
+	KindChat
+)
+
+// String names the kind for logs.
+func (k Kind) String() string {
+	switch k {
+	case KindCompletion:
+		return "completion"
+	case KindChat:
+		return "chat"
+	}
+	return "other"
+}
+
+// ErrBadRequest is wrapped by every request-body error: the client sent
+// something the proxy cannot route (the HTTP edge answers 400).
+var ErrBadRequest = errors.New("invalid request")
+
+// errNoModel is the error for a body without "model" (its param is "model").
+var errNoModel = fmt.Errorf("%w: you must provide a model parameter", ErrBadRequest)
+
+// Request is what the proxy reads from an OpenAI request body: enough to key
+// the prompt and to know what to expect back. The body itself is forwarded
+// untouched.
+type Request struct {
+	// Kind is the endpoint.
+	Kind Kind
+	// Model is the body's "model".
+	Model string
+	// Stream is the body's "stream".
+	Stream bool
+	// MaxTokens is max_completion_tokens, else max_tokens (0 if absent),
+	// multiplied by n and by the number of prompts in a batch.
+	MaxTokens int
+	// User is the body's "user" (a session key when no x-session-id header).
+	User string
+	// Texts are the prompts given as text (completions: one per prompt of a
+	// batch; chat: the canonical rendering of the messages).
+	Texts []string
+	// TokenIDs are the prompts given as token ids (one list per prompt).
+	TokenIDs [][]uint32
+}
+
+// rawRequest is the part of a completions or chat body the proxy reads; the
+// field types reject wrong JSON types with an error naming the field.
+type rawRequest struct {
+	Model               *string          `json:"model"`
+	Stream              *bool            `json:"stream"`
+	MaxTokens           *int64           `json:"max_tokens"`
+	MaxCompletionTokens *int64           `json:"max_completion_tokens"`
+	N                   *int64           `json:"n"`
+	User                *string          `json:"user"`
+	Prompt              json.RawMessage  `json:"prompt"`
+	Messages            []rawMessage     `json:"messages"`
+	Tools               json.RawMessage  `json:"tools"`
+	StreamOptions       *json.RawMessage `json:"stream_options"`
+	Input               json.RawMessage  `json:"input"`
+}
+
+// rawMessage is one chat message.
+type rawMessage struct {
+	Role       string          `json:"role"`
+	Content    json.RawMessage `json:"content"`
+	Name       string          `json:"name"`
+	ToolCalls  json.RawMessage `json:"tool_calls"`
+	ToolCallID string          `json:"tool_call_id"`
+}
+
+// rawPart is one part of a chat message's content list.
+type rawPart struct {
+	Type string  `json:"type"`
+	Text *string `json:"text"`
+}
+
+// ParseRequest reads the body of a request of kind k. Completions need a
+// model and a prompt; chat needs a model and messages; other kinds are read
+// best effort (a body that is not a JSON object yields an empty Request and
+// no error, since it is forwarded as it is). Errors wrap ErrBadRequest.
+func ParseRequest(k Kind, body []byte) (*Request, error) {
+	req := &Request{Kind: k}
+	var raw rawRequest
+	if err := json.Unmarshal(body, &raw); err != nil {
+		if k == KindOther {
+			return req, nil
+		}
+		return nil, fmt.Errorf("%w: %s", ErrBadRequest, describeJSONError(err))
+	}
+	if raw.Model != nil {
+		req.Model = *raw.Model
+	}
+	if raw.Stream != nil {
+		req.Stream = *raw.Stream
+	}
+	if raw.User != nil {
+		req.User = *raw.User
+	}
+	if k != KindOther && req.Model == "" {
+		return nil, errNoModel
+	}
+	maxTok := int64(0)
+	switch {
+	case raw.MaxCompletionTokens != nil:
+		maxTok = *raw.MaxCompletionTokens
+	case raw.MaxTokens != nil:
+		maxTok = *raw.MaxTokens
+	}
+	if maxTok < 0 {
+		return nil, fmt.Errorf("%w: max_tokens must be ≥ 0, got %d", ErrBadRequest, maxTok)
+	}
+	n := int64(1)
+	if raw.N != nil {
+		if *raw.N < 1 {
+			return nil, fmt.Errorf("%w: n must be ≥ 1, got %d", ErrBadRequest, *raw.N)
+		}
+		n = *raw.N
+	}
+	prompts := 1
+	switch {
+	case k == KindChat || (k == KindOther && raw.Messages != nil):
+		if len(raw.Messages) == 0 {
+			return nil, fmt.Errorf("%w: messages must be a non-empty list", ErrBadRequest)
+		}
+		text, err := renderChat(raw.Messages, raw.Tools)
+		if err != nil {
+			return nil, err
+		}
+		req.Texts = []string{text}
+	case k == KindCompletion || (k == KindOther && raw.Prompt != nil):
+		if len(raw.Prompt) == 0 || bytes.Equal(raw.Prompt, []byte("null")) {
+			if k == KindOther {
+				break
+			}
+			return nil, fmt.Errorf("%w: you must provide a prompt", ErrBadRequest)
+		}
+		if err := parsePrompt(req, raw.Prompt, "prompt"); err != nil {
+			return nil, err
+		}
+		prompts = max(len(req.Texts), len(req.TokenIDs))
+	case raw.Input != nil && !bytes.Equal(raw.Input, []byte("null")):
+		// Embeddings and similar: "input" takes the shapes of "prompt".
+		if err := parsePrompt(req, raw.Input, "input"); err != nil {
+			return nil, err
+		}
+		prompts = max(len(req.Texts), len(req.TokenIDs))
+	}
+	total := float64(maxTok) * float64(n) * float64(prompts)
+	req.MaxTokens = int(min(total, math.MaxInt32))
+	return req, nil
+}
+
+// parsePrompt reads a prompt in any of its four shapes: a string, a list of
+// strings, a list of token ids, or a list of token-id lists.
+func parsePrompt(req *Request, raw json.RawMessage, field string) error {
+	raw = bytes.TrimSpace(raw)
+	switch raw[0] {
+	case '"':
+		var s string
+		if err := json.Unmarshal(raw, &s); err != nil {
+			return fmt.Errorf("%w: %s: %s", ErrBadRequest, field, describeJSONError(err))
+		}
+		req.Texts = []string{s}
+		return nil
+	case '[':
+	default:
+		return fmt.Errorf("%w: %s must be a string, a list of strings, a list of token ids or a list of token-id lists", ErrBadRequest, field)
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(raw, &items); err != nil {
+		return fmt.Errorf("%w: %s: %s", ErrBadRequest, field, describeJSONError(err))
+	}
+	if len(items) == 0 {
+		return fmt.Errorf("%w: %s must not be empty", ErrBadRequest, field)
+	}
+	first := bytes.TrimSpace(items[0])
+	switch {
+	case len(first) > 0 && first[0] == '"':
+		var ss []string
+		if err := json.Unmarshal(raw, &ss); err != nil {
+			return fmt.Errorf("%w: %s: a list of strings must hold only strings", ErrBadRequest, field)
+		}
+		req.Texts = ss
+	case len(first) > 0 && first[0] == '[':
+		for i, it := range items {
+			ids, err := tokenIDs(it)
+			if err != nil {
+				return fmt.Errorf("%w: %s[%d]: %v", ErrBadRequest, field, i, err)
+			}
+			if len(ids) == 0 {
+				return fmt.Errorf("%w: %s[%d] must not be empty", ErrBadRequest, field, i)
+			}
+			req.TokenIDs = append(req.TokenIDs, ids)
+		}
+	default:
+		ids, err := tokenIDs(raw)
+		if err != nil {
+			return fmt.Errorf("%w: %s: %v", ErrBadRequest, field, err)
+		}
+		req.TokenIDs = [][]uint32{ids}
+	}
+	return nil
+}
+
+// tokenIDs decodes a JSON list of token ids (integers in [0, 2³²)).
+func tokenIDs(raw json.RawMessage) ([]uint32, error) {
+	var ids []int64
+	if err := json.Unmarshal(raw, &ids); err != nil {
+		return nil, errors.New("token ids must be integers")
+	}
+	out := make([]uint32, len(ids))
+	for i, id := range ids {
+		if id < 0 || id > math.MaxUint32 {
+			return nil, fmt.Errorf("token id %d out of range", id)
+		}
+		out[i] = uint32(id)
+	}
+	return out, nil
+}
+
+// renderChat renders messages (and tools, which chat templates put first)
+// into one canonical string: "role\x00content\x00" per message, content
+// parts concatenated. It stands in for the chat template until token-exact
+// tokenization lands: two conversations share a prefix of the rendering
+// exactly when they share leading messages.
+func renderChat(msgs []rawMessage, tools json.RawMessage) (string, error) {
+	var b strings.Builder
+	if t := bytes.TrimSpace(tools); len(t) > 0 && !bytes.Equal(t, []byte("null")) {
+		b.WriteString("tools\x00")
+		b.Write(t)
+		b.WriteByte(0)
+	}
+	for i, m := range msgs {
+		if m.Role == "" {
+			return "", fmt.Errorf("%w: messages[%d].role is required", ErrBadRequest, i)
+		}
+		b.WriteString(m.Role)
+		b.WriteByte(0)
+		if m.Name != "" {
+			b.WriteString(m.Name)
+			b.WriteByte(0)
+		}
+		c := bytes.TrimSpace(m.Content)
+		switch {
+		case len(c) == 0 || bytes.Equal(c, []byte("null")):
+		case c[0] == '"':
+			var s string
+			if err := json.Unmarshal(c, &s); err != nil {
+				return "", fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
+			}
+			b.WriteString(s)
+		case c[0] == '[':
+			var parts []json.RawMessage
+			if err := json.Unmarshal(c, &parts); err != nil {
+				return "", fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
+			}
+			for j, praw := range parts {
+				var p rawPart
+				if err := json.Unmarshal(praw, &p); err != nil {
+					return "", fmt.Errorf("%w: messages[%d].content[%d]: %s", ErrBadRequest, i, j, describeJSONError(err))
+				}
+				if p.Type == "text" && p.Text != nil {
+					b.WriteString(*p.Text)
+				} else {
+					// Images, audio, files: key their JSON (the same image
+					// URL is the same prefix).
+					b.Write(bytes.TrimSpace(praw))
+				}
+			}
+		default:
+			return "", fmt.Errorf("%w: messages[%d].content must be a string or a list of parts", ErrBadRequest, i)
+		}
+		b.WriteByte(0)
+		if tc := bytes.TrimSpace(m.ToolCalls); len(tc) > 0 && !bytes.Equal(tc, []byte("null")) {
+			b.Write(tc)
+			b.WriteByte(0)
+		}
+		if m.ToolCallID != "" {
+			b.WriteString(m.ToolCallID)
+			b.WriteByte(0)
+		}
+	}
+	return b.String(), nil
+}
+
+// describeJSONError turns a decoding error into a message for the client.
+func describeJSONError(err error) string {
+	var te *json.UnmarshalTypeError
+	var se *json.SyntaxError
+	switch {
+	case errors.As(err, &te):
+		if te.Field == "" {
+			return fmt.Sprintf("request body must be a JSON object, got %s", te.Value)
+		}
+		return fmt.Sprintf("field %s: expected %s, got %s", te.Field, jsonTypeName(te.Type.Kind().String()), te.Value)
+	case errors.As(err, &se):
+		return fmt.Sprintf("malformed JSON at byte %d: %v", se.Offset, se)
+	}
+	return "malformed JSON: " + err.Error()
+}
+
+// jsonTypeName names a Go kind the way a JSON user would.
+func jsonTypeName(kind string) string {
+	switch kind {
+	case "bool":
+		return "a boolean"
+	case "string":
+		return "a string"
+	case "int", "int64", "int32", "uint32", "uint64", "float64":
+		return "a number"
+	case "slice":
+		return "a list"
+	case "struct", "map":
+		return "an object"
+	}
+	return kind
+}
+
+// Keyer turns a parsed request into the router's block keys and an estimate
+// of its prompt length in tokens. Text-chunk keying stands in until
+// token-exact tokenization lands; a tokenizer will implement the same
+// interface. Implementations must be safe for concurrent use.
+type Keyer interface {
+	// Keys returns the keys of the request's (first) prompt and the prompt
+	// tokens of the whole request (every prompt of a batch), ≥ 1 and ≥
+	// len(keys)·block size.
+	Keys(r *Request) (keys []blocks.Key, promptTokens int, err error)
+}
+
+// ChunkKeyer keys text by chunks of 4·BlockTokens bytes (blocks.TextKeys)
+// and token ids by blocks of BlockTokens (blocks.Keys), so that one key
+// stands for BlockTokens tokens either way, as the router requires.
+type ChunkKeyer struct {
+	// BlockTokens is the tokens per key (the router's block size).
+	BlockTokens int
+}
+
+var _ Keyer = ChunkKeyer{}
+
+// ChunkBytes is the text chunk size: blocks.TokensPerChunk of it is
+// BlockTokens (about 4 bytes per token of English text).
+func (k ChunkKeyer) ChunkBytes() int { return 4 * k.BlockTokens }
+
+// Keys implements Keyer. A batch is keyed by its first prompt (the one the
+// engine schedules first); its prompt tokens count every prompt.
+func (k ChunkKeyer) Keys(r *Request) ([]blocks.Key, int, error) {
+	var keys []blocks.Key
+	total := 0
+	for i, text := range r.Texts {
+		if i == 0 {
+			keys = blocks.TextKeys(nil, text, k.ChunkBytes())
+		}
+		total += (len(text) + 3) / 4
+	}
+	for i, ids := range r.TokenIDs {
+		if i == 0 && len(keys) == 0 {
+			keys = blocks.Keys(nil, ids, k.BlockTokens)
+		}
+		total += len(ids)
+	}
+	total = max(total, len(keys)*k.BlockTokens, 1)
+	return keys, total, nil
+}

@@ -1,0 +1,179 @@
+package router
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+// benchWorkload is a pool of prompts that share system prompts, the shape of
+// the Preble and llm-d benchmarks: every prompt is one of a few long shared
+// prefixes followed by a private suffix of the same length.
+type benchWorkload struct {
+	promptTokens int
+	fill         []policy.Request // routed before the timer: they fill the tree
+	pool         []benchRequest   // routed in turn under the timer
+}
+
+// benchRequest is one request of the timed pool. In BenchmarkRouteChurn its
+// keys from fresh on are salted with the iteration number before routing, so
+// that they are new to the tree every time, however long the benchmark runs.
+type benchRequest struct {
+	req   policy.Request
+	fresh int // index of the first salted key; len(req.Keys) for none
+}
+
+// benchTokens returns n pseudo-random token ids drawn from seed.
+func benchTokens(seed uint64, n int) []uint32 {
+	rng := rand.New(rand.NewPCG(seed, 0x70c))
+	t := make([]uint32, n)
+	for i := range t {
+		t[i] = rng.Uint32N(150000)
+	}
+	return t
+}
+
+// newBenchWorkload builds prompts of promptTokens tokens: half a shared
+// prefix (one of `groups`), half a private suffix. The fill holds enough
+// prompts for the tree to pass minBlocks; the pool mixes repeats of filled
+// prompts (half: hits in the tree, and on a replica if it still caches
+// them), new suffixes on known prefixes (a quarter: partial hits), and
+// prompts never seen (a quarter: misses).
+func newBenchWorkload(promptTokens, groups, minBlocks, poolSize int) *benchWorkload {
+	const bt = blocks.DefaultBlockSize
+	half := promptTokens / 2
+	prefixes := make([][]uint32, groups)
+	for g := range prefixes {
+		prefixes[g] = benchTokens(uint64(g)+1, half)
+	}
+	seq := uint64(1 << 32)
+	prompt := func(g int) policy.Request {
+		seq++
+		toks := append(append(make([]uint32, 0, promptTokens), prefixes[g]...), benchTokens(seq, promptTokens-half)...)
+		return policy.Request{Keys: blocks.Keys(nil, toks, bt), PromptTokens: promptTokens, OutputTokens: 128}
+	}
+	w := &benchWorkload{promptTokens: promptTokens}
+	blocksIn := groups * half / bt
+	for i := 0; blocksIn < minBlocks || i < groups; i++ {
+		w.fill = append(w.fill, prompt(i%groups))
+		blocksIn += (promptTokens - half) / bt
+	}
+	for i := 0; i < poolSize; i++ {
+		switch i % 4 {
+		case 0, 1:
+			req := w.fill[(i*7919)%len(w.fill)]
+			w.pool = append(w.pool, benchRequest{req: req, fresh: len(req.Keys)})
+		case 2:
+			req := prompt((i * 31) % groups)
+			w.pool = append(w.pool, benchRequest{req: req, fresh: half / bt})
+		default:
+			req := prompt((i * 31) % groups)
+			w.pool = append(w.pool, benchRequest{req: req, fresh: 0})
+		}
+	}
+	return w
+}
+
+// BenchmarkRoute measures one routing decision of every policy on 8 mirrored
+// replicas of Mistral-7B/A6000 whose tree already holds 100k blocks. Each
+// iteration routes a prompt from a precomputed pool and finishes it at once,
+// so in-flight load stays bounded and the decision's own cost is what is
+// measured (tree lookup and insertion, the policy, the mirror's LRU eviction,
+// the observer). The pool's new prompts miss on their first pass and hit the
+// tree (not necessarily a replica's mirrored cache) after that.
+//
+//	go test -run XXX -bench BenchmarkRoute -benchtime 2s -cpu 1 ./internal/router/
+func BenchmarkRoute(b *testing.B) { benchRoutePolicies(b, false, 0) }
+
+// BenchmarkRouteChurn is BenchmarkRoute in the steady state of a busy
+// router: half the requests carry keys the tree has never seen (salted per
+// iteration), and the tree is bounded at 200k blocks, so every miss inserts
+// and the bound evicts as much: the key index churns.
+func BenchmarkRouteChurn(b *testing.B) { benchRoutePolicies(b, true, 200_000) }
+
+func benchRoutePolicies(b *testing.B, fresh bool, maxBlocks int) {
+	prof, err := costmodel.Lookup(costmodel.Mistral7BA6000)
+	if err != nil {
+		b.Fatal(err)
+	}
+	sizes := []struct {
+		name   string
+		tokens int
+		groups int
+		pool   int
+	}{
+		{"4k", 4096, 64, 2048},
+		{"60k", 61440, 8, 256},
+	}
+	workloads := make([]*benchWorkload, len(sizes))
+	for _, pname := range policy.Names() {
+		b.Run("policy="+pname, func(b *testing.B) {
+			for si, sz := range sizes {
+				b.Run("prompt="+sz.name, func(b *testing.B) {
+					if workloads[si] == nil {
+						workloads[si] = newBenchWorkload(sz.tokens, sz.groups, 100_000, sz.pool)
+					}
+					benchRoute(b, prof, pname, workloads[si], fresh, maxBlocks)
+				})
+			}
+		})
+	}
+}
+
+func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWorkload, fresh bool, maxBlocks int) {
+	pol, err := policy.New(pname, policy.DefaultOptions())
+	if err != nil {
+		b.Fatal(err)
+	}
+	r, err := New(Config{BlockTokens: blocks.DefaultBlockSize, Profile: prof, Policy: pol, Seed: 1, TreeMaxBlocks: maxBlocks})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := 0; i < 8; i++ {
+		r.AddReplica(fmt.Sprintf("replica-%d", i), false)
+	}
+	now := time.Unix(1_700_000_000, 0)
+	const step = 5 * time.Millisecond // 200 requests/s on the injected clock
+	id := uint64(0)
+	route := func(req policy.Request) {
+		id++
+		req.ID = id
+		if _, err := r.Route(req, now); err != nil {
+			b.Fatal(err)
+		}
+		if err := r.Finished(id, req.OutputTokens, -1, true, now); err != nil {
+			b.Fatal(err)
+		}
+		now = now.Add(step)
+	}
+	for _, req := range w.fill {
+		route(req)
+	}
+	if got := r.Tree().Blocks(); got < 100_000 {
+		b.Fatalf("tree holds %d blocks after the fill, want ≥ 100000", got)
+	}
+	buf := make([]blocks.Key, 0, w.promptTokens/blocks.DefaultBlockSize)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		br := &w.pool[i%len(w.pool)]
+		req := br.req
+		if fresh && br.fresh < len(req.Keys) {
+			// New keys for this iteration: the router holds them only until
+			// Finished, so one buffer serves every iteration.
+			salt := blocks.Key(uint64(i+1) * 0x9e3779b97f4a7c15)
+			buf = append(buf[:0], req.Keys...)
+			for k := br.fresh; k < len(buf); k++ {
+				buf[k] ^= salt
+			}
+			req.Keys = buf
+		}
+		route(req)
+	}
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+}
