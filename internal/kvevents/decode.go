@@ -269,8 +269,8 @@ func (r *decoder) hash() (uint64, error) {
 
 func (r *decoder) hashes() ([]uint64, error) {
 	n, err := r.arrayLen()
-	if err != nil || n < 0 {
-		return nil, err
+	if err != nil || n <= 0 {
+		return nil, err // empty and nil both decode to nil
 	}
 	hs := make([]uint64, n)
 	for i := range hs {
@@ -283,7 +283,7 @@ func (r *decoder) hashes() ([]uint64, error) {
 
 func (r *decoder) tokens() ([]uint32, error) {
 	n, err := r.arrayLen()
-	if err != nil || n < 0 {
+	if err != nil || n <= 0 {
 		return nil, err
 	}
 	ts := make([]uint32, n)

@@ -281,9 +281,15 @@ func (r *replicaIndex) removed(replica string, ev *BlockRemoved, sink Sink, st *
 	}
 }
 
+// clear empties the maps but keeps their memory: a replica's cache refills to
+// about the same size, and regrowing the maps would dominate the cost.
 func (r *replicaIndex) clear() {
-	r.slots = nil
-	clear(r.refs)
+	for _, s := range r.slots {
+		clear(s.blocks)
+	}
+	for _, m := range r.refs {
+		clear(m)
+	}
 }
 
 // Clear forgets everything replica holds and tells sink (nil: none), as when

@@ -131,7 +131,7 @@ func PrebleE2Config() E2Config {
 //	L = prefill queued on r now                      (llm-d's "queue now", in seconds)
 //	  + 0.3·P·(requests decoding on r)               (interference: each of their
 //	                                                  iterations carries a chunk of P)
-//	  + out·T_decode(batch_r+1)                      (this request's own decode on r)
+//	  + 0.3·out·T_decode(batch_r+1)                  (this request's own decode on r)
 //	M = the paper's eviction cost
 //	P = 3·T_prefill(missed on r, prompt)             (a recompute also delays the
 //	                                                  requests that queue behind it)
@@ -148,7 +148,7 @@ func DefaultE2Config() E2Config {
 	c.HistoryWeight = 0
 	c.PendingWeight = 1
 	c.DecodeWeight = 0
-	c.SelfDecodeWeight = 1
+	c.SelfDecodeWeight = 0.3
 	c.PrefillWeight = 3
 	c.InterferenceWeight = 0.3
 	c.Mixing = false

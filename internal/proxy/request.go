@@ -97,15 +97,21 @@ type rawPart struct {
 
 // ParseRequest reads the body of a request of kind k. Completions need a
 // model and a prompt; chat needs a model and messages; other kinds are read
-// best effort (a body that is not a JSON object yields an empty Request and
-// no error, since it is forwarded as it is). Errors wrap ErrBadRequest.
+// best effort: a body the proxy cannot read (not JSON, or another API's
+// shapes) yields an empty Request and no error, since it is forwarded as it
+// is, unkeyed. Errors wrap ErrBadRequest.
 func ParseRequest(k Kind, body []byte) (*Request, error) {
+	req, err := parseRequest(k, body)
+	if err != nil && k == KindOther {
+		return &Request{Kind: KindOther}, nil
+	}
+	return req, err
+}
+
+func parseRequest(k Kind, body []byte) (*Request, error) {
 	req := &Request{Kind: k}
 	var raw rawRequest
 	if err := json.Unmarshal(body, &raw); err != nil {
-		if k == KindOther {
-			return req, nil
-		}
 		return nil, fmt.Errorf("%w: %s", ErrBadRequest, describeJSONError(err))
 	}
 	if raw.Model != nil {

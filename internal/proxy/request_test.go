@@ -31,6 +31,8 @@ func TestParseRequest(t *testing.T) {
 		{"chat parts", KindChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}]}`, 1, 0, 0, false, ""},
 		{"other without prompt", KindOther, `{"model":"m"}`, 0, 0, 0, false, ""},
 		{"other not json", KindOther, `--multipart--`, 0, 0, 0, false, ""},
+		{"other responses api", KindOther, `{"model":"m","input":[{"role":"user","content":"x"}]}`, 0, 0, 0, false, ""},
+		{"other embeddings", KindOther, `{"model":"m","input":["a","b"]}`, 2, 0, 0, false, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r, err := ParseRequest(tc.kind, []byte(tc.body))

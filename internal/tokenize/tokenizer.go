@@ -39,7 +39,7 @@ var ErrUnsupported = errors.New("unsupported tokenizer")
 // one was found. Its methods are safe for concurrent use.
 type Tokenizer struct {
 	vocab        map[string]uint32 // raw token bytes → id (model vocabulary)
-	merges       map[uint64]merge  // mergeKey(left, right) → rank and merged id
+	merges       *mergeTable       // mergeKey(left, right) → rank<<32 | merged id
 	byteID       [256]uint32       // id of each single-byte token
 	ignoreMerges bool              // BPE "ignore_merges": a whole word in the vocabulary is one token
 	normalize    func(string) string
@@ -131,16 +131,18 @@ type hfTokenizer struct {
 	Normalizer   json.RawMessage `json:"normalizer"`
 	PreTokenizer json.RawMessage `json:"pre_tokenizer"`
 	Decoder      json.RawMessage `json:"decoder"`
-	Model        struct {
-		Type                    string            `json:"type"`
-		Vocab                   map[string]uint32 `json:"vocab"`
-		Merges                  json.RawMessage   `json:"merges"`
-		Dropout                 *float64          `json:"dropout"`
-		ByteFallback            bool              `json:"byte_fallback"`
-		IgnoreMerges            bool              `json:"ignore_merges"`
-		ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
-		EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
-	} `json:"model"`
+	Model        json.RawMessage `json:"model"`
+}
+
+type hfModel struct {
+	Type                    string            `json:"type"`
+	Vocab                   map[string]uint32 `json:"vocab"`
+	Merges                  json.RawMessage   `json:"merges"`
+	Dropout                 *float64          `json:"dropout"`
+	ByteFallback            bool              `json:"byte_fallback"`
+	IgnoreMerges            bool              `json:"ignore_merges"`
+	ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
+	EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
 }
 
 type hfAddedToken struct {
@@ -175,7 +177,19 @@ func New(tokenizerJSON, tokenizerConfigJSON []byte) (*Tokenizer, error) {
 	if err := json.Unmarshal(tokenizerJSON, &hf); err != nil {
 		return nil, fmt.Errorf("parse tokenizer.json: %w", err)
 	}
-	m := &hf.Model
+	var mt struct {
+		Type string `json:"type"`
+	}
+	if err := json.Unmarshal(hf.Model, &mt); err != nil {
+		return nil, fmt.Errorf("parse tokenizer.json model: %w", err)
+	}
+	if mt.Type != "BPE" && mt.Type != "" {
+		return nil, fmt.Errorf("%w: model type %q (only byte-level BPE is implemented)", ErrUnsupported, mt.Type)
+	}
+	m := new(hfModel)
+	if err := json.Unmarshal(hf.Model, m); err != nil {
+		return nil, fmt.Errorf("parse tokenizer.json model: %w", err)
+	}
 	if m.Type != "BPE" && !(m.Type == "" && m.Vocab != nil && m.Merges != nil) {
 		return nil, fmt.Errorf("%w: model type %q (only byte-level BPE is implemented)", ErrUnsupported, m.Type)
 	}
@@ -228,7 +242,7 @@ func New(tokenizerJSON, tokenizerConfigJSON []byte) (*Tokenizer, error) {
 	if err != nil {
 		return nil, err
 	}
-	t.merges = make(map[uint64]merge, len(pairs))
+	t.merges = newMergeTable(len(pairs))
 	for rank, p := range pairs {
 		a, okA := unByteLevel(p[0])
 		b, okB := unByteLevel(p[1])
@@ -238,10 +252,7 @@ func New(tokenizerJSON, tokenizerConfigJSON []byte) (*Tokenizer, error) {
 		if !okA || !okB || !ok1 || !ok2 || !ok3 {
 			return nil, fmt.Errorf("parse tokenizer.json: merge %d %q: token not in vocabulary", rank, p)
 		}
-		k := mergeKey(ia, ib)
-		if _, dup := t.merges[k]; !dup {
-			t.merges[k] = merge(uint64(rank)<<32 | uint64(ic))
-		}
+		t.merges.put(mergeKey(ia, ib), uint64(rank)<<32|uint64(ic))
 	}
 
 	// Added tokens.

@@ -1,0 +1,238 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/loadgen"
+	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/replica"
+	"github.com/prefixlb/prefixlb/internal/report"
+	"github.com/prefixlb/prefixlb/internal/workload"
+)
+
+// demoOptions are the flags of `prefixlb demo`.
+type demoOptions struct {
+	wl        workload.Flags
+	replicas  int
+	profile   string
+	policies  string
+	timeScale float64
+	jsonPath  string
+	verbose   bool
+}
+
+func newDemoCmd() *cobra.Command {
+	o := &demoOptions{wl: workload.DefaultFlags()}
+	o.wl.Spec = workload.DefaultSpec("toolbench")
+	o.wl.Spec.ToolBench.Zipf = 1.1
+	o.wl.Spec.Requests = 900
+	o.wl.Arrival.Rate = 36
+	cmd := &cobra.Command{
+		Use:   "demo",
+		Short: "Run replicas and the router on loopback and compare policies live",
+		Long: `demo starts N modelled GPU replicas (prefixlb engine) and the router
+(prefixlb serve) in this process on loopback, drives the same open-loop
+workload through each policy in turn, over real HTTP and SSE, with fresh
+replicas each time, and prints the comparison. Nothing but the GPU is
+simulated: the replicas' time comes from the cost profile.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if !cmd.Flags().Changed("workload-replicas") {
+				o.wl.Spec.Replicas = o.replicas
+			}
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt)
+			defer stop()
+			return runDemo(ctx, o, cmd.OutOrStdout(), cmd.ErrOrStderr())
+		},
+	}
+	fs := cmd.Flags()
+	o.wl.AddFlags(fs)
+	fs.IntVar(&o.replicas, "replicas", 4, "number of replicas")
+	fs.StringVar(&o.profile, "profile", "mistral-7b-a6000", "replicas' cost profile (name or YAML file)")
+	fs.StringVar(&o.policies, "policies", "round-robin,e2", "comma-separated policies to compare")
+	fs.Float64Var(&o.timeScale, "speedup", 1, "run the modelled GPUs this many times faster (the arrival rate is scaled to match)")
+	fs.StringVar(&o.jsonPath, "json", "", "write the comparison as JSON to this file (- for stdout)")
+	fs.BoolVarP(&o.verbose, "verbose", "v", false, "log the replicas' and the router's messages")
+	return cmd
+}
+
+func init() { rootCmd.AddCommand(newDemoCmd()) }
+
+func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) error {
+	if o.replicas < 1 {
+		return fmt.Errorf("--replicas must be ≥ 1, got %d", o.replicas)
+	}
+	if o.timeScale <= 0 {
+		return fmt.Errorf("--speedup must be > 0, got %v", o.timeScale)
+	}
+	prof, err := loadProfile(o.profile)
+	if err != nil {
+		return err
+	}
+	reqs, _, err := o.wl.Load()
+	if err != nil {
+		return err
+	}
+	// The modelled GPUs run timeScale times faster: compress arrivals alike.
+	if err := workload.ScaleTime(reqs, o.timeScale); err != nil {
+		return err
+	}
+	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	if o.verbose {
+		logger = slog.New(slog.NewTextHandler(stderr, nil))
+	}
+	fmt.Fprintf(stderr, "prefixlb demo: %d replicas of %s on loopback, %s, %d requests at %g req/s (speedup %g)\n",
+		o.replicas, prof.Name(), o.wl.Describe(), len(reqs), o.wl.Arrival.Rate, o.timeScale)
+	var results []report.Result
+	for _, pol := range strings.Split(o.policies, ",") {
+		pol = strings.TrimSpace(pol)
+		res, err := demoRun(ctx, o, prof.Name(), pol, reqs, logger, stderr)
+		if err != nil {
+			return fmt.Errorf("demo: policy %s: %w", pol, err)
+		}
+		// Report times in the modelled GPU's time, so figures compare with sim.
+		scaleResult(&res, o.timeScale)
+		res.Rate = o.wl.Arrival.Rate
+		res.Workload = o.wl.Describe()
+		res.Replicas = o.replicas
+		res.Profile = prof.Name()
+		results = append(results, res)
+	}
+	fmt.Fprintln(stdout)
+	if err := report.WriteTable(stdout, results); err != nil {
+		return err
+	}
+	if len(results) >= 2 {
+		a, b := results[0], results[len(results)-1]
+		if b.TTFT.Mean > 0 && b.TTFT.P99 > 0 {
+			fmt.Fprintf(stdout, "\n%s vs %s: mean TTFT %.2fx lower, p99 TTFT %.2fx lower, mean latency %.2fx lower\n",
+				b.Policy, a.Policy, a.TTFT.Mean/b.TTFT.Mean, a.TTFT.P99/b.TTFT.P99, a.Latency.Mean/max(b.Latency.Mean, 1e-9))
+		}
+	}
+	switch o.jsonPath {
+	case "":
+	case "-":
+		return report.WriteJSON(stdout, results)
+	default:
+		return report.WriteJSONFile(o.jsonPath, results)
+	}
+	return nil
+}
+
+// scaleResult converts wall-clock figures of a time-scaled run back into the
+// modelled GPU's time.
+func scaleResult(r *report.Result, x float64) {
+	if x == 1 {
+		return
+	}
+	for _, s := range []*report.Summary{&r.TTFT, &r.Latency, &r.TPOT} {
+		s.Mean, s.P50, s.P90, s.P99 = s.Mean*x, s.P50*x, s.P90*x, s.P99*x
+	}
+	if r.ITL != nil {
+		r.ITL.Mean, r.ITL.P50, r.ITL.P90, r.ITL.P99 = r.ITL.Mean*x, r.ITL.P50*x, r.ITL.P90*x, r.ITL.P99*x
+	}
+	r.ThroughputRPS /= x
+	r.OutputTokensPerS /= x
+	r.DurationS *= x
+}
+
+// demoRun starts fresh engines and a router with policy pol, drives reqs
+// through it, and tears everything down.
+func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []workload.Request, logger *slog.Logger, stderr io.Writer) (report.Result, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	prof, err := loadProfile(profile)
+	if err != nil {
+		return report.Result{}, err
+	}
+	serve := func(h http.Handler) (string, error) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return "", err
+		}
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		wg.Add(2)
+		go func() { defer wg.Done(); _ = srv.Serve(ln) }()
+		go func() {
+			defer wg.Done()
+			<-ctx.Done()
+			sctx, c := context.WithTimeout(context.Background(), 5*time.Second)
+			defer c()
+			_ = srv.Shutdown(sctx)
+		}()
+		return "http://" + ln.Addr().String(), nil
+	}
+	var backends []proxy.Backend
+	for i := 0; i < o.replicas; i++ {
+		ec := engine.DefaultConfig()
+		ec.Replica = replica.DefaultConfig()
+		ec.Replica.Profile = prof
+		ec.TimeScale = o.timeScale
+		ec.Logger = logger
+		e, err := engine.New(ec)
+		if err != nil {
+			return report.Result{}, err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := e.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+				logger.Error("engine stopped", "err", err)
+			}
+		}()
+		u, err := serve(e.Handler())
+		if err != nil {
+			return report.Result{}, err
+		}
+		backends = append(backends, proxy.Backend{Name: fmt.Sprintf("replica-%d", i), URL: u})
+	}
+	pc := proxy.DefaultConfig()
+	pc.Backends = backends
+	pc.Policy = pol
+	pc.Profile = profile
+	pc.Logger = logger
+	pc.ScrapeInterval = 200 * time.Millisecond
+	pc.HealthInterval = time.Second
+	p, err := proxy.New(pc)
+	if err != nil {
+		return report.Result{}, err
+	}
+	defer p.Close()
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = p.Run(ctx) }()
+	target, err := serve(p.Handler())
+	if err != nil {
+		return report.Result{}, err
+	}
+	lc := loadgen.DefaultConfig()
+	lc.Target = target
+	lc.Policy = pol
+	lc.Rate = o.wl.Arrival.Rate * o.timeScale
+	lc.Workload = o.wl.Describe()
+	lc.Progress = stderr
+	lc.ProgressAlways = false
+	start := time.Now()
+	out, err := loadgen.Run(ctx, lc, reqs)
+	if err != nil {
+		return report.Result{}, err
+	}
+	fmt.Fprintf(stderr, "%-14s %d requests in %v, %d errors\n", pol, len(reqs), time.Since(start).Round(100*time.Millisecond), out.Result.Errors)
+	return out.Result, nil
+}

@@ -1,0 +1,284 @@
+package prefixtree
+
+import (
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+)
+
+// ks keys a prompt of one-token blocks: prompts share keys exactly as far as
+// their tokens agree.
+func ks(tokens ...uint32) []blocks.Key { return blocks.Keys(nil, tokens, 1) }
+
+func newTree(t *testing.T, reps, maxBlocks int) *Tree {
+	t.Helper()
+	tr, err := New(Config{BlockTokens: 1, MaxBlocks: maxBlocks}, reps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr
+}
+
+func owns(path []*Node) []int {
+	var out []int
+	for _, n := range path {
+		out = append(out, n.Own())
+	}
+	return out
+}
+
+func TestConfigValidate(t *testing.T) {
+	tests := []struct {
+		cfg  Config
+		reps int
+		ok   bool
+	}{
+		{Config{BlockTokens: 16}, 2, true},
+		{Config{BlockTokens: 0}, 2, false},
+		{Config{BlockTokens: 16, MaxBlocks: -1}, 2, false},
+		{Config{BlockTokens: 16}, -1, false},
+	}
+	for _, tt := range tests {
+		_, err := New(tt.cfg, tt.reps)
+		if (err == nil) != tt.ok {
+			t.Errorf("New(%+v, %d): err %v, want ok=%v", tt.cfg, tt.reps, err, tt.ok)
+		}
+	}
+}
+
+func TestInsertSplitsAndImportance(t *testing.T) {
+	tr := newTree(t, 2, 0)
+	var m Match
+	now := time.Unix(1, 0)
+	// A: 1 2 3 4 5 6 — one node of 6 blocks, important (own 6 > depth 0).
+	tr.Insert(ks(1, 2, 3, 4, 5, 6), now, &m)
+	a := m.Path[0]
+	a.Ext = "stats"
+	a.Assigned.Add(1)
+	if got := owns(m.Path); !slices.Equal(got, []int{6}) || !a.Important() {
+		t.Fatalf("first insert path %v important=%v", got, a.Important())
+	}
+	// B shares 4 blocks: A splits at 4; A keeps its identity and Ext.
+	tr.Insert(ks(1, 2, 3, 4, 9), now, &m)
+	if got := owns(m.Path); !slices.Equal(got, []int{4, 1}) {
+		t.Fatalf("second insert path owns %v, want [4 1]", got)
+	}
+	if m.Path[0] != a || a.Ext != "stats" || a.Own() != 4 {
+		t.Fatalf("split lost the upper node's identity or Ext")
+	}
+	lowA, _, _ := tr.Find(ks(1, 2, 3, 4, 5, 6)[5])
+	if lowA.Ext != nil || !lowA.Assigned.Has(1) || lowA.Parent() != a || lowA.Depth() != 4 {
+		t.Fatalf("lower half: Ext %v assigned %v parent ok %v depth %d", lowA.Ext, lowA.Assigned.Has(1), lowA.Parent() == a, lowA.Depth())
+	}
+	// Importance: own > depth.
+	if lowA.Important() || m.Path[1].Important() || !a.Important() {
+		t.Errorf("importance: upper %v lowA %v B %v, want true false false", a.Important(), lowA.Important(), m.Path[1].Important())
+	}
+	if got := ImportantAncestor(m.Path[1]); got != a {
+		t.Errorf("ImportantAncestor(B's leaf) is not the shared prefix")
+	}
+	if ImportantAncestor(tr.Root()) != nil || ImportantAncestor(nil) != nil {
+		t.Error("ImportantAncestor of the root or nil is not nil")
+	}
+	// A prefix of an existing path splits it so the path ends on a boundary.
+	tr.Insert(ks(1, 2), now, &m)
+	if got := owns(m.Path); !slices.Equal(got, []int{2}) || m.Blocks != 2 || m.LastBlocks != 2 {
+		t.Fatalf("prefix insert: path %v Blocks %d LastBlocks %d", got, m.Blocks, m.LastBlocks)
+	}
+	if tr.Blocks() != 7 || tr.Nodes() != 4 {
+		t.Errorf("tree holds %d blocks in %d nodes, want 7 in 4", tr.Blocks(), tr.Nodes())
+	}
+	// Lookup of an unknown continuation matches the known part, partly.
+	tr.Lookup(ks(1, 2, 3, 7), &m)
+	if m.Blocks != 3 || m.LastBlocks != 1 || len(m.Path) != 2 {
+		t.Errorf("Lookup: Blocks %d LastBlocks %d path %v, want 3 1 [2 2]", m.Blocks, m.LastBlocks, owns(m.Path))
+	}
+}
+
+func TestPerReplicaMatch(t *testing.T) {
+	tr := newTree(t, 3, 0)
+	var m Match
+	now := time.Unix(1, 0)
+	tr.Insert(ks(1, 2, 3, 4), now, &m)
+	tr.SetPathCached(m.Path, 0, now)
+	tr.Insert(ks(1, 2), now, &m)
+	tr.SetPathCached(m.Path, 1, now)
+	tr.Insert(ks(1, 2, 3, 4, 5, 6), now, &m) // PerReplica is before insertion
+	if want := []int{4, 2, 0}; !slices.Equal(m.PerReplica, want) {
+		t.Errorf("PerReplica = %v, want %v", m.PerReplica, want)
+	}
+	if tr.CachedBlocks(0) != 4 || tr.CachedBlocks(1) != 2 || tr.CachedBlocks(2) != 0 || tr.CachedBlocks(9) != 0 {
+		t.Errorf("CachedBlocks = %d %d %d", tr.CachedBlocks(0), tr.CachedBlocks(1), tr.CachedBlocks(2))
+	}
+	// A replica added later has a slot everywhere.
+	r := tr.AddReplica()
+	tr.Lookup(ks(1, 2, 3), &m)
+	if r != 3 || len(m.PerReplica) != 4 || m.PerReplica[3] != 0 || m.PerReplica[0] != 3 {
+		t.Errorf("after AddReplica: id %d PerReplica %v", r, m.PerReplica)
+	}
+}
+
+func TestLRUOrderAndEvict(t *testing.T) {
+	tr := newTree(t, 1, 0)
+	var m Match
+	at := func(s int) time.Time { return time.Unix(int64(s), 0) }
+	// Shared prefix P=1 2 with three children, used at t=1,2,3.
+	tr.Insert(ks(1, 2, 3), at(1), &m)
+	tr.SetPathCached(m.Path, 0, at(1))
+	tr.Insert(ks(1, 2, 4), at(2), &m)
+	tr.SetPathCached(m.Path, 0, at(2))
+	tr.Insert(ks(1, 2, 5), at(3), &m)
+	tr.SetPathCached(m.Path, 0, at(3))
+	held := slices.Clone(m.Path)
+	tr.AddRef(held, 0, 1) // the request for 1 2 5 is in flight
+	var order [][]blocks.Key
+	tr.EachLRU(0, func(n *Node) bool { order = append(order, n.Keys()); return true })
+	k3, k4, k5 := ks(1, 2, 3)[2], ks(1, 2, 4)[2], ks(1, 2, 5)[2]
+	if len(order) != 4 || order[0][0] != k3 || order[1][0] != k4 || order[2][0] != k5 || len(order[3]) != 2 {
+		t.Fatalf("LRU order wrong: %v", order)
+	}
+	// Evicting 2 blocks takes the two oldest leaves; the parent has a
+	// cached child left and the held leaf is referenced.
+	if freed := tr.EvictLRU(0, 2, at(4)); freed != 2 {
+		t.Fatalf("EvictLRU(2) freed %d", freed)
+	}
+	if freed := tr.EvictLRU(0, 10, at(4)); freed != 0 {
+		t.Fatalf("EvictLRU freed %d blocks of a held path", freed)
+	}
+	tr.AddRef(held, 0, -1)
+	if freed := tr.EvictLRU(0, 10, at(4)); freed != 3 || tr.CachedBlocks(0) != 0 {
+		t.Fatalf("EvictLRU after release freed %d, %d left", freed, tr.CachedBlocks(0))
+	}
+	// Evicted from the cache, not from the tree.
+	if tr.Blocks() != 5 {
+		t.Errorf("tree holds %d blocks, want 5", tr.Blocks())
+	}
+	if tr.EvictLRU(5, 1, at(4)) != 0 || tr.EvictLRU(-1, 1, at(4)) != 0 {
+		t.Error("EvictLRU on a bad replica freed something")
+	}
+}
+
+func TestRefsSurviveSplitsAndClear(t *testing.T) {
+	tr := newTree(t, 2, 0)
+	var m Match
+	now := time.Unix(1, 0)
+	long := ks(1, 2, 3, 4, 5, 6)
+	tr.Insert(long, now, &m)
+	tr.SetPathCached(m.Path, 1, now)
+	tr.AddRef(m.Path, 1, 1)
+	tr.Insert(ks(1, 2, 3, 9), now, &m) // splits the held node
+	if n, ok := tr.Isolate(long[4]); !ok || n.Own() != 1 {
+		t.Fatal("Isolate failed")
+	}
+	tr.Lookup(long, &m)
+	if len(m.Path) != 4 {
+		t.Fatalf("long path has %d nodes after splits, want 4", len(m.Path))
+	}
+	for _, n := range m.Path {
+		if n.Ref(1) != 1 || n.RefTotal() != 1 || !n.Cached(1) {
+			t.Fatalf("after splits: ref %d total %d cached %v, want 1 1 true", n.Ref(1), n.RefTotal(), n.Cached(1))
+		}
+	}
+	tr.ClearReplica(1)
+	for _, n := range m.Path {
+		if n.Ref(1) != 1 || n.Cached(1) {
+			t.Fatalf("ClearReplica dropped a ref or kept a cache mark")
+		}
+	}
+	tr.AddRef(m.Path, 1, -1)
+	tr.AddRef(m.Path, 1, -1) // clamps at 0
+	for _, n := range m.Path {
+		if n.Ref(1) != 0 || n.Ref(-1) != 0 || n.Ref(7) != 0 {
+			t.Fatalf("refs after release: %d", n.Ref(1))
+		}
+	}
+	if _, ok := tr.Isolate(ks(8)[0]); ok {
+		t.Error("Isolate of an unknown key succeeded")
+	}
+}
+
+func TestInsertBelow(t *testing.T) {
+	tr := newTree(t, 1, 0)
+	var m Match
+	now := time.Unix(1, 0)
+	full := ks(1, 2, 3, 4, 5)
+	if err := tr.InsertBelow(full[1], true, full[2:], now, &m); !errors.Is(err, ErrUnknownParent) {
+		t.Fatalf("InsertBelow under an unknown parent: %v", err)
+	}
+	if err := tr.InsertBelow(0, false, full[:3], now, &m); err != nil || m.Blocks != 3 {
+		t.Fatalf("InsertBelow from the root: %v, %d blocks", err, m.Blocks)
+	}
+	// Continue below block 2 (mid-node): the node splits at the parent.
+	if err := tr.InsertBelow(full[1], true, full[2:], now, &m); err != nil {
+		t.Fatal(err)
+	}
+	if got := owns(m.Path); !slices.Equal(got, []int{2, 1, 2}) || m.Blocks != 5 || m.LastBlocks != 2 {
+		t.Errorf("path owns %v Blocks %d LastBlocks %d, want [2 1 2] 5 2", got, m.Blocks, m.LastBlocks)
+	}
+	tr.Lookup(full, &m)
+	if m.Blocks != 5 {
+		t.Errorf("Lookup after InsertBelow matches %d, want 5", m.Blocks)
+	}
+	if err := tr.InsertBelow(full[4], true, nil, now, &m); err != nil {
+		t.Errorf("empty InsertBelow: %v", err)
+	}
+}
+
+func TestBoundEvictsLRUUnheld(t *testing.T) {
+	tr := newTree(t, 1, 6)
+	var m Match
+	at := func(s int) time.Time { return time.Unix(int64(s), 0) }
+	a, b, c := ks(1, 2, 3), ks(4, 5, 6), ks(7, 8, 9)
+	tr.Insert(a, at(1), &m)
+	tr.SetPathCached(m.Path, 0, at(1)) // a is held by replica 0's cache
+	tr.Insert(b, at(2), &m)
+	tr.Insert(c, at(3), &m) // over the bound: b (unheld, LRU) goes, not a
+	if tr.Blocks() != 6 || tr.Evictions() != 1 {
+		t.Fatalf("tree holds %d blocks after %d evictions, want 6 after 1", tr.Blocks(), tr.Evictions())
+	}
+	for _, tt := range []struct {
+		keys []blocks.Key
+		want int
+	}{{a, 3}, {b, 0}, {c, 3}} {
+		tr.Lookup(tt.keys, &m)
+		if m.Blocks != tt.want {
+			t.Errorf("prompt %v matches %d, want %d", tt.keys[0], m.Blocks, tt.want)
+		}
+	}
+	// A node dropped by the bound reports Evicted and loses Ext.
+	n, _, _ := tr.Find(c[0])
+	n.Ext = 1
+	tr.Insert(ks(10, 11, 12), at(4), &m)
+	if !n.Evicted() || n.Ext != nil {
+		t.Errorf("evicted node: Evicted %v Ext %v", n.Evicted(), n.Ext)
+	}
+}
+
+func TestSet(t *testing.T) {
+	var s Set
+	if !s.Empty() || s.Has(0) || s.Has(-1) || s.Has(200) {
+		t.Fatal("zero Set is not empty")
+	}
+	for _, r := range []int{3, 0, 63, 64, 130} {
+		s.Add(r)
+	}
+	var got []int
+	s.Each(func(r int) { got = append(got, r) })
+	if want := []int{0, 3, 63, 64, 130}; !slices.Equal(got, want) || s.Len() != 5 {
+		t.Fatalf("Each = %v (Len %d), want %v", got, s.Len(), want)
+	}
+	c := s.Clone()
+	s.Remove(130)
+	s.Remove(3)
+	s.Remove(500)
+	if !c.Has(130) || !c.Has(3) || s.Has(130) || s.Has(3) || s.Len() != 3 {
+		t.Fatal("Clone is not independent or Remove failed")
+	}
+	s.Clear()
+	if !s.Empty() || s.Has(64) {
+		t.Fatal("Clear left members")
+	}
+}
