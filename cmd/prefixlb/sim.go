@@ -156,6 +156,14 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 		if len(reqs) == 0 {
 			return fmt.Errorf("sim: the workload has no requests")
 		}
+		label := rate
+		if len(rates) == 1 && o.rates == "" && o.wl.Arrival.Process != "poisson" && o.wl.Arrival.Process != "gamma" &&
+			(o.wl.Arrival.Process != "auto" || o.wl.Trace != "") {
+			// Ramps and traces set their own times: report the offered rate.
+			if span := reqs[len(reqs)-1].Arrival.Seconds(); span > 0 {
+				label = float64(len(reqs)-1) / span
+			}
+		}
 		oracle := sim.Oracle(reqs, prof, rc.BlockSize)
 		var orc report.Samples
 		for _, d := range oracle {
@@ -163,7 +171,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 		}
 		oSum := orc.Summary()
 		for _, spec := range specs {
-			label := spec
+			name := spec
 			prc := rc
 			if name, local, ok := strings.Cut(spec, "@"); ok {
 				spec, prc.Local = name, local
@@ -174,10 +182,10 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			}
 			start := time.Now()
 			cfg := sim.Config{Replicas: o.replicas, Replica: prc, Profile: prof, Policy: pol,
-				KVEvents: o.kvEvents, EventLag: o.eventLag, Seed: o.routerSeed, Rate: rate}
+				KVEvents: o.kvEvents, EventLag: o.eventLag, Seed: o.routerSeed, Rate: label}
 			if !o.quiet {
 				cfg.Progress = func(done, total int) {
-					fmt.Fprintf(stderr, "\r%-24s rate %-6g %6d/%d requests", label, rate, done, total)
+					fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)
 				}
 			}
 			res, err := sim.Run(ctx, cfg, reqs)
@@ -185,12 +193,12 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 				return err
 			}
 			if !o.quiet {
-				fmt.Fprintf(stderr, "\r%-24s rate %-6g %6d requests simulated in %v\n", label, rate, len(reqs), time.Since(start).Round(time.Millisecond))
+				fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d requests simulated in %v\n", name, label, len(reqs), time.Since(start).Round(time.Millisecond))
 			}
 			for i := range res.Records {
-				res.Records[i].Policy, res.Records[i].Rate = label, rate
+				res.Records[i].Policy, res.Records[i].Rate = name, label
 			}
-			r := report.Build(label, rate, res.Records, 0)
+			r := report.Build(name, label, res.Records, 0)
 			r.Workload = o.wl.Describe()
 			r.Replicas = o.replicas
 			r.Profile = prof.Name()

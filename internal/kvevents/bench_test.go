@@ -61,11 +61,10 @@ func BenchmarkDecodeApply(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				if _, err := ix.Apply("r", batch.Events, NopSink{}); err != nil && i >= len(payloads) {
+				// Each batch's chains start within it, so parents are always
+				// known; the removals keep the index at a steady ~4-8K blocks.
+				if _, err := ix.Apply("r", batch.Events, NopSink{}); err != nil {
 					b.Fatal(fmt.Errorf("batch %d: %w", i, err))
-				}
-				if i%len(payloads) == len(payloads)-1 {
-					ix.Clear("r", nil) // the stream starts over: parents are known again
 				}
 				blocksDone += perBatch
 			}

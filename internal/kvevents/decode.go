@@ -287,7 +287,32 @@ func (r *decoder) tokens() ([]uint32, error) {
 		return nil, err
 	}
 	ts := make([]uint32, n)
-	for i := range ts {
+	// Token ids are non-negative and below 2^32, so vLLM (msgspec) writes them
+	// as positive fixint, uint8, uint16 or uint32: read those from a local
+	// cursor, and anything else through int, which also reports errors.
+	b := r.buf
+	p := r.pos()
+	i := 0
+	for ; i < n && p < len(b); i++ {
+		c := b[p]
+		if c <= msgpcode.PosFixedNumHigh {
+			ts[i] = uint32(c)
+			p++
+		} else if c == msgpcode.Uint16 && p+3 <= len(b) {
+			ts[i] = uint32(binary.BigEndian.Uint16(b[p+1:]))
+			p += 3
+		} else if c == msgpcode.Uint32 && p+5 <= len(b) {
+			ts[i] = binary.BigEndian.Uint32(b[p+1:])
+			p += 5
+		} else if c == msgpcode.Uint8 && p+2 <= len(b) {
+			ts[i] = uint32(b[p+1])
+			p += 2
+		} else {
+			break
+		}
+	}
+	r.advance(p - r.pos())
+	for ; i < n; i++ {
 		v, neg, err := r.int()
 		if err != nil {
 			return nil, fmt.Errorf("token %d: %w", i, err)

@@ -281,15 +281,10 @@ func (r *replicaIndex) removed(replica string, ev *BlockRemoved, sink Sink, st *
 	}
 }
 
-// clear empties the maps but keeps their memory: a replica's cache refills to
-// about the same size, and regrowing the maps would dominate the cost.
+// clear drops the maps, so the memory of a replica's cache is returned.
 func (r *replicaIndex) clear() {
-	for _, s := range r.slots {
-		clear(s.blocks)
-	}
-	for _, m := range r.refs {
-		clear(m)
-	}
+	r.slots = nil
+	clear(r.refs)
 }
 
 // Clear forgets everything replica holds and tells sink (nil: none), as when

@@ -90,6 +90,9 @@ type Config struct {
 
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
+	// Keyer keys prompts (nil: ChunkKeyer{BlockTokens}). A tokenizer-backed
+	// Keyer must produce keys of BlockTokens tokens each.
+	Keyer Keyer
 }
 
 // DefaultConfig returns the defaults: e2 on llama3.1-8b-h100, blocks of 16

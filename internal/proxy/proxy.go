@@ -113,10 +113,14 @@ func New(cfg Config) (*Proxy, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	keyer := cfg.Keyer
+	if keyer == nil {
+		keyer = ChunkKeyer{BlockTokens: cfg.BlockTokens}
+	}
 	p := &Proxy{
 		cfg:    cfg,
 		log:    log,
-		keyer:  ChunkKeyer{BlockTokens: cfg.BlockTokens},
+		keyer:  keyer,
 		policy: pol.Name(),
 		m:      newMetrics(),
 		rt:     rt,

@@ -71,6 +71,9 @@ type Result struct {
 	Replicas []replica.Stats
 	// Branches counts decisions by branch.
 	Branches map[string]int
+	// RouterCachedBlocks is, per replica, the number of blocks the router
+	// believed it cached at the end (compare Replicas[i].CachedBlocks).
+	RouterCachedBlocks []int
 	// Events counts cache events delivered to the router, and Unknown those
 	// whose parent it did not know.
 	Events, UnknownParents int
@@ -351,8 +354,9 @@ func (rn *runner) finish() {
 		res.Span = last.Sub(first)
 	}
 	res.Router = rn.rt.Stats()
-	for _, rp := range rn.reps {
+	for i, rp := range rn.reps {
 		res.Replicas = append(res.Replicas, rp.Stats())
+		res.RouterCachedBlocks = append(res.RouterCachedBlocks, rn.rt.Tree().CachedBlocks(i))
 	}
 }
 

@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"math/rand/v2"
+	"reflect"
 	"testing"
 	"time"
 
@@ -59,4 +60,111 @@ func TestRunSmoke(t *testing.T) {
 			t.Fatalf("%s: %d errors", name, r.Errors)
 		}
 	}
+}
+
+// TestDeterministic runs the same workload twice per policy: every
+// per-request figure must be identical.
+func TestDeterministic(t *testing.T) {
+	prof, err := costmodel.Lookup("mistral-7b-a6000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	reqs := sharedPrefix(300, 6, 1500, 80, 30, 7)
+	for _, name := range []string{"random", "power-of-two", "e2", "e2-preble", "llmd-precise", "dynamo"} {
+		var runs [2]*Result
+		for i := range runs {
+			pol, err := policy.New(name, policy.DefaultOptions())
+			if err != nil {
+				t.Fatal(err)
+			}
+			runs[i], err = Run(context.Background(), Config{Replicas: 3, Replica: replica.DefaultConfig(), Profile: prof, Policy: pol, KVEvents: true, EventLag: 5 * time.Millisecond, Seed: 42}, reqs)
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		for i := range runs[0].Records {
+			if !reflect.DeepEqual(runs[0].Records[i], runs[1].Records[i]) {
+				t.Fatalf("%s: request %d differs between identical runs:\n%+v\n%+v", name, i, runs[0].Records[i], runs[1].Records[i])
+			}
+		}
+	}
+}
+
+// TestEventsReachRouter checks that with KV events on, the router's view of
+// each replica's cache agrees with the replica's own cache at the end of a
+// run (every event delivered, none refused).
+func TestEventsReachRouter(t *testing.T) {
+	prof, err := costmodel.Lookup("mistral-7b-a6000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc := replica.DefaultConfig()
+	rc.KVCapacity = 20000 // small: evictions happen
+	reqs := sharedPrefix(400, 12, 1500, 100, 20, 3)
+	pol, _ := policy.New("llmd-precise", policy.DefaultOptions())
+	res, err := Run(context.Background(), Config{Replicas: 2, Replica: rc, Profile: prof, Policy: pol, KVEvents: true, EventLag: time.Millisecond}, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Events == 0 {
+		t.Fatal("no cache events reached the router")
+	}
+	if res.UnknownParents != 0 {
+		t.Fatalf("%d stored events had a parent the router did not know", res.UnknownParents)
+	}
+	for i, st := range res.Replicas {
+		if got, want := res.RouterCachedBlocks[i], st.CachedBlocks; got != want {
+			t.Errorf("replica %d: router believes %d blocks cached, replica holds %d", i, got, want)
+		}
+	}
+}
+
+// TestOracleBound checks the oracle on a hand-computable workload: the
+// second of two identical prompts computes only its last block.
+func TestOracleBound(t *testing.T) {
+	prof, _ := costmodel.Lookup("mistral-7b-a6000")
+	toks := make([]uint32, 64)
+	for i := range toks {
+		toks[i] = uint32(100 + i)
+	}
+	reqs := []workload.Request{{Tokens: toks, Arrival: 0}, {Tokens: toks, Arrival: time.Second}}
+	got := Oracle(reqs, prof, 16)
+	if want := prof.Prefill(64, 64); got[0] != want {
+		t.Errorf("first: got %v, want %v", got[0], want)
+	}
+	if want := prof.Prefill(16, 64); got[1] != want {
+		t.Errorf("second: got %v, want %v (one recomputed block)", got[1], want)
+	}
+}
+
+// BenchmarkSim10k simulates 10,000 shared-prefix requests on 8 replicas of
+// Qwen3-32B with e2 and reports the wall time of one whole simulation.
+// Target (issue 3): ≤ 10 s on one core.
+func BenchmarkSim10k(b *testing.B) {
+	prof, _ := costmodel.Lookup("qwen3-32b-h100x2")
+	spec := workload.DefaultSpec("toolbench")
+	spec.Requests = 10000
+	spec.Replicas = 8
+	spec.ToolBench.Zipf = 1.1
+	reqs, err := workload.Generate(spec)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := workload.Poisson(reqs, 60, rand.New(rand.NewPCG(1, 2))); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		pol, _ := policy.New("e2", policy.DefaultOptions())
+		res, err := Run(context.Background(), Config{Replicas: 8, Replica: replica.DefaultConfig(), Profile: prof, Policy: pol, KVEvents: true, EventLag: 10 * time.Millisecond}, reqs)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if n := len(res.Records); n != 10000 {
+			b.Fatalf("%d records", n)
+		}
+	}
+	b.ReportMetric(b.Elapsed().Seconds()/float64(b.N), "s/sim")
+	b.ReportMetric(float64(10000*b.N)/b.Elapsed().Seconds(), "requests/s")
 }

@@ -505,6 +505,7 @@ type addedToken struct {
 type addedTokens struct {
 	first     [256][]addedToken // by first byte, longest first
 	byContent map[string]uint32
+	onlyFirst int // the one first byte of all tokens (as in "<|...|>"), or -1
 }
 
 func newAddedTokens(toks []addedToken) addedTokens {
@@ -513,6 +514,14 @@ func newAddedTokens(toks []addedToken) addedTokens {
 	for _, tk := range toks {
 		a.byContent[tk.content] = tk.id
 		a.first[tk.content[0]] = append(a.first[tk.content[0]], tk)
+	}
+	a.onlyFirst = -1
+	for _, tk := range toks {
+		if a.onlyFirst == -1 {
+			a.onlyFirst = int(tk.content[0])
+		} else if a.onlyFirst != int(tk.content[0]) {
+			a.onlyFirst = -2
+		}
 	}
 	for i := range a.first {
 		l := a.first[i]
@@ -525,7 +534,20 @@ func newAddedTokens(toks []addedToken) addedTokens {
 // in order.
 func (a *addedTokens) split(s string, f func(seg string, id uint32, isAdded bool)) {
 	last := 0
+	if a.onlyFirst == -1 && len(a.byContent) == 0 {
+		if len(s) > 0 {
+			f(s, 0, false)
+		}
+		return
+	}
 	for i := 0; i < len(s); i++ {
+		if a.onlyFirst >= 0 { // skip to the next candidate with IndexByte
+			k := strings.IndexByte(s[i:], byte(a.onlyFirst))
+			if k < 0 {
+				break
+			}
+			i += k
+		}
 		cands := a.first[s[i]]
 		if cands == nil {
 			continue
