@@ -412,8 +412,9 @@ func (r *Router) CacheCleared(id int) error {
 }
 
 // Predict returns, without committing anything, the decision the policy
-// would make for req now (for POST /debug/route). Policies with state may
-// still advance their clocks.
+// would make for req now (for POST /debug/route). The tree is only read.
+// Stateful policies may still advance: E2 expires its windows to now, and
+// round-robin's turn moves on as if the request had been routed.
 func (r *Router) Predict(req policy.Request, now time.Time) (policy.Decision, error) {
 	if req.PromptTokens <= 0 && len(req.Keys) == 0 {
 		return policy.Decision{}, ErrEmptyPrompt
@@ -421,7 +422,7 @@ func (r *Router) Predict(req policy.Request, now time.Time) (policy.Decision, er
 	if req.OutputTokens == 0 {
 		req.OutputTokens = r.cfg.DefaultOutputTokens
 	}
-	r.tree.Insert(req.Keys, now, &r.match)
+	r.tree.Lookup(req.Keys, &r.match)
 	r.view.Replicas = r.reps
 	return r.pol.Route(&req, &r.view, now)
 }
