@@ -31,6 +31,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/replica"
 )
 
@@ -127,6 +128,14 @@ type Config struct {
 	// modified; they may be kept. A KV-event publisher (vLLM's ZMQ stream)
 	// plugs in here.
 	OnKVEvent func(replica.Event)
+	// KVPublisher, when set, receives the replica's cache events as vLLM's
+	// KV events (BlockStored with token ids, BlockRemoved, AllBlocksCleared;
+	// engine block hashes are the chain keys), one batch per delivery: at
+	// most two per iteration, the evictions at its start and the stores at
+	// its end. A *kvevents.Publisher is also run by Run: bound before the
+	// first iteration (a bind error is Run's) and closed when Run returns,
+	// so a new engine may bind the same endpoints afterwards.
+	KVPublisher KVPublisher
 	// Logger receives the engine's rare log lines. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -303,14 +312,17 @@ const (
 	opSubmit opKind = iota + 1
 	opCancel
 	opReset
+	opPrefix
 )
 
 // op is work a handler queues for Run's goroutine.
 type op struct {
 	kind  opKind
-	st    *stream    // opSubmit
-	id    uint64     // opCancel
-	reply chan error // opReset; capacity 1
+	st    *stream      // opSubmit
+	id    uint64       // opCancel
+	reply chan error   // opReset; capacity 1
+	keys  []blocks.Key // opPrefix
+	n     chan int     // opPrefix; capacity 1
 }
 
 // enqueue hands o to Run. It fails with ErrStopped once Run has returned.
@@ -350,6 +362,25 @@ func (e *Engine) resetPrefixCache(ctx context.Context) error {
 	}
 }
 
+// CachedPrefix returns how many leading keys of a chain the replica's prefix
+// cache holds, as of the end of the current iteration (Run answers between
+// iterations). It fails with ErrStopped once Run has returned.
+func (e *Engine) CachedPrefix(ctx context.Context, keys []blocks.Key) (int, error) {
+	n := make(chan int, 1)
+	if err := e.enqueue(op{kind: opPrefix, keys: keys, n: n}); err != nil {
+		return 0, err
+	}
+	select {
+	case v := <-n:
+		if v < 0 {
+			return 0, ErrStopped
+		}
+		return v, nil
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
 // progress is what a handler knows of its request.
 type progress struct {
 	hit       int   // cached prompt tokens at the first admission
@@ -361,6 +392,7 @@ type progress struct {
 // stream is one request in flight, shared between its handler and Run.
 type stream struct {
 	req     replica.Request
+	tokens  []uint32      // the prompt's token ids (for KV events)
 	arrival time.Time     // when the handler submitted it, on the Clock
 	notify  chan struct{} // capacity 1; signalled when p changes
 
@@ -410,9 +442,37 @@ func (e *Engine) Run(ctx context.Context) error {
 		live:  make(map[uint64]*stream),
 	}
 	d.base = d.clock.Now()
+	if e.cfg.KVPublisher != nil {
+		d.kv = newKVAdapter(e, e.cfg.KVPublisher)
+	}
+	if r, ok := e.cfg.KVPublisher.(kvRunner); ok {
+		pctx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- r.Run(pctx) }()
+		<-r.Ready()
+		if r.Endpoint() == "" {
+			cancel()
+			err := <-done
+			d.stop()
+			return fmt.Errorf("engine: run: kv events: %w", err)
+		}
+		defer func() {
+			cancel()
+			if err := <-done; err != nil {
+				e.cfg.Logger.Warn("engine: kv events publisher stopped", "err", err)
+			}
+		}()
+	}
 	defer d.stop()
 	d.loop(ctx)
 	return nil
+}
+
+// kvRunner is a KVPublisher that Run runs (*kvevents.Publisher).
+type kvRunner interface {
+	Run(ctx context.Context) error
+	Ready() <-chan struct{}
+	Endpoint() string
 }
 
 // driver is the state of Run's goroutine.
@@ -425,6 +485,8 @@ type driver struct {
 	live  map[uint64]*stream // submitted, neither finished nor cancelled
 	evbuf []replica.Event
 	ops   []op
+	kv    *kvAdapter // nil without a KVPublisher
+	ended []*stream  // scratch: requests finished in one deliver
 }
 
 // modelled maps real time to the replica's modelled time, which runs
@@ -508,10 +570,16 @@ func (d *driver) applyOps() {
 				break
 			}
 			d.live[o.st.req.ID] = o.st
+			if d.kv != nil {
+				d.kv.hold(o.st)
+			}
 		case opCancel:
-			if d.live[o.id] != nil {
+			if s := d.live[o.id]; s != nil {
 				d.rep.Cancel(o.id, mNow)
 				delete(d.live, o.id)
+				if d.kv != nil {
+					d.kv.release(s)
+				}
 			}
 		case opReset:
 			evs, ok := d.rep.ResetPrefixCache(mNow)
@@ -521,6 +589,8 @@ func (d *driver) applyOps() {
 			}
 			d.deliver(evs, now)
 			o.reply <- nil
+		case opPrefix:
+			o.n <- d.rep.CachedPrefix(o.keys)
 		}
 		d.ops[i] = op{}
 	}
@@ -537,6 +607,9 @@ func (d *driver) deliver(evs []replica.Event, now time.Time) {
 			if d.e.cfg.OnKVEvent != nil {
 				ev.At = now
 				d.e.cfg.OnKVEvent(ev)
+			}
+			if d.kv != nil {
+				d.kv.add(ev)
 			}
 			continue
 		}
@@ -563,7 +636,20 @@ func (d *driver) deliver(evs []replica.Event, now time.Time) {
 			m.finished(now.Sub(s.arrival))
 			delete(d.live, ev.RequestID)
 			s.update(func(p *progress) { p.finished = true })
+			if d.kv != nil {
+				d.ended = append(d.ended, s)
+			}
 		}
+	}
+	if d.kv != nil {
+		d.kv.flush(now)
+		// Token ids are released only after the batch, which may hold
+		// stores that came after the request's Finished.
+		for i, s := range d.ended {
+			d.kv.release(s)
+			d.ended[i] = nil
+		}
+		d.ended = d.ended[:0]
 	}
 }
 
@@ -582,6 +668,8 @@ func (d *driver) stop() {
 			o.st.update(fail)
 		case opReset:
 			o.reply <- ErrStopped
+		case opPrefix:
+			o.n <- -1
 		}
 	}
 	for id, s := range d.live {

@@ -185,6 +185,7 @@ func (e *Engine) generate(w http.ResponseWriter, r *http.Request, g *genRequest,
 		PromptTokens: len(tokens),
 		OutputTokens: g.maxTokens,
 	}, now)
+	s.tokens = tokens
 	if err := e.enqueue(op{kind: opSubmit, st: s}); err != nil {
 		writeError(w, statusOf(err), err.Error())
 		return

@@ -88,6 +88,10 @@ type E2Config struct {
 	RebalanceInterval time.Duration `json:"rebalance_interval"`
 	// MoveCooldown is the least time between two moves of one prefix.
 	MoveCooldown time.Duration `json:"move_cooldown"`
+	// TieBreakInFlight breaks cost ties by the number of in-flight requests
+	// (then by ID); without it ties go to the lowest ID, which piles equal
+	// work (no cache anywhere, empty queues) onto one replica.
+	TieBreakInFlight bool `json:"tie_break_in_flight"`
 	// MovableLoadOnly decides moves on the windowed prefill load alone (what
 	// a move can shift), leaving in-flight decode out; and keeps a move only
 	// if the prefix's windowed load exceeds the recompute it causes.
@@ -155,6 +159,7 @@ func DefaultE2Config() E2Config {
 	c.RebalanceInterval = time.Second
 	c.MoveCooldown = 30 * time.Second
 	c.MovableLoadOnly = true
+	c.TieBreakInFlight = true
 	return c
 }
 
@@ -260,7 +265,9 @@ type E2 struct {
 	free    []*e2Entry
 	active  []*prefixtree.Node
 	routed  int
-	lastReb int64
+	lastReb int64 // when rebalancing last ran (valid once rebalanced)
+	// rebalanced says whether rebalancing has run yet.
+	rebalanced bool
 	seed    float64 // TPOT seed from the profile, seconds
 
 	cands []Candidate
@@ -279,7 +286,7 @@ func NewE2(cfg E2Config) (*E2, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &E2{cfg: cfg, live: make(map[uint64]*e2Entry), lastReb: math.MinInt64}, nil
+	return &E2{cfg: cfg, live: make(map[uint64]*e2Entry)}, nil
 }
 
 // Name implements Policy.
@@ -510,7 +517,12 @@ func (p *E2) pick(req *Request, v *View, set *prefixtree.Set, d *Decision) {
 			c.Score = math.MaxFloat64
 		}
 		p.cands = append(p.cands, c)
-		if d.Replica < 0 || c.Score < bestScore {
+		better := d.Replica < 0 || c.Score < bestScore
+		if !better && p.cfg.TieBreakInFlight && c.Score <= bestScore*(1+1e-9) &&
+			v.Replicas[r].InFlight < v.Replicas[d.Replica].InFlight {
+			better = true // equal cost: fewer requests in flight
+		}
+		if better {
 			d.Replica, bestScore, d.MatchedTokens = r, c.Score, c.MatchedTokens
 		}
 	}
@@ -579,8 +591,8 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	}
 	p.routed++
 	if (p.cfg.Rebalance || p.cfg.Replicate) && p.routed >= p.cfg.WarmupPerReplica*max(v.Up(), 1) &&
-		(p.cfg.RebalanceInterval == 0 || ns-p.lastReb >= int64(p.cfg.RebalanceInterval)) {
-		p.lastReb = ns
+		(p.cfg.RebalanceInterval == 0 || !p.rebalanced || ns-p.lastReb >= int64(p.cfg.RebalanceInterval)) {
+		p.lastReb, p.rebalanced = ns, true
 		p.rebalance(v, ns)
 	}
 }

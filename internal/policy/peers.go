@@ -125,6 +125,9 @@ func (h *history) lookup(req *Request, v *View) []int {
 
 // record notes that req was sent to r at now.
 func (h *history) record(req *Request, r int, now time.Time) {
+	for h.tree.Replicas() <= r {
+		h.tree.AddReplica()
+	}
 	h.tree.Insert(req.Keys, now, &h.m)
 	h.tree.SetPathCached(h.m.Path, r, now)
 	if over := h.tree.CachedBlocks(r) - h.capacity; over > 0 {

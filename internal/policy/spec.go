@@ -62,6 +62,9 @@ func Parse(spec string, o Options) (Policy, error) {
 			if err != nil {
 				return nil, fmt.Errorf("policy: %q: field %s: %w", spec, k, err)
 			}
+			if !finite(f) {
+				return nil, fmt.Errorf("policy: %q: field %s: %v is not a finite number", spec, k, f)
+			}
 			fields[k] = f
 		}
 	}

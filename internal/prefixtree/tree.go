@@ -79,7 +79,9 @@ type Node struct {
 
 	// Assigned is the set of replicas this prefix is assigned to: routing state
 	// kept by E2, distinct from caching (an assigned replica may have evicted
-	// the blocks). The tree copies it on a split and never reads it.
+	// the blocks). On a split the upper half keeps it and the lower half starts
+	// empty (a copy there would go stale when the prefix moves); the tree
+	// never reads it.
 	Assigned Set
 	// Ext is a policy's own data about this node (E2's windowed statistics).
 	// On a split the upper half keeps it (the node keeps its identity) and the
@@ -407,7 +409,6 @@ func (t *Tree) split(n *Node, at int) *Node {
 		depth:      n.depth + at,
 		rs:         make([]repState, len(n.rs)),
 		lastAccess: n.lastAccess,
-		Assigned:   n.Assigned.Clone(),
 	}
 	n.keys = n.keys[:at:at]
 	for _, c := range low.children {

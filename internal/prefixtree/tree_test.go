@@ -61,7 +61,8 @@ func TestInsertSplitsAndImportance(t *testing.T) {
 	if got := owns(m.Path); !slices.Equal(got, []int{6}) || !a.Important() {
 		t.Fatalf("first insert path %v important=%v", got, a.Important())
 	}
-	// B shares 4 blocks: A splits at 4; A keeps its identity and Ext.
+	// B shares 4 blocks: A splits at 4; A keeps its identity, Ext and
+	// Assigned; the lower half starts with neither.
 	tr.Insert(ks(1, 2, 3, 4, 9), now, &m)
 	if got := owns(m.Path); !slices.Equal(got, []int{4, 1}) {
 		t.Fatalf("second insert path owns %v, want [4 1]", got)
@@ -70,7 +71,7 @@ func TestInsertSplitsAndImportance(t *testing.T) {
 		t.Fatalf("split lost the upper node's identity or Ext")
 	}
 	lowA, _, _ := tr.Find(ks(1, 2, 3, 4, 5, 6)[5])
-	if lowA.Ext != nil || !lowA.Assigned.Has(1) || lowA.Parent() != a || lowA.Depth() != 4 {
+	if lowA.Ext != nil || !lowA.Assigned.Empty() || !a.Assigned.Has(1) || lowA.Parent() != a || lowA.Depth() != 4 {
 		t.Fatalf("lower half: Ext %v assigned %v parent ok %v depth %d", lowA.Ext, lowA.Assigned.Has(1), lowA.Parent() == a, lowA.Depth())
 	}
 	// Importance: own > depth.

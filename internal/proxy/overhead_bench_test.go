@@ -365,3 +365,22 @@ func BenchmarkProxyThroughput(b *testing.B) {
 	b.ReportMetric(ps.pct(0.50), "proxied-p50-ms")
 	b.ReportMetric(ps.pct(0.99), "proxied-p99-ms")
 }
+
+// BenchmarkParseRequest4k measures the proxy's reading of one streamed
+// completions body whose prompt is 4096 token ids: its CPU cost per request
+// at the HTTP front.
+func BenchmarkParseRequest4k(b *testing.B) {
+	body := ohBodies(1, 4096)[0]
+	k := ChunkKeyer{BlockTokens: 16}
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		r, err := ParseRequest(KindCompletion, body)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, _, err := k.Keys(r); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

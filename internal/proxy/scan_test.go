@@ -1,0 +1,93 @@
+package proxy
+
+import (
+	"encoding/json"
+	"math"
+	"slices"
+	"testing"
+)
+
+// refTokenIDLists decodes raw with encoding/json: a list of token ids or a
+// list of token-id lists, none empty, every id in [0, 2³²).
+func refTokenIDLists(raw []byte) ([][]uint32, bool) {
+	conv := func(in []int64) ([]uint32, bool) {
+		if len(in) == 0 {
+			return nil, false
+		}
+		out := make([]uint32, len(in))
+		for i, v := range in {
+			if v < 0 || v > math.MaxUint32 {
+				return nil, false
+			}
+			out[i] = uint32(v)
+		}
+		return out, true
+	}
+	var flat []int64
+	if json.Unmarshal(raw, &flat) == nil {
+		ids, ok := conv(flat)
+		return [][]uint32{ids}, ok
+	}
+	var nested [][]int64
+	if json.Unmarshal(raw, &nested) != nil || len(nested) == 0 {
+		return nil, false
+	}
+	var out [][]uint32
+	for _, l := range nested {
+		ids, ok := conv(l)
+		if !ok {
+			return nil, false
+		}
+		out = append(out, ids)
+	}
+	return out, true
+}
+
+func TestScanTokenIDLists(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want [][]uint32
+		ok   bool
+	}{
+		{`[1,2,3]`, [][]uint32{{1, 2, 3}}, true},
+		{`[ 0 , 4294967295 ]`, [][]uint32{{0, 4294967295}}, true},
+		{`[[1, 2],[3]]`, [][]uint32{{1, 2}, {3}}, true},
+		{`[4294967296]`, nil, false},
+		{`[]`, nil, false},
+		{`[[1],[]]`, nil, false},
+		{`[1.0]`, nil, false},
+		{`[1e3]`, nil, false},
+		{`[-1]`, nil, false},
+		{`[1,[2]]`, nil, false},
+		{`[[1],2]`, nil, false},
+		{`["a"]`, nil, false},
+		{`[null]`, nil, false},
+		{`[1,2]x`, nil, false},
+	} {
+		got, ok := scanTokenIDLists([]byte(tc.in))
+		if ok != tc.ok || !slices.EqualFunc(got, tc.want, slices.Equal) {
+			t.Errorf("scanTokenIDLists(%s) = %v, %v; want %v, %v", tc.in, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
+// FuzzScanTokenIDLists checks the fast scan against encoding/json: what it
+// accepts, encoding/json decodes alike.
+func FuzzScanTokenIDLists(f *testing.F) {
+	for _, s := range []string{`[1,2,3]`, `[[1],[2,3]]`, `[ 7 ]`, `[4294967296]`, `[1.5]`, `[-0]`, `[[],[1]]`, `[01]`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		if !json.Valid(raw) || len(raw) == 0 || raw[0] != '[' {
+			return // the caller's precondition
+		}
+		got, ok := scanTokenIDLists(raw)
+		if !ok {
+			return
+		}
+		want, wok := refTokenIDLists(raw)
+		if !wok || !slices.EqualFunc(got, want, slices.Equal) {
+			t.Fatalf("scan(%q) = %v; encoding/json: %v, %v", raw, got, want, wok)
+		}
+	})
+}
