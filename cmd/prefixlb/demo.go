@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/loadgen"
 	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/replica"
@@ -33,6 +34,7 @@ type demoOptions struct {
 	timeScale float64
 	jsonPath  string
 	verbose   bool
+	noEvents  bool
 }
 
 func newDemoCmd() *cobra.Command {
@@ -48,7 +50,11 @@ func newDemoCmd() *cobra.Command {
 (prefixlb serve) in this process on loopback, drives the same open-loop
 workload through each policy in turn, over real HTTP and SSE, with fresh
 replicas each time, and prints the comparison. Nothing but the GPU is
-simulated: the replicas' time comes from the cost profile.`,
+simulated: the replicas' time comes from the cost profile.
+
+Each replica publishes its KV-cache events (vLLM's ZeroMQ stream) on loopback
+and the router follows them, so it knows every replica's cache exactly
+(--no-kv-events: the router mirrors the caches from its own decisions).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("workload-replicas") {
@@ -67,6 +73,7 @@ simulated: the replicas' time comes from the cost profile.`,
 	fs.Float64Var(&o.timeScale, "speedup", 1, "run the modelled GPUs this many times faster (the arrival rate is scaled to match)")
 	fs.StringVar(&o.jsonPath, "json", "", "write the comparison as JSON to this file (- for stdout)")
 	fs.BoolVarP(&o.verbose, "verbose", "v", false, "log the replicas' and the router's messages")
+	fs.BoolVar(&o.noEvents, "no-kv-events", false, "do not publish KV events: the router mirrors the replicas' caches from its decisions")
 	return cmd
 }
 
@@ -97,6 +104,11 @@ func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) erro
 	}
 	fmt.Fprintf(stderr, "prefixlb demo: %d replicas of %s on loopback, %s, %d requests at %g req/s (speedup %g)\n",
 		o.replicas, prof.Name(), o.wl.Describe(), len(reqs), o.wl.Arrival.Rate, o.timeScale)
+	if o.noEvents {
+		fmt.Fprintln(stderr, "prefixlb demo: KV events off: the router mirrors the replicas' caches from its own decisions")
+	} else {
+		fmt.Fprintln(stderr, "prefixlb demo: KV events on: each replica publishes its cache changes over ZeroMQ on loopback; the router follows them")
+	}
 	var results []report.Result
 	for _, pol := range strings.Split(o.policies, ",") {
 		pol = strings.TrimSpace(pol)
@@ -186,22 +198,47 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 		ec.Replica.Profile = prof
 		ec.TimeScale = o.timeScale
 		ec.Logger = logger
+		var pub *kvevents.Publisher
+		if !o.noEvents {
+			// Free loopback ports; the engine's Run binds and closes them.
+			pub = kvevents.NewPublisher(kvevents.PublisherConfig{
+				Endpoint:       "tcp://127.0.0.1:0",
+				ReplayEndpoint: "tcp://127.0.0.1:0",
+				Topic:          fmt.Sprintf("kv@replica-%d@%s", i, ec.Model),
+				Logger:         logger,
+			})
+			ec.KVPublisher = pub
+		}
 		e, err := engine.New(ec)
 		if err != nil {
 			return report.Result{}, err
 		}
+		runErr := make(chan error, 1)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := e.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+			err := e.Run(ctx)
+			if err != nil && !errors.Is(err, context.Canceled) {
 				logger.Error("engine stopped", "err", err)
 			}
+			runErr <- err
 		}()
-		u, err := serve(e.Handler())
-		if err != nil {
+		b := proxy.Backend{Name: fmt.Sprintf("replica-%d", i)}
+		if pub != nil {
+			select {
+			case <-pub.Ready():
+			case err := <-runErr:
+				return report.Result{}, fmt.Errorf("engine %d: %w", i, err)
+			}
+			if pub.Endpoint() == "" {
+				return report.Result{}, fmt.Errorf("engine %d: %w", i, <-runErr)
+			}
+			b.KVEvents, b.KVReplay = pub.Endpoint(), pub.ReplayEndpoint()
+		}
+		if b.URL, err = serve(e.Handler()); err != nil {
 			return report.Result{}, err
 		}
-		backends = append(backends, proxy.Backend{Name: fmt.Sprintf("replica-%d", i), URL: u})
+		backends = append(backends, b)
 	}
 	pc := proxy.DefaultConfig()
 	pc.Backends = backends

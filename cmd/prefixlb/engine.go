@@ -17,6 +17,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/kvevents"
 )
 
 func init() { rootCmd.AddCommand(engineCmd()) }
@@ -26,6 +27,9 @@ type engineOptions struct {
 	listen          string
 	profile         string
 	kvEvents        string
+	kvReplay        string
+	kvEncoding      string
+	kvTopic         string
 	shutdownTimeout time.Duration
 	verbose         bool
 }
@@ -36,7 +40,7 @@ func engineCmd() *cobra.Command {
 	o := &engineOptions{}
 	cfg := engine.DefaultConfig()
 	cmd := &cobra.Command{
-		Use:   "engine --listen ADDR --profile NAME [--kv-events tcp://ADDR] [--time-scale X]",
+		Use:   "engine --listen ADDR --profile NAME [--kv-events tcp://*:5557] [--time-scale X]",
 		Short: "Serve a modelled GPU replica behind vLLM's HTTP API",
 		Long: `engine serves one modelled GPU replica (continuous batching, chunked prefill,
 a KV cache with prefix caching and LRU eviction) behind vLLM's OpenAI-compatible
@@ -48,9 +52,16 @@ a router without GPUs.
 Every request generates exactly max_tokens tokens (as with ignore_eos) of
 deterministic text: the same request always gets the same answer. Text prompts
 are tokenized one token per word. --time-scale X runs the model X times faster
-than the profile says; latencies in /metrics are real (scaled) time.`,
+than the profile says; latencies in /metrics are real (scaled) time.
+
+--kv-events ENDPOINT publishes the KV cache's changes as vLLM's KV events
+(ZeroMQ PUB, [topic, seq, msgpack batch]; docs/kv-events.md): like vLLM, an
+endpoint with '*' (tcp://*:5557) is bound, any other is dialled (for a router
+that binds one SUB). The replay ROUTER socket (--kv-replay, default the events
+port + 1) is always bound.`,
 		Example: `  prefixlb engine --listen 127.0.0.1:8001 --profile llama3.1-8b-h100
-  prefixlb engine --listen :8000 --profile mistral-7b-a6000 --time-scale 10 --local lpm`,
+  prefixlb engine --listen :8000 --profile mistral-7b-a6000 --time-scale 10 --local lpm
+  prefixlb engine --listen 127.0.0.1:8001 --kv-events 'tcp://*:5557'   # replay on tcp://*:5558`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -77,10 +88,48 @@ than the profile says; latencies in /metrics are real (scaled) time.`,
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", cfg.MaxModelLen, "most prompt plus output tokens per request")
 	fs.Int64Var(&cfg.MaxBodyBytes, "max-body-bytes", cfg.MaxBodyBytes, "largest request body accepted")
 	fs.IntVar(&cfg.DefaultMaxTokens, "default-max-tokens", cfg.DefaultMaxTokens, "output tokens of a request without max_tokens")
-	fs.StringVar(&o.kvEvents, "kv-events", "", "publish KV-cache events on this ZMQ endpoint (tcp://ADDR; not yet implemented)")
+	fs.StringVar(&o.kvEvents, "kv-events", "", "publish KV-cache events on this ZMQ endpoint: tcp://*:PORT binds, tcp://HOST:PORT dials")
+	fs.StringVar(&o.kvReplay, "kv-replay", "", "ZMQ endpoint of the KV-event replay socket, always bound (default: --kv-events with port+1)")
+	fs.StringVar(&o.kvEncoding, "kv-encoding", "array", "KV-event encoding: array (vLLM <= 0.23) or map (vLLM >= 0.26)")
+	fs.StringVar(&o.kvTopic, "kv-topic", "", "KV-event topic (default kv@<listen>@<model>, as vLLM)")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "how long to let requests in flight finish on SIGINT/SIGTERM")
 	fs.BoolVarP(&o.verbose, "verbose", "v", false, "debug logging")
 	return cmd
+}
+
+// kvPublisherConfig turns the --kv-* flags into a publisher config, with
+// vLLM's defaults and its bind-or-dial rule.
+func kvPublisherConfig(o *engineOptions, model string, log *slog.Logger) (kvevents.PublisherConfig, error) {
+	pc := kvevents.PublisherConfig{
+		Endpoint:       o.kvEvents,
+		Dial:           !strings.Contains(o.kvEvents, "*"),
+		ReplayEndpoint: o.kvReplay,
+		Topic:          o.kvTopic,
+		Logger:         log,
+	}
+	switch o.kvEncoding {
+	case "array":
+		pc.Encoding = kvevents.EncodingArray
+	case "map":
+		pc.Encoding = kvevents.EncodingMap
+		pc.ReplayTopicFrame = true // vLLM 0.26 sends both
+	default:
+		return pc, fmt.Errorf("engine: --kv-encoding must be array or map, got %q", o.kvEncoding)
+	}
+	if pc.ReplayEndpoint == "" {
+		ep, err := engine.DefaultReplayEndpoint(o.kvEvents)
+		if err != nil {
+			return pc, fmt.Errorf("engine: --kv-events: %w", err)
+		}
+		pc.ReplayEndpoint = ep
+	}
+	if pc.Topic == "" {
+		pc.Topic = engine.DefaultKVTopic(o.listen, model)
+	}
+	if err := pc.Validate(); err != nil {
+		return pc, fmt.Errorf("engine: %w", err)
+	}
+	return pc, nil
 }
 
 // runEngine serves one engine until ctx is done, then shuts down gracefully.
@@ -94,9 +143,18 @@ func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *sl
 	}
 	cfg.Replica.Profile = prof
 	cfg.Logger = log
+	var pub *kvevents.Publisher
 	if o.kvEvents != "" {
-		// The publisher plugs into cfg.OnKVEvent.
-		log.Warn("KV events are not yet published; --kv-events is ignored", "endpoint", o.kvEvents)
+		pc, err := kvPublisherConfig(o, cfg.Model, log)
+		if err != nil {
+			return err
+		}
+		pub = kvevents.NewPublisher(pc)
+		cfg.KVPublisher = pub
+		log.Info("publishing KV events", "endpoint", pc.Endpoint, "bind", !pc.Dial,
+			"replay", pc.ReplayEndpoint, "topic", pc.Topic, "encoding", o.kvEncoding)
+	} else if o.kvReplay != "" || o.kvTopic != "" {
+		return errors.New("engine: --kv-replay and --kv-topic need --kv-events")
 	}
 	eng, err := engine.New(cfg)
 	if err != nil {
@@ -121,12 +179,15 @@ func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *sl
 	srvDone := make(chan error, 1)
 	go func() { srvDone <- srv.Serve(ln) }()
 
-	var serveErr error
+	var serveErr, runErr error
+	ranOut := false
 	select {
 	case <-ctx.Done():
 		log.Info("engine shutting down", "timeout", o.shutdownTimeout)
 	case serveErr = <-srvDone:
 		serveErr = fmt.Errorf("engine: serve: %w", serveErr)
+	case runErr = <-engDone: // the KV-event sockets could not be bound
+		ranOut = true
 	}
 	// Let requests in flight finish while the model still runs; past the
 	// timeout, stop the model, give their handlers a moment to end their
@@ -135,7 +196,9 @@ func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *sl
 	defer cancel()
 	err = srv.Shutdown(sctx)
 	stopEngine()
-	runErr := <-engDone
+	if !ranOut {
+		runErr = <-engDone
+	}
 	if err != nil && !errors.Is(err, http.ErrServerClosed) {
 		log.Warn("engine: shutdown timed out; requests in flight were stopped", "err", err)
 		fctx, fcancel := context.WithTimeout(context.Background(), time.Second)

@@ -25,6 +25,7 @@ import (
 type serveFlags struct {
 	cfg      proxy.Config
 	backends string
+	kvEvents string
 	config   string
 	logLevel string
 }
@@ -55,6 +56,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"max-response-bytes":      func() { c.MaxResponseBytes = f.cfg.MaxResponseBytes },
 		"max-retries":             func() { c.MaxRetries = f.cfg.MaxRetries },
 		"drain-timeout":           func() { c.DrainTimeout = f.cfg.DrainTimeout },
+		"speculative-ttl":         func() { c.SpeculativeTTL = f.cfg.SpeculativeTTL },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -79,8 +81,16 @@ branch, matched tokens and cost terms). POST /debug/route explains a decision
 without forwarding; /metrics serves the router's Prometheus metrics.
 
 Settings come from defaults, then --config FILE (YAML, snake_case keys such as
-backends, policy, health_interval: 5s), then the flags given.`,
+backends, policy, health_interval: 5s), then the flags given.
+
+KV events: a replica that publishes vLLM's KV-cache events (vLLM
+--kv-events-config, prefixlb engine --kv-events) is followed exactly: give
+--kv-events with one ZMQ endpoint per --backend, matched by position (empty for
+a replica without events), or kv_events (and optionally kv_replay, default port
++ 1, and kv_topic) on a backend in the config file. GET /debug/cache shows each
+replica's stream and the router's view of its cache.`,
 		Example: `  prefixlb serve --listen :8080 --backend http://10.0.0.1:8000,http://10.0.0.2:8000
+  prefixlb serve --backend http://a:8000,http://b:8000 --kv-events tcp://a:5557,tcp://b:5557
   prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -93,6 +103,8 @@ backends, policy, health_interval: 5s), then the flags given.`,
 	d := &f.cfg
 	fs.StringVar(&d.Listen, "listen", d.Listen, "address to listen on")
 	fs.StringVar(&f.backends, "backend", "", "replica base URLs, comma-separated (replaces the config file's backends)")
+	fs.StringVar(&f.kvEvents, "kv-events", "", "replicas' KV-event endpoints (tcp://HOST:PORT), comma-separated, matched to the backends by position; replay on port+1")
+	fs.DurationVar(&d.SpeculativeTTL, "speculative-ttl", 0, "how long a routed prompt counts as cached on a KV-event replica before its events confirm it (0: 2s; negative: off)")
 	fs.StringVar(&d.Policy, "policy", d.Policy, "routing policy: "+strings.Join(policy.Names(), ", ")+" (e2 settings: 'e2:mixing=false')")
 	fs.StringVar(&f.config, "config", "", "YAML config file; flags given override its values")
 	fs.StringVar(&d.Profile, "profile", d.Profile, "cost profile name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file")
@@ -138,6 +150,11 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		}
 	}
 	f.overrides(cmd.Flags(), &cfg)
+	if f.kvEvents != "" {
+		if err := proxy.SetKVEvents(cfg.Backends, f.kvEvents); err != nil {
+			return fmt.Errorf("serve: --kv-events: %w", err)
+		}
+	}
 	if cfg.AdminToken == "" {
 		cfg.AdminToken = os.Getenv("PREFIXLB_ADMIN_TOKEN")
 	}
@@ -157,6 +174,9 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	names := make([]string, len(cfg.Backends))
 	for i, b := range cfg.Backends {
 		names[i] = b.URL
+		if b.KVEvents != "" {
+			names[i] += " (kv events " + b.KVEvents + ")"
+		}
 	}
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
 		"backends", strings.Join(names, ","), "admin_token", cfg.AdminToken != "")

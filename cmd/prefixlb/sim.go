@@ -203,6 +203,10 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			r.Replicas = o.replicas
 			r.Profile = prof.Name()
 			r.Local = prc.Local
+			if st := res.Router; st.PredictionsChecked > 0 {
+				r.CachePredictionExact = float64(st.PredictionsExact) / float64(st.PredictionsChecked)
+				r.CachePredictedTokens, r.CacheReportedTokens = st.PredictedTokens, st.ReportedTokens
+			}
 			os := oSum
 			r.OracleTTFT = &os
 			if oSum.Mean > 0 {

@@ -268,7 +268,7 @@ type E2 struct {
 	lastReb int64 // when rebalancing last ran (valid once rebalanced)
 	// rebalanced says whether rebalancing has run yet.
 	rebalanced bool
-	seed    float64 // TPOT seed from the profile, seconds
+	seed       float64 // TPOT seed from the profile, seconds
 
 	cands []Candidate
 	hot   []*prefixtree.Node

@@ -260,6 +260,13 @@ func (t *Tree) Lookup(keys []blocks.Key, m *Match) {
 	}
 	// Binary search for the number of present keys: the tree is prefix-closed.
 	lo, hi := 0, len(keys) // invariant: keys[:lo] present, keys[hi:] absent
+	if n := len(keys); n > 0 {
+		// A prompt seen whole before (the common case: repeats, and the
+		// re-lookup when a request finishes) costs one probe.
+		if e, ok := t.index[keys[n-1]]; ok && int(e.depth) == n-1 {
+			lo = n
+		}
+	}
 	for lo < hi {
 		mid := int(uint(lo+hi) >> 1)
 		if e, ok := t.index[keys[mid]]; ok && int(e.depth) == mid {

@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -25,6 +27,16 @@ type Backend struct {
 	Name string `json:"name"`
 	// URL is the replica's base URL (http or https, no path needed).
 	URL string `json:"url"`
+	// KVEvents, when set, is the replica's KV-event PUB socket
+	// ("tcp://host:5557", vLLM's --kv-events-config endpoint, or prefixlb
+	// engine --kv-events): the proxy subscribes and the router knows the
+	// replica's cache from its events instead of mirroring its decisions.
+	KVEvents string `json:"kv_events,omitempty"`
+	// KVReplay is the replica's replay ROUTER socket ("": KVEvents with
+	// port + 1, vLLM's convention).
+	KVReplay string `json:"kv_replay,omitempty"`
+	// KVTopic is the subscription prefix ("": every topic).
+	KVTopic string `json:"kv_topic,omitempty"`
 }
 
 // Config configures a Proxy. DefaultConfig gives every default; a zero
@@ -87,6 +99,10 @@ type Config struct {
 	// DrainTimeout bounds how long Serve waits for in-flight requests after
 	// its context ends.
 	DrainTimeout time.Duration
+	// SpeculativeTTL is how long a routed prompt counts as cached on a
+	// replica with KV events before its events confirm it (0: the router's
+	// default, 2s; negative: no speculative entries).
+	SpeculativeTTL time.Duration
 
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
@@ -139,6 +155,23 @@ func (c *Config) Validate() error {
 		}
 		if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			return bad(fmt.Sprintf("backends[%d].url", i), "%q is not an http(s) URL with a host", b.URL)
+		}
+		if b.KVEvents != "" {
+			if err := checkZMQEndpoint(b.KVEvents); err != nil {
+				return bad(fmt.Sprintf("backends[%d].kv_events", i), "%v", err)
+			}
+			if b.KVReplay == "" {
+				if _, err := replayEndpoint(b); err != nil {
+					return bad(fmt.Sprintf("backends[%d].kv_replay", i), "%v", err)
+				}
+			}
+		} else if b.KVReplay != "" || b.KVTopic != "" {
+			return bad(fmt.Sprintf("backends[%d].kv_events", i), "kv_replay and kv_topic need kv_events")
+		}
+		if b.KVReplay != "" {
+			if err := checkZMQEndpoint(b.KVReplay); err != nil {
+				return bad(fmt.Sprintf("backends[%d].kv_replay", i), "%v", err)
+			}
 		}
 		n := backendName(b)
 		if names[n] {
@@ -210,6 +243,57 @@ func backendName(b Backend) string {
 	return b.URL
 }
 
+// checkZMQEndpoint accepts transport://address with a tcp, ipc or inproc
+// transport.
+func checkZMQEndpoint(ep string) error {
+	tr, addr, ok := strings.Cut(ep, "://")
+	if !ok || addr == "" {
+		return fmt.Errorf("%q is not a ZeroMQ endpoint transport://address", ep)
+	}
+	switch tr {
+	case "tcp", "ipc", "inproc":
+	default:
+		return fmt.Errorf("%q: unknown ZeroMQ transport %q", ep, tr)
+	}
+	if strings.Contains(addr, "*") {
+		return fmt.Errorf("%q: the router dials the replica's socket; give its host, not *", ep)
+	}
+	return nil
+}
+
+// replayEndpoint is b's replay socket: KVReplay, or KVEvents with port+1.
+func replayEndpoint(b Backend) (string, error) {
+	if b.KVReplay != "" {
+		return b.KVReplay, nil
+	}
+	tr, addr, _ := strings.Cut(b.KVEvents, "://")
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", fmt.Errorf("cannot derive the replay endpoint from %q (give kv_replay): %w", b.KVEvents, err)
+	}
+	n, err := strconv.Atoi(port)
+	if err != nil || n <= 0 || n >= 65535 {
+		return "", fmt.Errorf("cannot derive the replay endpoint from %q (give kv_replay): no numeric port", b.KVEvents)
+	}
+	return tr + "://" + net.JoinHostPort(host, strconv.Itoa(n+1)), nil
+}
+
+// SetKVEvents sets the KV-event endpoints of backends by position from
+// "ENDPOINT[,ENDPOINT..]" (the serve command's --kv-events): the i-th
+// endpoint is the i-th backend's; an empty one ("tcp://a:5557,,tcp://c:5557")
+// leaves that backend without events. More endpoints than backends is an
+// error.
+func SetKVEvents(backends []Backend, list string) error {
+	parts := strings.Split(list, ",")
+	if len(parts) > len(backends) {
+		return fmt.Errorf("proxy: %d KV-event endpoints for %d backends", len(parts), len(backends))
+	}
+	for i, ep := range parts {
+		backends[i].KVEvents = strings.TrimSpace(ep)
+	}
+	return nil
+}
+
 // ParseBackends turns "URL[,URL..]" into backends named by host:port.
 func ParseBackends(list string) []Backend {
 	var out []Backend
@@ -263,6 +347,7 @@ type fileConfig struct {
 	MaxRetries            *int       `json:"max_retries"`
 	AdminToken            *string    `json:"admin_token"`
 	DrainTimeout          *duration  `json:"drain_timeout"`
+	SpeculativeTTL        *duration  `json:"speculative_ttl"`
 }
 
 // ParseConfig applies the YAML document data over base and returns the
@@ -327,6 +412,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setI(&c.MaxRetries, f.MaxRetries)
 	setS(&c.AdminToken, f.AdminToken)
 	setD(&c.DrainTimeout, f.DrainTimeout)
+	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
 	return c, nil
 }
 

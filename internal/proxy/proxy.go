@@ -31,6 +31,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
@@ -55,6 +56,8 @@ type backend struct {
 	id   int
 	name string
 	url  *url.URL
+	sub  *kvevents.Subscriber // nil: no KV events, the router mirrors
+	kv   *kvCounters          // with sub
 }
 
 // health is a replica's health-check state.
@@ -71,6 +74,8 @@ type Proxy struct {
 	log      *slog.Logger
 	keyer    Keyer
 	backends []*backend
+	byName   map[string]*backend
+	kv       *kvState
 	policy   string          // the policy's name, as a metric label
 	fwd      *http.Transport // forwards client requests
 	checks   *http.Client    // health checks, scrapes, /v1/models
@@ -105,7 +110,8 @@ func New(cfg Config) (*Proxy, error) {
 		return nil, fmt.Errorf("proxy: config: policy: %w", err)
 	}
 	ex := newExcluder(pol)
-	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: ex, Seed: cfg.Seed})
+	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: ex, Seed: cfg.Seed,
+		SpeculativeTTL: cfg.SpeculativeTTL})
 	if err != nil {
 		return nil, fmt.Errorf("proxy: new router: %w", err)
 	}
@@ -125,12 +131,23 @@ func New(cfg Config) (*Proxy, error) {
 		m:      newMetrics(),
 		rt:     rt,
 		excl:   ex,
+		byName: make(map[string]*backend),
+	}
+	if p.kv, err = newKVState(p.m.reg); err != nil {
+		return nil, fmt.Errorf("proxy: kv events metrics: %w", err)
 	}
 	for _, b := range cfg.Backends {
 		u, _ := url.Parse(b.URL) // Validate parsed it
 		name := backendName(b)
-		id := rt.AddReplica(name, false)
-		p.backends = append(p.backends, &backend{id: id, name: name, url: u})
+		id := rt.AddReplica(name, b.KVEvents != "")
+		be := &backend{id: id, name: name, url: u}
+		if b.KVEvents != "" {
+			if err := p.addSubscriber(be, b); err != nil {
+				return nil, fmt.Errorf("proxy: backend %s: %w", name, err)
+			}
+		}
+		p.backends = append(p.backends, be)
+		p.byName[name] = be
 		p.state = append(p.state, health{up: true})
 		p.m.up.WithLabelValues(name).Set(1)
 		p.m.inflight.WithLabelValues(name)
@@ -160,8 +177,8 @@ func (p *Proxy) Config() Config { return p.cfg }
 
 // Handler returns the proxy's HTTP handler: /v1/* forwarded (completions
 // and chat routed by prompt), /v1/models (the union of the replicas'),
-// /health, /metrics, and the debug endpoints POST /debug/route and GET
-// /debug/replicas (bearer AdminToken when set).
+// /health, /metrics, and the debug endpoints POST /debug/route, GET
+// /debug/replicas and GET /debug/cache (bearer AdminToken when set).
 func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindCompletion) })
@@ -172,6 +189,7 @@ func (p *Proxy) Handler() http.Handler {
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
 	mux.HandleFunc("GET /debug/replicas", p.admin(p.serveDebugReplicas))
+	mux.HandleFunc("GET /debug/cache", p.admin(p.serveDebugCache))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeErrorStatus(w, http.StatusNotFound, fmt.Errorf("no route for %s %s", r.Method, r.URL.Path))
 	})
@@ -179,9 +197,15 @@ func (p *Proxy) Handler() http.Handler {
 }
 
 // Run checks every replica's health and scrapes its load, one goroutine per
-// replica, until ctx ends; it returns nil then.
+// replica, and follows the KV-event stream of every replica that has one,
+// until ctx ends; it returns nil then.
 func (p *Proxy) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		p.runKV(ctx)
+	}()
 	for _, b := range p.backends {
 		wg.Add(1)
 		go func() {

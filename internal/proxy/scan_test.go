@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/json"
 	"math"
+	"reflect"
 	"slices"
 	"testing"
 )
@@ -88,6 +89,38 @@ func FuzzScanTokenIDLists(f *testing.F) {
 		want, wok := refTokenIDLists(raw)
 		if !wok || !slices.EqualFunc(got, want, slices.Equal) {
 			t.Fatalf("scan(%q) = %v; encoding/json: %v, %v", raw, got, want, wok)
+		}
+	})
+}
+
+// FuzzParseRequestFastPath checks that reading a token-id prompt directly
+// (splitTokenPrompt) changes neither what ParseRequest returns nor its
+// errors.
+func FuzzParseRequestFastPath(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","prompt":[1,2,3],"stream":true,"max_tokens":4}`,
+		`{"model":"m","prompt":[[1,2],[3]],"n":2}`,
+		`{"model":"m","PROMPT":[1],"prompt":"x"}`,
+		`{"model":"m","prompt":[1],"Prompt":[2, 3]}`,
+		`{"prompt":[1,2],"model":"m","max_tokens":"x"}`,
+		`{"model":"m","prompt":[1,2],}`,
+		`{"model":"m","prompt":[1,2]} x`,
+		`{"model":"m","pro\u006dpt":[5],"prompt":[1]}`,
+		`{"model":"m","s":"a\"b","prompt":[7]}`,
+		`{"model":"m","prompt":[1,2],"input":[3]}`,
+	} {
+		f.Add(uint8(1), []byte(s))
+		f.Add(uint8(0), []byte(s))
+	}
+	f.Fuzz(func(t *testing.T, kind uint8, body []byte) {
+		k := Kind(kind % 3)
+		got, gerr := parseRequest(k, body, true)
+		want, werr := parseRequest(k, body, false)
+		if (gerr == nil) != (werr == nil) || (gerr != nil && gerr.Error() != werr.Error()) {
+			t.Fatalf("errors differ: fast %v, encoding/json %v", gerr, werr)
+		}
+		if gerr == nil && !reflect.DeepEqual(got, want) {
+			t.Fatalf("requests differ:\nfast %+v\njson %+v", got, want)
 		}
 	})
 }

@@ -71,6 +71,13 @@ type Result struct {
 	// in ms (bench); a large value means the client, not the server, limited
 	// the offered load.
 	SendLag *Summary `json:"send_lag_ms,omitempty"`
+	// CachePredictionExact is the share of finished requests whose cached
+	// prompt tokens the router predicted within one block of what the
+	// replica reported (sim: the router's view of the caches against the
+	// replicas'); CachePredictedTokens and CacheReportedTokens are the sums.
+	CachePredictionExact float64 `json:"cache_prediction_exact,omitempty"`
+	CachePredictedTokens int64   `json:"cache_predicted_tokens,omitempty"`
+	CacheReportedTokens  int64   `json:"cache_reported_tokens,omitempty"`
 	// PerReplica breaks the successful requests down by the replica that
 	// served them, sorted by replica name, when replicas are known.
 	PerReplica []ReplicaResult `json:"per_replica,omitempty"`

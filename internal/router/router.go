@@ -50,7 +50,16 @@ type Config struct {
 	// DefaultOutputTokens is the output length assumed for a request that
 	// gives no max_tokens (256).
 	DefaultOutputTokens int
+	// SpeculativeTTL is how long a routed prompt's blocks count as cached
+	// on a replica that reports KV events before an event confirms them
+	// (0: DefaultSpeculativeTTL; negative: no speculative entries). It
+	// covers the lag between routing and the engine's BlockStored.
+	SpeculativeTTL time.Duration
 }
+
+// DefaultSpeculativeTTL is Config.SpeculativeTTL's default: comfortably
+// more than a prefill plus the event stream's lag.
+const DefaultSpeculativeTTL = 2 * time.Second
 
 // Validate reports the first invalid field.
 func (c *Config) Validate() error {
@@ -99,6 +108,7 @@ type Router struct {
 	scratch  prefixtree.Match
 	view     policy.View
 	stats    Stats
+	spec     speculation
 }
 
 // Stats counts what the router has done, for metrics and reports.
@@ -123,6 +133,9 @@ func New(cfg Config) (*Router, error) {
 	if cfg.DefaultOutputTokens == 0 {
 		cfg.DefaultOutputTokens = 256
 	}
+	if cfg.SpeculativeTTL == 0 {
+		cfg.SpeculativeTTL = DefaultSpeculativeTTL
+	}
 	t, err := prefixtree.New(prefixtree.Config{BlockTokens: cfg.BlockTokens, MaxBlocks: cfg.TreeMaxBlocks}, 0)
 	if err != nil {
 		return nil, err
@@ -132,6 +145,7 @@ func New(cfg Config) (*Router, error) {
 		tree:     t,
 		pol:      cfg.Policy,
 		inflight: make(map[uint64]*flight),
+		spec:     newSpeculation(),
 		rng:      rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x5eed)),
 	}
 	r.obs, _ = cfg.Policy.(policy.Observer)
@@ -191,6 +205,9 @@ func (r *Router) SetEvents(id int, on bool) error {
 	if on && !r.events[id] {
 		r.tree.ClearReplica(id)
 	}
+	if !on {
+		r.spec.forget(id) // the mirror keeps what was marked
+	}
 	r.events[id] = on
 	return nil
 }
@@ -232,6 +249,7 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 	if req.OutputTokens == 0 {
 		req.OutputTokens = r.cfg.DefaultOutputTokens
 	}
+	r.expireSpeculative(now)
 	r.tree.Insert(req.Keys, now, &r.match)
 	r.view.Replicas = r.reps
 	d, err := r.pol.Route(&req, &r.view, now)
@@ -273,6 +291,9 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 			r.tree.EvictLRU(id, over, now)
 		}
 	} else {
+		if r.cfg.SpeculativeTTL > 0 {
+			r.speculate(id, req.Keys, path, now)
+		}
 		r.tree.Touch(path, id, now)
 	}
 	r.stats.Routed++
@@ -369,12 +390,14 @@ func (r *Router) CacheStored(id int, parent blocks.Key, hasParent bool, keys []b
 	if id < 0 || id >= len(r.reps) {
 		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
 	}
+	r.expireSpeculative(now)
 	if len(keys) == 0 {
 		return nil
 	}
 	if err := r.tree.InsertBelow(parent, hasParent, keys, now, &r.scratch); err != nil {
 		return err
 	}
+	r.spec.confirm(id, keys)
 	// Mark the nodes that hold keys: the tail of the path, len(keys) blocks.
 	need := len(keys)
 	for i := len(r.scratch.Path) - 1; i >= 0 && need > 0; i-- {
@@ -391,14 +414,20 @@ func (r *Router) CacheRemoved(id int, keys []blocks.Key) error {
 	if id < 0 || id >= len(r.reps) {
 		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
 	}
+	r.spec.confirm(id, keys)
 	for _, k := range keys {
-		if n, _, ok := r.tree.Find(k); ok && n.Cached(id) {
-			if n, ok := r.tree.Isolate(k); ok {
-				r.tree.SetCached(n, id, false)
-			}
-		}
+		r.uncache(id, k)
 	}
 	return nil
+}
+
+// uncache marks key k not cached on replica id.
+func (r *Router) uncache(id int, k blocks.Key) {
+	if n, _, ok := r.tree.Find(k); ok && n.Cached(id) {
+		if n, ok := r.tree.Isolate(k); ok {
+			r.tree.SetCached(n, id, false)
+		}
+	}
 }
 
 // CacheCleared applies an engine's report that replica id dropped its whole
@@ -408,6 +437,7 @@ func (r *Router) CacheCleared(id int) error {
 		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
 	}
 	r.tree.ClearReplica(id)
+	r.spec.forget(id)
 	return nil
 }
 
