@@ -32,6 +32,7 @@ type simOptions struct {
 	chunk      int
 	kvEvents   bool
 	eventLag   time.Duration
+	specTTL    time.Duration
 	routerSeed uint64
 	jsonPath   string
 	outDir     string
@@ -73,6 +74,7 @@ Policies may carry E2 settings and a local scheduler of their own:
 	fs.IntVar(&o.chunk, "chunk-budget", 512, "prefill token budget per iteration (-1: no chunked prefill)")
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "feed the router the replicas' KV events (else it mirrors caches from its own decisions)")
 	fs.DurationVar(&o.eventLag, "event-lag", 10*time.Millisecond, "delay of KV events on their way to the router")
+	fs.DurationVar(&o.specTTL, "speculative-ttl", 0, "with --kv-events: how long a routed prompt counts as cached on its replica before an event confirms it (0: 2s; negative: off)")
 	fs.Uint64Var(&o.routerSeed, "router-seed", 1, "seed of the router's random choices")
 	fs.StringVar(&o.jsonPath, "json", "", "write results as JSON to this file (- for stdout)")
 	fs.StringVar(&o.outDir, "out", "", "write results.json, requests.csv and chart.svg into this directory")
@@ -182,7 +184,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			}
 			start := time.Now()
 			cfg := sim.Config{Replicas: o.replicas, Replica: prc, Profile: prof, Policy: pol,
-				KVEvents: o.kvEvents, EventLag: o.eventLag, Seed: o.routerSeed, Rate: label}
+				KVEvents: o.kvEvents, EventLag: o.eventLag, SpeculativeTTL: o.specTTL, Seed: o.routerSeed, Rate: label}
 			if !o.quiet {
 				cfg.Progress = func(done, total int) {
 					fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)

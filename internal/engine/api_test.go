@@ -106,3 +106,21 @@ func FuzzDecodeChat(f *testing.F) {
 		checkDecoded(t, tg, err)
 	})
 }
+
+func TestKVEventDefaults(t *testing.T) {
+	for _, tt := range []struct{ in, want string }{
+		{"tcp://*:5557", "tcp://*:5558"},
+		{"tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"},
+		{"tcp://[::1]:7000", "tcp://[::1]:7001"},
+		{"tcp://*", ""},
+		{"5557", ""},
+	} {
+		got, err := DefaultReplayEndpoint(tt.in)
+		if got != tt.want || (err != nil) != (tt.want == "") {
+			t.Errorf("DefaultReplayEndpoint(%q) = %q, %v; want %q", tt.in, got, err, tt.want)
+		}
+	}
+	if got := DefaultKVTopic("0.0.0.0:8000", "m"); got != "kv@0.0.0.0:8000@m" {
+		t.Errorf("DefaultKVTopic = %q", got)
+	}
+}

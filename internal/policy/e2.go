@@ -62,6 +62,14 @@ type E2Config struct {
 	// its expected output times the replica's decode step at its batch size
 	// plus one (0 in the paper).
 	SelfDecodeWeight float64 `json:"self_decode_weight"`
+	// DecodeBatchInFlight sizes the batch this request will decode in by
+	// every request in flight on the replica (those still prefilling will be
+	// decoding too), not only those decoding now.
+	DecodeBatchInFlight bool `json:"decode_batch_in_flight"`
+	// DecodePrefillRate stretches this request's decode by the replica's
+	// windowed prefill rate (prefill that arrives meanwhile shares the
+	// iterations).
+	DecodePrefillRate bool `json:"decode_prefill_rate"`
 	// PrefillWeight weighs P (1 in the paper). Above 1 it charges a
 	// recompute for the requests that will queue behind it.
 	PrefillWeight float64 `json:"prefill_weight"`
@@ -429,8 +437,19 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 		if rp.Decoding > 0 {
 			ctx = rp.DecodeContextTokens / rp.Decoding
 		}
-		step := v.Profile.Iteration(costmodel.Batch{DecodeSeqs: rp.Decoding + 1, DecodeContext: ctx * (rp.Decoding + 1)})
-		c.Load += p.cfg.SelfDecodeWeight * float64(req.OutputTokens-1) * secs(step)
+		batch := rp.Decoding + 1
+		if p.cfg.DecodeBatchInFlight {
+			batch = rp.InFlight + 1
+		}
+		step := v.Profile.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch})
+		d := float64(req.OutputTokens-1) * secs(step)
+		if p.cfg.DecodePrefillRate {
+			// Prefill arriving while this request decodes shares its
+			// iterations: the replica's recent prefill rate (GPU seconds of
+			// prefill per second, over the window) stretches its decode.
+			d *= 1 + p.rep(r).hist/p.cfg.Window.Seconds()
+		}
+		c.Load += p.cfg.SelfDecodeWeight * d
 	}
 	c.Score = c.Load + c.Eviction + c.Prefill
 	return c

@@ -316,7 +316,8 @@ func (x *exchange) writeHead(d *policy.Decision, n int, resp *http.Response, con
 }
 
 // stream passes a Server-Sent Events response through event by event,
-// flushing each, and reads the events on the side. The status and headers
+// flushing each (with the next ones when they arrived together), and reads
+// the events on the side. The status and headers
 // go out with the first event, so a replica that fails before its first
 // event is retried.
 func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, body io.Reader, readFailure func(error) *attemptError) result {
@@ -366,7 +367,12 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			x.code = "cancelled"
 			return result{err: fmt.Errorf("proxy: write to client: %w", werr)}
 		}
-		_ = rc.Flush()
+		// Flush now unless the next event has arrived already: events that
+		// came in one read (the usage chunk and [DONE], or tokens bunched
+		// up under load) leave in one write, at no cost to their latency.
+		if !fr.ready() {
+			_ = rc.Flush()
+		}
 		if token && !first {
 			first = true
 			p.firstToken(id)

@@ -317,7 +317,11 @@ func TestKVEventsEndToEnd(t *testing.T) {
 		for _, k := range engines {
 			total += k.eng.Stats().CachedBlocks
 		}
-		t.Logf("new router agrees with %d engines (%d cached blocks) %v after start (%v of polling)",
-			len(engines), total, time.Since(start).Round(time.Millisecond), took.Round(time.Millisecond))
+		var seqs []int64
+		for _, b := range p2.backends {
+			seqs = append(seqs, b.sub.Stats().LastSeq+1)
+		}
+		t.Logf("new router agrees with %d engines (%d cached blocks, %v batches replayed) %v after start (%v of polling)",
+			len(engines), total, seqs, time.Since(start).Round(time.Millisecond), took.Round(time.Millisecond))
 	})
 }

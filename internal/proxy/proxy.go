@@ -7,8 +7,8 @@
 // Like net/http/httputil.ReverseProxy it is one concrete type, Proxy,
 // configured by a plain Config. Streamed responses (Server-Sent Events) are
 // passed through event by event, byte for byte, flushed the moment each
-// event's blank line arrives, and read on the side for the router's
-// observations. A request that fails before any byte reached the client is
+// event's blank line arrives (events that arrived in one read are flushed
+// together), and read on the side for the router's observations. A request that fails before any byte reached the client is
 // retried on another replica; after that the client gets a clean SSE error
 // event. Active health checks eject and re-admit replicas; a loop scrapes
 // each replica's /metrics for its load.

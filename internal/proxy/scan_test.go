@@ -5,6 +5,7 @@ import (
 	"math"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -123,4 +124,27 @@ func FuzzParseRequestFastPath(f *testing.F) {
 			t.Fatalf("requests differ:\nfast %+v\njson %+v", got, want)
 		}
 	})
+}
+
+func TestSSEFramerReady(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want bool // after the first event
+	}{
+		{"data: a\n\n", false},
+		{"data: a\n\ndata: b\n\n", true},
+		{"data: a\n\ndata: b\n", false},
+		{"data: a\n\ndata: b\r\n\r\n", true},
+		{"data: a\n\n\n", true},
+		{"data: a\n\n\r\n", true},
+		{"data: a\n\n: c", false},
+	} {
+		f := newSSEFramer(strings.NewReader(tc.in), 0)
+		if _, err := f.Next(); err != nil {
+			t.Fatalf("%q: %v", tc.in, err)
+		}
+		if got := f.ready(); got != tc.want {
+			t.Errorf("%q: ready() = %v, want %v", tc.in, got, tc.want)
+		}
+	}
 }

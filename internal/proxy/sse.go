@@ -93,6 +93,21 @@ func (f *sseFramer) Next() (sseEvent, error) {
 	}
 }
 
+// ready reports whether the input already read holds the whole next event
+// (Next will return it without reading): the stream's writer uses it to
+// flush once for events that arrived together.
+func (f *sseFramer) ready() bool {
+	n := f.br.Buffered()
+	if n == 0 {
+		return false
+	}
+	b, _ := f.br.Peek(n)
+	// An event ends at a blank line: one at the start of what is buffered
+	// (the last event ended just before it), or after a line's "\n".
+	return b[0] == '\n' || bytes.HasPrefix(b, []byte("\r\n")) ||
+		bytes.Contains(b, []byte("\n\n")) || bytes.Contains(b, []byte("\n\r\n"))
+}
+
 // readLine appends the next line (with its "\n") to f.raw and returns it.
 // At the end of input a final line without "\n" is appended and io.EOF
 // returned.

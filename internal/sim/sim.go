@@ -36,6 +36,9 @@ type Config struct {
 	KVEvents bool
 	// EventLag delays cache events on their way to the router.
 	EventLag time.Duration
+	// SpeculativeTTL is the router's speculative-entry lifetime with KV
+	// events (router.Config.SpeculativeTTL: 0 default, negative off).
+	SpeculativeTTL time.Duration
 	// Seed seeds the router's random source.
 	Seed uint64
 	// Rate labels the results (requests/s of the arrival process).
@@ -156,6 +159,7 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		bt = blocks.DefaultBlockSize
 	}
 	rt, err := router.New(router.Config{BlockTokens: bt, Profile: cfg.Profile, Policy: cfg.Policy, Seed: cfg.Seed,
+		SpeculativeTTL:       cfg.SpeculativeTTL,
 		MirrorCapacityTokens: cfg.Replica.KVCapacity})
 	if err != nil {
 		return nil, err
