@@ -163,7 +163,7 @@ type replicaInfo struct {
 type Tree struct {
 	cfg       Config
 	root      *Node
-	index     map[blocks.Key]keyEntry
+	index     keyIndex
 	reps      []replicaInfo
 	nodes     int
 	ghead     *Node // global LRU: head = MRU
@@ -187,7 +187,7 @@ func New(cfg Config, replicas int) (*Tree, error) {
 	t := &Tree{
 		cfg:   cfg,
 		root:  &Node{},
-		index: make(map[blocks.Key]keyEntry),
+		index: newKeyIndex(),
 		reps:  make([]replicaInfo, replicas),
 	}
 	return t, nil
@@ -209,7 +209,7 @@ func (t *Tree) AddReplica() int {
 }
 
 // Blocks is the number of keys the tree holds.
-func (t *Tree) Blocks() int { return len(t.index) }
+func (t *Tree) Blocks() int { return t.index.len() }
 
 // Nodes is the number of nodes, root excluded.
 func (t *Tree) Nodes() int { return t.nodes }
@@ -263,13 +263,13 @@ func (t *Tree) Lookup(keys []blocks.Key, m *Match) {
 	if n := len(keys); n > 0 {
 		// A prompt seen whole before (the common case: repeats, and the
 		// re-lookup when a request finishes) costs one probe.
-		if e, ok := t.index[keys[n-1]]; ok && int(e.depth) == n-1 {
+		if e, ok := t.index.get(keys[n-1]); ok && int(e.depth) == n-1 {
 			lo = n
 		}
 	}
 	for lo < hi {
 		mid := int(uint(lo+hi) >> 1)
-		if e, ok := t.index[keys[mid]]; ok && int(e.depth) == mid {
+		if e, ok := t.index.get(keys[mid]); ok && int(e.depth) == mid {
 			lo = mid + 1
 		} else {
 			hi = mid
@@ -279,7 +279,7 @@ func (t *Tree) Lookup(keys []blocks.Key, m *Match) {
 		return
 	}
 	m.Blocks = lo
-	last := t.index[keys[lo-1]]
+	last, _ := t.index.get(keys[lo-1])
 	m.LastBlocks = lo - last.node.depth
 	for n := last.node; n.parent != nil; n = n.parent {
 		m.Path = append(m.Path, n)
@@ -333,7 +333,7 @@ func (t *Tree) InsertBelow(parent blocks.Key, hasParent bool, keys []blocks.Key,
 		}
 		return t.insertFrom(nil, keys, m.Blocks, now, m)
 	}
-	e, ok := t.index[parent]
+	e, ok := t.index.get(parent)
 	if !ok {
 		return ErrUnknownParent
 	}
@@ -345,7 +345,7 @@ func (t *Tree) InsertBelow(parent blocks.Key, hasParent bool, keys []blocks.Key,
 	lo, hi := 0, len(keys)
 	for lo < hi {
 		mid := int(uint(lo+hi) >> 1)
-		if ke, ok := t.index[keys[mid]]; ok && int(ke.depth) == base+mid {
+		if ke, ok := t.index.get(keys[mid]); ok && int(ke.depth) == base+mid {
 			lo = mid + 1
 		} else {
 			hi = mid
@@ -363,7 +363,7 @@ func (t *Tree) insertFrom(anchor *Node, keys []blocks.Key, present int, now time
 		parent = t.root
 	}
 	if present > 0 {
-		e := t.index[keys[present-1]]
+		e, _ := t.index.get(keys[present-1])
 		n := e.node
 		if off := int(e.depth) + 1 - n.depth; off < len(n.keys) {
 			t.split(n, off)
@@ -398,7 +398,7 @@ func (t *Tree) newNode(parent *Node, keys []blocks.Key) *Node {
 	}
 	parent.children[n.keys[0]] = n
 	for i, k := range n.keys {
-		t.index[k] = keyEntry{node: n, depth: int32(n.depth + i)}
+		t.index.put(k, keyEntry{node: n, depth: int32(n.depth + i)})
 	}
 	t.nodes++
 	t.gpushFront(n)
@@ -423,7 +423,7 @@ func (t *Tree) split(n *Node, at int) *Node {
 	}
 	n.children = map[blocks.Key]*Node{low.keys[0]: low}
 	for i, k := range low.keys {
-		t.index[k] = keyEntry{node: low, depth: int32(low.depth + i)}
+		t.index.put(k, keyEntry{node: low, depth: int32(low.depth + i)})
 	}
 	for r := range n.rs {
 		s := &n.rs[r]
@@ -500,7 +500,7 @@ func (t *Tree) SetPathCached(path []*Node, r int, now time.Time) {
 
 // Find returns the node holding key and the key's offset in its run.
 func (t *Tree) Find(key blocks.Key) (*Node, int, bool) {
-	e, ok := t.index[key]
+	e, ok := t.index.get(key)
 	if !ok {
 		return nil, 0, false
 	}
@@ -679,7 +679,7 @@ const evictScan = 256
 
 func (t *Tree) enforceBound() {
 	scanned := 0
-	for n := t.gtail; len(t.index) > t.cfg.MaxBlocks && n != nil && scanned < evictScan; {
+	for n := t.gtail; t.index.len() > t.cfg.MaxBlocks && n != nil && scanned < evictScan; {
 		prev := n.gprev
 		if t.evictable(n) {
 			// The parent may just have become an evictable leaf; it sits
@@ -707,7 +707,7 @@ func (t *Tree) evictable(n *Node) bool {
 func (t *Tree) remove(n *Node) {
 	delete(n.parent.children, n.keys[0])
 	for _, k := range n.keys {
-		delete(t.index, k)
+		t.index.del(k)
 	}
 	t.gunlink(n)
 	n.evicted = true
