@@ -279,9 +279,12 @@ type E2 struct {
 	seed       float64 // TPOT seed from the profile, seconds
 
 	cands []Candidate
-	hot   []*prefixtree.Node
-	order []int
-	lrb   []float64
+	// pfMemo and stepMemos remember cost-model figures within one decision
+	// (and its Routed, which follows under the same lock).
+	pfMemo, stepMemos []memoEntry
+	hot               []*prefixtree.Node
+	order             []int
+	lrb               []float64
 	// Moves and Replications count rebalancing actions (for reports).
 	Moves, Replications, Shrinks int
 }
@@ -425,7 +428,7 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 	c.Load = p.load(r, v)
 	c.Eviction = p.eviction(r, missed, v)
 	if p.cfg.IncludePrefill || p.cfg.InterferenceWeight > 0 {
-		pf := secs(v.Profile.Prefill(missed, req.PromptTokens))
+		pf := p.prefillMemo(v, missed, req.PromptTokens)
 		if p.cfg.IncludePrefill {
 			c.Prefill = p.cfg.PrefillWeight * pf
 		}
@@ -441,8 +444,7 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 		if p.cfg.DecodeBatchInFlight {
 			batch = rp.InFlight + 1
 		}
-		step := v.Profile.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch})
-		d := float64(req.OutputTokens-1) * secs(step)
+		d := float64(req.OutputTokens-1) * p.stepMemo(v, batch, ctx)
 		if p.cfg.DecodePrefillRate {
 			// Prefill arriving while this request decodes shares its
 			// iterations: the replica's recent prefill rate (GPU seconds of
@@ -455,8 +457,48 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 	return c
 }
 
+// memoSize bounds the per-decision memo of cost-model calls: replicas
+// mostly share a few distinct figures (no hit, a full hit; an empty batch).
+const memoSize = 8
+
+type memoEntry struct {
+	a, b int
+	v    float64
+}
+
+// prefillMemo is secs(Profile.Prefill(missed, prompt)), remembered for the
+// current decision (Route clears the memo).
+func (p *E2) prefillMemo(v *View, missed, prompt int) float64 {
+	for _, e := range p.pfMemo {
+		if e.a == missed && e.b == prompt {
+			return e.v
+		}
+	}
+	x := secs(v.Profile.Prefill(missed, prompt))
+	if len(p.pfMemo) < memoSize {
+		p.pfMemo = append(p.pfMemo, memoEntry{missed, prompt, x})
+	}
+	return x
+}
+
+// stepMemo is the seconds of a decode-only iteration of batch sequences
+// with ctx tokens of context each, remembered for the current decision.
+func (p *E2) stepMemo(v *View, batch, ctx int) float64 {
+	for _, e := range p.stepMemos {
+		if e.a == batch && e.b == ctx {
+			return e.v
+		}
+	}
+	x := secs(v.Profile.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch}))
+	if len(p.stepMemos) < memoSize {
+		p.stepMemos = append(p.stepMemos, memoEntry{batch, ctx, x})
+	}
+	return x
+}
+
 // Route implements Policy (Algorithm 1 of the paper).
 func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
+	p.pfMemo, p.stepMemos = p.pfMemo[:0], p.stepMemos[:0]
 	p.expire(now.UnixNano())
 	if v.Up() == 0 {
 		return Decision{}, ErrNoReplica
@@ -581,7 +623,7 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	*e = e2Entry{
 		id: req.ID, at: ns, node: node, replica: r,
 		prompt: req.PromptTokens, hit: d.MatchedTokens, out: req.OutputTokens,
-		prefill: secs(v.Profile.Prefill(req.PromptTokens-d.MatchedTokens, req.PromptTokens)),
+		prefill: p.prefillMemo(v, req.PromptTokens-d.MatchedTokens, req.PromptTokens),
 		ttft:    -1, live: true, queued: true,
 	}
 	p.queue = append(p.queue, e)
@@ -912,4 +954,16 @@ func (p *E2) Window(r int) (histLoad, hitRatio float64) {
 		hitRatio = float64(rs.mixHit) / float64(rs.mixPrompt)
 	}
 	return rs.hist, hitRatio
+}
+
+// Prefixes calls fn for every prefix unit with requests in E2's window (its
+// active list, in no particular order), with that count. n.Assigned is the
+// unit's placement. For dashboards: read under the router owner's lock, and
+// do not keep n after fn returns.
+func (p *E2) Prefixes(fn func(n *prefixtree.Node, count int)) {
+	for _, n := range p.active {
+		if s, ok := n.Ext.(*e2Node); ok && s.count > 0 && !n.Evicted() {
+			fn(n, s.count)
+		}
+	}
 }

@@ -21,6 +21,7 @@ package prefixtree
 import (
 	"errors"
 	"fmt"
+	"math/bits"
 	"slices"
 	"time"
 
@@ -72,6 +73,10 @@ type Node struct {
 	keys     []blocks.Key
 	depth    int // blocks above this node
 	rs       []repState
+	cachedBy Set // replicas r with rs[r].cached, for one-word tests
+	// cachedKids[r] counts the children replica r caches, so that an LRU
+	// eviction can check "no cached child" without walking the children.
+	cachedKids []int32
 	evicted  bool
 
 	lastAccess   int64
@@ -113,7 +118,7 @@ func (n *Node) IsRoot() bool { return n.parent == nil }
 func (n *Node) Important() bool { return n.parent != nil && len(n.keys) > n.depth }
 
 // Cached reports whether replica r caches all of n's blocks.
-func (n *Node) Cached(r int) bool { return r < len(n.rs) && r >= 0 && n.rs[r].cached }
+func (n *Node) Cached(r int) bool { return n.cachedBy.Has(r) }
 
 // Ref is the number of in-flight requests on replica r that pass through n.
 func (n *Node) Ref(r int) int {
@@ -287,6 +292,27 @@ func (t *Tree) Lookup(keys []blocks.Key, m *Match) {
 	for i, j := 0, len(m.Path)-1; i < j; i, j = i+1, j-1 {
 		m.Path[i], m.Path[j] = m.Path[j], m.Path[i]
 	}
+	if len(m.PerReplica) <= 64 {
+		// One pass down the path with a word of still-matching replicas.
+		live := uint64(1)<<uint(len(m.PerReplica)) - 1
+		if len(m.PerReplica) == 64 {
+			live = ^uint64(0)
+		}
+		for i, n := range m.Path {
+			live &= n.cachedBy.w0
+			if live == 0 {
+				break
+			}
+			own := len(n.keys)
+			if i == len(m.Path)-1 {
+				own = m.LastBlocks
+			}
+			for w := live; w != 0; w &= w - 1 {
+				m.PerReplica[bits.TrailingZeros64(w)] += own
+			}
+		}
+		return
+	}
 	for r := range m.PerReplica {
 		got := 0
 		for i, n := range m.Path {
@@ -432,6 +458,11 @@ func (t *Tree) split(n *Node, at int) *Node {
 			t.linkAfter(r, n, low)
 		}
 	}
+	low.cachedBy = n.cachedBy.Clone()
+	// low takes n's children (and their counts); n's only child is low,
+	// cached wherever n is.
+	low.cachedKids, n.cachedKids = n.cachedKids, nil
+	n.cachedBy.Each(func(r int) { n.addCachedKid(r, 1) })
 	t.nodes++
 	t.ginsertAfter(n, low)
 	return low
@@ -482,9 +513,13 @@ func (t *Tree) SetCached(n *Node, r int, cached bool) {
 	}
 	s.cached = cached
 	if cached {
+		n.parent.addCachedKid(r, 1)
+		n.cachedBy.Add(r)
 		t.pushFront(r, n)
 		t.reps[r].cachedBlocks += len(n.keys)
 	} else {
+		n.parent.addCachedKid(r, -1)
+		n.cachedBy.Remove(r)
 		t.unlink(r, n)
 		t.reps[r].cachedBlocks -= len(n.keys)
 	}
@@ -560,12 +595,15 @@ func (t *Tree) EvictLRU(r int, blocks int, now time.Time) int {
 }
 
 func (t *Tree) hasCachedChild(n *Node, r int) bool {
-	for _, c := range n.children {
-		if c.Cached(r) {
-			return true
-		}
+	return r < len(n.cachedKids) && n.cachedKids[r] > 0
+}
+
+// addCachedKid adjusts n's count of children cached on r.
+func (n *Node) addCachedKid(r int, d int32) {
+	for len(n.cachedKids) <= r {
+		n.cachedKids = append(n.cachedKids, 0)
 	}
-	return false
+	n.cachedKids[r] += d
 }
 
 // ClearReplica forgets everything replica r caches, in time proportional to
@@ -577,6 +615,8 @@ func (t *Tree) ClearReplica(r int) {
 	for n := t.reps[r].head; n != nil; {
 		next := n.rs[r].next
 		n.rs[r] = repState{lastAccess: n.rs[r].lastAccess, ref: n.rs[r].ref}
+		n.cachedBy.Remove(r)
+		n.parent.addCachedKid(r, -1)
 		n = next
 	}
 	t.reps[r].head, t.reps[r].tail, t.reps[r].cachedBlocks = nil, nil, 0

@@ -297,6 +297,7 @@ func checkTree(t *testing.T, op int, tr *Tree, m *naive, prompts [][]blocks.Key,
 			}
 		}
 	}
+	checkCachedKids(t, tr)
 	for r := range m.cached {
 		if got, want := tr.CachedBlocks(r), len(m.cached[r]); got != want {
 			t.Fatalf("op %d: replica %d caches %d blocks, want %d", op, r, got, want)
@@ -350,4 +351,32 @@ func FuzzTreeBounded(f *testing.F) {
 		}
 		runTreeOps(t, data[1:], int(data[0]%12)+1)
 	})
+}
+
+// checkCachedKids verifies every node's count of cached children against
+// its children.
+func checkCachedKids(t *testing.T, tr *Tree) {
+	t.Helper()
+	var walk func(n *Node)
+	walk = func(n *Node) {
+		for r := 0; r < tr.Replicas(); r++ {
+			want := 0
+			for _, c := range n.children {
+				if c.Cached(r) {
+					want++
+				}
+			}
+			got := 0
+			if r < len(n.cachedKids) {
+				got = int(n.cachedKids[r])
+			}
+			if got != want {
+				t.Fatalf("node at depth %d: cachedKids[%d] = %d, want %d", n.depth, r, got, want)
+			}
+		}
+		for _, c := range n.children {
+			walk(c)
+		}
+	}
+	walk(tr.root)
 }
