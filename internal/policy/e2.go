@@ -143,7 +143,10 @@ func PrebleE2Config() E2Config {
 //	L = prefill queued on r now                      (llm-d's "queue now", in seconds)
 //	  + 0.3·P·(requests decoding on r)               (interference: each of their
 //	                                                  iterations carries a chunk of P)
-//	  + 0.3·out·T_decode(batch_r+1)                  (this request's own decode on r)
+//	  + 0.6·out·T_decode(inflight_r+1)·(1+ρ_r)       (this request's own decode on r,
+//	                                                  stretched by r's windowed prefill
+//	                                                  rate ρ_r: prefill that arrives
+//	                                                  meanwhile shares its iterations)
 //	M = the paper's eviction cost
 //	P = 3·T_prefill(missed on r, prompt)             (a recompute also delays the
 //	                                                  requests that queue behind it)
@@ -160,7 +163,9 @@ func DefaultE2Config() E2Config {
 	c.HistoryWeight = 0
 	c.PendingWeight = 1
 	c.DecodeWeight = 0
-	c.SelfDecodeWeight = 0.3
+	c.SelfDecodeWeight = 0.6
+	c.DecodeBatchInFlight = true
+	c.DecodePrefillRate = true
 	c.PrefillWeight = 3
 	c.InterferenceWeight = 0.3
 	c.Mixing = false

@@ -232,7 +232,8 @@ func (r *Router) ReplicaLoad(id, waiting, running int, kvUsage float64) error {
 }
 
 // Route decides where req goes and commits the decision: the request is
-// in flight on the chosen replica until Finished.
+// in flight on the chosen replica until Finished. The router keeps req.Keys
+// until then (to release the path's references): do not modify them.
 func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, error) {
 	if req.PromptTokens <= 0 && len(req.Keys) == 0 {
 		return policy.Decision{}, ErrEmptyPrompt
