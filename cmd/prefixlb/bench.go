@@ -52,8 +52,8 @@ for exactly its output length (max_tokens = min_tokens, ignore_eos).
 
 --duration stops sending after D; when --requests is not given, enough
 requests are generated to fill D at --rate. The table goes to stdout; --json
-writes the results file, --out DIR writes results.json, requests.csv and
-chart.svg there.`,
+writes the results file, --out DIR writes results.json, requests.csv,
+chart.svg and report.html there.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if (f.Trace == "") == (f.Spec.Name == "") {
@@ -129,7 +129,7 @@ chart.svg there.`,
 	fs.BoolVar(&cfg.ProgressAlways, "progress", false, "write progress lines to stderr even when it is not a terminal")
 	fs.StringArrayVar(&headers, "header", nil, `extra request header "Name: value" (repeatable), e.g. "Authorization: Bearer KEY"`)
 	fs.StringVar(&jsonOut, "json", "", "write the results as JSON to FILE (- for stdout)")
-	fs.StringVar(&outDir, "out", "", "write results.json, requests.csv and chart.svg to DIR")
+	fs.StringVar(&outDir, "out", "", "write results.json, requests.csv, chart.svg and report.html to DIR")
 	_ = cmd.MarkFlagRequired("target")
 	return cmd
 }
@@ -222,6 +222,9 @@ func benchWrite(cmd *cobra.Command, out loadgen.Output, jsonOut, outDir string) 
 		return fmt.Errorf("bench: %w", err)
 	}
 	if err := report.WriteChartFile(filepath.Join(outDir, "chart.svg"), results); err != nil {
+		return fmt.Errorf("bench: %w", err)
+	}
+	if err := report.WriteHTMLFile(filepath.Join(outDir, "report.html"), results, out.Records); err != nil {
 		return fmt.Errorf("bench: %w", err)
 	}
 	return nil

@@ -22,6 +22,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/replica"
 	"github.com/prefixlb/prefixlb/internal/report"
+	"github.com/prefixlb/prefixlb/internal/tokenize"
 	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
@@ -35,6 +36,12 @@ type demoOptions struct {
 	jsonPath  string
 	verbose   bool
 	noEvents  bool
+	hold      bool
+	// held, when set, is called by the last run with its result once its
+	// load is done (--hold); the run then keeps its cluster up until Ctrl-C.
+	held      func(report.Result) error
+	tokenizer string
+	mode      string
 }
 
 func newDemoCmd() *cobra.Command {
@@ -54,7 +61,14 @@ simulated: the replicas' time comes from the cost profile.
 
 Each replica publishes its KV-cache events (vLLM's ZeroMQ stream) on loopback
 and the router follows them, so it knows every replica's cache exactly
-(--no-kv-events: the router mirrors the caches from its own decisions).`,
+(--no-kv-events: the router mirrors the caches from its own decisions).
+
+The replicas and the router share a real tokenizer (--tokenizer, the bundled
+Qwen3 one by default; none: one token per word and text-chunk keys), which the
+router checks against each replica's /tokenize at start. --mode chat sends
+every request as a chat (one user message holding the prompt as text), so the
+chat template and tokenizer run end to end in the router and the replicas;
+the default sends token ids.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("workload-replicas") {
@@ -74,6 +88,9 @@ and the router follows them, so it knows every replica's cache exactly
 	fs.StringVar(&o.jsonPath, "json", "", "write the comparison as JSON to this file (- for stdout)")
 	fs.BoolVarP(&o.verbose, "verbose", "v", false, "log the replicas' and the router's messages")
 	fs.BoolVar(&o.noEvents, "no-kv-events", false, "do not publish KV events: the router mirrors the replicas' caches from its decisions")
+	fs.BoolVar(&o.hold, "hold", false, "after the comparison, keep the last policy's replicas, router and dashboard running until Ctrl-C")
+	fs.StringVar(&o.tokenizer, "tokenizer", proxy.TokenizerQwen3, "tokenizer of the replicas and the router: qwen3 (bundled), a tokenizer.json, a model directory, or none")
+	fs.StringVar(&o.mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (/v1/completions with text) or chat (/v1/chat/completions)")
 	return cmd
 }
 
@@ -89,6 +106,17 @@ func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) erro
 	prof, err := loadProfile(o.profile)
 	if err != nil {
 		return err
+	}
+	switch loadgen.Mode(o.mode) {
+	case loadgen.ModeCompletions, loadgen.ModeText, loadgen.ModeChat:
+	default:
+		return fmt.Errorf("--mode must be completions, text or chat, got %q", o.mode)
+	}
+	var tok *tokenize.Tokenizer
+	if o.tokenizer != "" && o.tokenizer != "none" {
+		if tok, err = proxy.LoadTokenizer(o.tokenizer); err != nil {
+			return fmt.Errorf("--tokenizer: %w", err)
+		}
 	}
 	reqs, _, err := o.wl.Load()
 	if err != nil {
@@ -109,21 +137,44 @@ func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) erro
 	} else {
 		fmt.Fprintln(stderr, "prefixlb demo: KV events on: each replica publishes its cache changes over ZeroMQ on loopback; the router follows them")
 	}
+	if tok != nil {
+		fmt.Fprintf(stderr, "prefixlb demo: tokenizer %s in the replicas and the router, %s requests\n", o.tokenizer, o.mode)
+	} else {
+		fmt.Fprintf(stderr, "prefixlb demo: no tokenizer (one token per word, text-chunk keys), %s requests\n", o.mode)
+	}
 	var results []report.Result
 	for _, pol := range strings.Split(o.policies, ",") {
 		pol = strings.TrimSpace(pol)
-		res, err := demoRun(ctx, o, prof.Name(), pol, reqs, logger, stderr)
+		if o.hold && len(results) == strings.Count(o.policies, ",") {
+			o.held = func(res report.Result) error {
+				return demoCompare(o, append(results, demoResult(o, prof.Name(), res)), stdout)
+			}
+		}
+		res, err := demoRun(ctx, o, prof.Name(), pol, reqs, tok, logger, stderr)
 		if err != nil {
 			return fmt.Errorf("demo: policy %s: %w", pol, err)
 		}
-		// Report times in the modelled GPU's time, so figures compare with sim.
-		scaleResult(&res, o.timeScale)
-		res.Rate = o.wl.Arrival.Rate
-		res.Workload = o.wl.Describe()
-		res.Replicas = o.replicas
-		res.Profile = prof.Name()
-		results = append(results, res)
+		results = append(results, demoResult(o, prof.Name(), res))
 	}
+	if o.held != nil {
+		return nil // the last run showed the comparison while holding
+	}
+	return demoCompare(o, results, stdout)
+}
+
+// demoResult labels the result of one run, in the modelled GPU's time.
+func demoResult(o *demoOptions, profile string, res report.Result) report.Result {
+	// Report times in the modelled GPU's time, so figures compare with sim.
+	scaleResult(&res, o.timeScale)
+	res.Rate = o.wl.Arrival.Rate
+	res.Workload = o.wl.Describe()
+	res.Replicas = o.replicas
+	res.Profile = profile
+	return res
+}
+
+// demoCompare prints the comparison of the runs (and writes --json).
+func demoCompare(o *demoOptions, results []report.Result, stdout io.Writer) error {
 	fmt.Fprintln(stdout)
 	if err := report.WriteTable(stdout, results); err != nil {
 		return err
@@ -164,7 +215,7 @@ func scaleResult(r *report.Result, x float64) {
 
 // demoRun starts fresh engines and a router with policy pol, drives reqs
 // through it, and tears everything down.
-func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []workload.Request, logger *slog.Logger, stderr io.Writer) (report.Result, error) {
+func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []workload.Request, tok *tokenize.Tokenizer, logger *slog.Logger, stderr io.Writer) (report.Result, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -198,6 +249,9 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 		ec.Replica.Profile = prof
 		ec.TimeScale = o.timeScale
 		ec.Logger = logger
+		if tok != nil {
+			setEngineTokenizer(&ec, tok)
+		}
 		var pub *kvevents.Publisher
 		if !o.noEvents {
 			// Free loopback ports; the engine's Run binds and closes them.
@@ -247,6 +301,9 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 	pc.Logger = logger
 	pc.ScrapeInterval = 200 * time.Millisecond
 	pc.HealthInterval = time.Second
+	if tok != nil {
+		pc.Keyer = proxy.NewTokenizerKeyer(tok, pc.BlockTokens)
+	}
 	p, err := proxy.New(pc)
 	if err != nil {
 		return report.Result{}, err
@@ -258,9 +315,11 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 	if err != nil {
 		return report.Result{}, err
 	}
+	fmt.Fprintf(stderr, "%-14s router %s, dashboard %s/ui/\n", pol, target, target)
 	lc := loadgen.DefaultConfig()
 	lc.Target = target
 	lc.Policy = pol
+	lc.Mode = loadgen.Mode(o.mode)
 	lc.Rate = o.wl.Arrival.Rate * o.timeScale
 	lc.Workload = o.wl.Describe()
 	lc.Progress = stderr
@@ -271,5 +330,12 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 		return report.Result{}, err
 	}
 	fmt.Fprintf(stderr, "%-14s %d requests in %v, %d errors\n", pol, len(reqs), time.Since(start).Round(100*time.Millisecond), out.Result.Errors)
+	if o.held != nil {
+		if err := o.held(out.Result); err != nil {
+			return report.Result{}, err
+		}
+		fmt.Fprintf(stderr, "\nprefixlb demo: --hold: the %s cluster keeps running; router %s, dashboard %s/ui/ (Ctrl-C to stop)\n", pol, target, target)
+		<-ctx.Done()
+	}
 	return out.Result, nil
 }

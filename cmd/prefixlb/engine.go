@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -18,6 +19,8 @@ import (
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
+	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 func init() { rootCmd.AddCommand(engineCmd()) }
@@ -30,6 +33,7 @@ type engineOptions struct {
 	kvReplay        string
 	kvEncoding      string
 	kvTopic         string
+	tokenizer       string
 	shutdownTimeout time.Duration
 	verbose         bool
 }
@@ -51,7 +55,10 @@ a router without GPUs.
 
 Every request generates exactly max_tokens tokens (as with ignore_eos) of
 deterministic text: the same request always gets the same answer. Text prompts
-are tokenized one token per word. --time-scale X runs the model X times faster
+are tokenized one token per word, unless --tokenizer names a real tokenizer
+(qwen3, bundled; a tokenizer.json; or a model directory): then prompts are
+tokenized, and chats rendered with its chat template, exactly as vLLM does, in
+/v1/* and /tokenize alike. --time-scale X runs the model X times faster
 than the profile says; latencies in /metrics are real (scaled) time.
 
 --kv-events ENDPOINT publishes the KV cache's changes as vLLM's KV events
@@ -92,6 +99,7 @@ port + 1) is always bound.`,
 	fs.StringVar(&o.kvReplay, "kv-replay", "", "ZMQ endpoint of the KV-event replay socket, always bound (default: --kv-events with port+1)")
 	fs.StringVar(&o.kvEncoding, "kv-encoding", "array", "KV-event encoding: array (vLLM <= 0.23) or map (vLLM >= 0.26)")
 	fs.StringVar(&o.kvTopic, "kv-topic", "", "KV-event topic (default kv@<listen>@<model>, as vLLM)")
+	fs.StringVar(&o.tokenizer, "tokenizer", "", "real tokenizer: qwen3 (bundled), a tokenizer.json or a model directory (default: one token per word)")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "how long to let requests in flight finish on SIGINT/SIGTERM")
 	fs.BoolVarP(&o.verbose, "verbose", "v", false, "debug logging")
 	return cmd
@@ -132,6 +140,14 @@ func kvPublisherConfig(o *engineOptions, model string, log *slog.Logger) (kveven
 	return pc, nil
 }
 
+// setEngineTokenizer makes the engine tokenize prompts and chats with tok
+// through a prefix cache of its own.
+func setEngineTokenizer(cfg *engine.Config, tok *tokenize.Tokenizer) {
+	c := tokenize.NewPrefixCache(tok, 0)
+	cfg.Tokenizer = c
+	cfg.ChatEncoder = c
+}
+
 // runEngine serves one engine until ctx is done, then shuts down gracefully.
 func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *slog.Logger) error {
 	if cfg.TimeScale <= 0 {
@@ -143,6 +159,13 @@ func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *sl
 	}
 	cfg.Replica.Profile = prof
 	cfg.Logger = log
+	if o.tokenizer != "" && o.tokenizer != "none" {
+		tok, err := proxy.LoadTokenizer(o.tokenizer)
+		if err != nil {
+			return fmt.Errorf("engine: --tokenizer: %w", err)
+		}
+		setEngineTokenizer(&cfg, tok)
+	}
 	var pub *kvevents.Publisher
 	if o.kvEvents != "" {
 		pc, err := kvPublisherConfig(o, cfg.Model, log)
@@ -168,7 +191,7 @@ func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *sl
 	c := eng.Config()
 	log.Info("engine serving", "addr", ln.Addr().String(), "model", c.Model, "profile", prof.Name(),
 		"time_scale", c.TimeScale, "kv_blocks", st.TotalBlocks, "block_size", c.Replica.BlockSize,
-		"local", c.Replica.Local, "max_model_len", c.MaxModelLen)
+		"local", c.Replica.Local, "max_model_len", c.MaxModelLen, "tokenizer", cmp.Or(o.tokenizer, "words"))
 
 	engCtx, stopEngine := context.WithCancel(context.Background())
 	defer stopEngine()

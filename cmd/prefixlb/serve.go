@@ -57,6 +57,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"max-retries":             func() { c.MaxRetries = f.cfg.MaxRetries },
 		"drain-timeout":           func() { c.DrainTimeout = f.cfg.DrainTimeout },
 		"speculative-ttl":         func() { c.SpeculativeTTL = f.cfg.SpeculativeTTL },
+		"tokenizer":               func() { c.Tokenizer = f.cfg.Tokenizer },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -88,7 +89,14 @@ KV events: a replica that publishes vLLM's KV-cache events (vLLM
 --kv-events with one ZMQ endpoint per --backend, matched by position (empty for
 a replica without events), or kv_events (and optionally kv_replay, default port
 + 1, and kv_topic) on a backend in the config file. GET /debug/cache shows each
-replica's stream and the router's view of its cache.`,
+replica's stream and the router's view of its cache.
+
+Tokenizer: --tokenizer qwen3 (bundled), a tokenizer.json or a model directory
+keys text and chat prompts by the replicas' token ids (chats rendered with the
+model's chat template, as vLLM does), so keys are the replicas' KV blocks. The
+router checks it against each replica's /tokenize at start and when a replica
+is re-admitted; while one disagrees, text and chats are keyed by text chunks
+(prefixlb_tokenizer_match, prefixlb_tokenizer_fallback). Default: text chunks.`,
 		Example: `  prefixlb serve --listen :8080 --backend http://10.0.0.1:8000,http://10.0.0.2:8000
   prefixlb serve --backend http://a:8000,http://b:8000 --kv-events tcp://a:5557,tcp://b:5557
   prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"`,
@@ -127,6 +135,7 @@ replica's stream and the router's view of its cache.`,
 	fs.Int64Var(&d.MaxResponseBytes, "max-response-bytes", d.MaxResponseBytes, "largest non-streamed response checked (larger ones pass unchecked)")
 	fs.IntVar(&d.MaxRetries, "max-retries", d.MaxRetries, "other replicas to try when one fails before any byte reached the client")
 	fs.DurationVar(&d.DrainTimeout, "drain-timeout", d.DrainTimeout, "how long shutdown waits for in-flight requests")
+	fs.StringVar(&d.Tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
 }
@@ -179,7 +188,7 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		}
 	}
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
-		"backends", strings.Join(names, ","), "admin_token", cfg.AdminToken != "")
+		"backends", strings.Join(names, ","), "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
 
 	runCtx, stopRun := context.WithCancel(context.Background())
 	var wg sync.WaitGroup

@@ -77,7 +77,7 @@ Policies may carry E2 settings and a local scheduler of their own:
 	fs.DurationVar(&o.specTTL, "speculative-ttl", 0, "with --kv-events: how long a routed prompt counts as cached on its replica before an event confirms it (0: 2s; negative: off)")
 	fs.Uint64Var(&o.routerSeed, "router-seed", 1, "seed of the router's random choices")
 	fs.StringVar(&o.jsonPath, "json", "", "write results as JSON to this file (- for stdout)")
-	fs.StringVar(&o.outDir, "out", "", "write results.json, requests.csv and chart.svg into this directory")
+	fs.StringVar(&o.outDir, "out", "", "write results.json, requests.csv, chart.svg and report.html into this directory")
 	fs.BoolVarP(&o.quiet, "quiet", "q", false, "no progress output")
 	return cmd
 }
@@ -242,7 +242,10 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 		if err := report.WriteChartFile(filepath.Join(o.outDir, "chart.svg"), results); err != nil {
 			return err
 		}
-		fmt.Fprintf(stderr, "wrote %s/{results.json,requests.csv,chart.svg}\n", o.outDir)
+		if err := report.WriteHTMLFile(filepath.Join(o.outDir, "report.html"), results, records); err != nil {
+			return err
+		}
+		fmt.Fprintf(stderr, "wrote %s/{results.json,requests.csv,chart.svg,report.html}\n", o.outDir)
 	}
 	return nil
 }

@@ -140,7 +140,7 @@ type engine struct {
 }
 
 // engineTimeScale runs the modelled GPU this many times faster than real.
-const engineTimeScale = 10
+const engineTimeScale = 4
 
 // newEngine starts an engine on fresh ports and waits until it is healthy.
 func newEngine(t testing.TB, dir, name string) *engine {

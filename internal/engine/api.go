@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"math"
 	"strings"
+
+	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 // requestError is an error in a request: the client's fault, answered with
@@ -32,9 +34,10 @@ type genRequest struct {
 	text  string
 	ids   []uint32
 	isIDs bool
-	// Chat: the messages.
+	// Chat: the messages, and as a chat template takes them (tmpl).
 	messages []ChatMessage
 	chat     bool
+	tmpl     chatInput
 
 	maxTokens       int // 0: the engine's default
 	stream          bool
@@ -73,15 +76,34 @@ type rawCompletion struct {
 // rawChat is the body of POST /v1/chat/completions.
 type rawChat struct {
 	samplingFields
+	chatTemplateFields
 	Messages            []rawMessage `json:"messages"`
 	MaxCompletionTokens *int         `json:"max_completion_tokens"`
 }
 
+// chatTemplateFields are vLLM's chat-body fields that reach the chat
+// template (used with Config.ChatEncoder).
+type chatTemplateFields struct {
+	Tools               []json.RawMessage          `json:"tools"`
+	AddGenerationPrompt *bool                      `json:"add_generation_prompt"`
+	ChatTemplateKwargs  map[string]json.RawMessage `json:"chat_template_kwargs"`
+}
+
+// chatInput is a chat as a chat template takes it.
+type chatInput struct {
+	messages []tokenize.Message
+	opts     tokenize.ChatOptions
+}
+
 // rawMessage is one chat message; content is a string, a list of parts, or
-// null.
+// null. The other fields reach only a chat template.
 type rawMessage struct {
-	Role    *string         `json:"role"`
-	Content json.RawMessage `json:"content"`
+	Role             *string             `json:"role"`
+	Content          json.RawMessage     `json:"content"`
+	Name             string              `json:"name"`
+	ToolCalls        []tokenize.ToolCall `json:"tool_calls"`
+	ToolCallID       string              `json:"tool_call_id"`
+	ReasoningContent *string             `json:"reasoning_content"`
 }
 
 // contentPart is one part of a message's content list.
@@ -268,7 +290,25 @@ func decodeChat(body []byte) (genRequest, error) {
 		return genRequest{}, err
 	}
 	g.messages = msgs
+	g.tmpl = templateInput(raw.Messages, msgs, &raw.chatTemplateFields)
 	return g, nil
+}
+
+// templateInput is a chat as a chat template takes it: msgs (checked by
+// decodeMessages) with their other fields from raw, and f's options
+// (add_generation_prompt defaults to true, as in vLLM).
+func templateInput(raw []rawMessage, msgs []ChatMessage, f *chatTemplateFields) chatInput {
+	in := chatInput{messages: make([]tokenize.Message, len(msgs))}
+	for i, m := range msgs {
+		r := &raw[i]
+		in.messages[i] = tokenize.Message{Role: m.Role, Content: m.Content, Name: r.Name,
+			ToolCalls: r.ToolCalls, ToolCallID: r.ToolCallID, ReasoningContent: r.ReasoningContent}
+	}
+	in.opts = tokenize.ChatOptions{AddGenerationPrompt: true, Tools: f.Tools, Kwargs: f.ChatTemplateKwargs}
+	if f.AddGenerationPrompt != nil {
+		in.opts.AddGenerationPrompt = *f.AddGenerationPrompt
+	}
+	return in
 }
 
 // decodeMessages checks chat messages and joins their content parts.
@@ -334,6 +374,7 @@ func decodeContent(raw json.RawMessage) (string, error) {
 
 // rawTokenize is the body of POST /tokenize: a prompt or chat messages.
 type rawTokenize struct {
+	chatTemplateFields
 	Model    *string         `json:"model"`
 	Prompt   json.RawMessage `json:"prompt"`
 	Messages []rawMessage    `json:"messages"`
@@ -364,6 +405,7 @@ func decodeTokenize(body []byte) (genRequest, error) {
 			return genRequest{}, err
 		}
 		g.messages, g.chat = msgs, true
+		g.tmpl = templateInput(raw.Messages, msgs, &raw.chatTemplateFields)
 	default:
 		return genRequest{}, badRequest("prompt or messages is required")
 	}

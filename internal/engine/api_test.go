@@ -3,6 +3,8 @@ package engine
 import (
 	"reflect"
 	"testing"
+
+	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 func TestDecodeCompletion(t *testing.T) {
@@ -42,6 +44,14 @@ func TestDecodeChat(t *testing.T) {
 	want := genRequest{model: "m", chat: true, maxTokens: 4, stream: true, messages: []ChatMessage{
 		{"system", ""}, {"user", "a\nb"}, {"assistant", "c"},
 	}}
+	// What a chat template would get: the same messages, the name kept,
+	// add_generation_prompt defaulting to true.
+	wantTmpl := chatInput{messages: []tokenize.Message{{Role: "system"}, {Role: "user", Content: "a\nb"},
+		{Role: "assistant", Content: "c", Name: "bot"}}, opts: tokenize.ChatOptions{AddGenerationPrompt: true}}
+	if !reflect.DeepEqual(got.tmpl, wantTmpl) {
+		t.Errorf("template input %+v\nwant %+v", got.tmpl, wantTmpl)
+	}
+	got.tmpl = chatInput{}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("got %+v\nwant %+v", got, want)
 	}

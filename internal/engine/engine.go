@@ -118,6 +118,14 @@ type Config struct {
 	// RenderChat renders chat messages into the text the Tokenizer sees.
 	// Default RenderChat.
 	RenderChat func([]ChatMessage) string
+	// ChatEncoder, when set, replaces RenderChat and Tokenizer for chats
+	// (chat completions, and /tokenize with messages): it renders them with
+	// a model's chat template and tokenizes the result, as vLLM does. It
+	// gets the messages with their names, tool calls and reasoning, and the
+	// body's tools, chat_template_kwargs and add_generation_prompt (default
+	// true). A *tokenize.Tokenizer or *tokenize.PrefixCache fits; give the
+	// same tokenizer as Tokenizer. Default nil.
+	ChatEncoder ChatEncoder
 	// Clock is the engine's time source. Default RealClock.
 	Clock Clock
 	// OnKVEvent, when set, receives every BlocksStored, BlocksRemoved and

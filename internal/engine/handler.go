@@ -134,11 +134,27 @@ func (e *Engine) handleChat(w http.ResponseWriter, r *http.Request) {
 	if err == nil {
 		var g genRequest
 		if g, err = decodeChat(body); err == nil {
-			e.generate(w, r, &g, e.cfg.Tokenizer.Encode(e.cfg.RenderChat(g.messages)))
-			return
+			var tokens []uint32
+			if tokens, err = e.chatTokens(&g); err == nil {
+				e.generate(w, r, &g, tokens)
+				return
+			}
 		}
 	}
 	writeError(w, statusOf(err), err.Error())
+}
+
+// chatTokens renders and tokenizes a decoded chat: with ChatEncoder when
+// set, else RenderChat and Tokenizer.
+func (e *Engine) chatTokens(g *genRequest) ([]uint32, error) {
+	if e.cfg.ChatEncoder == nil {
+		return e.cfg.Tokenizer.Encode(e.cfg.RenderChat(g.messages)), nil
+	}
+	ids, err := e.cfg.ChatEncoder.EncodeChat(g.tmpl.messages, g.tmpl.opts)
+	if err != nil {
+		return nil, badRequest("apply chat template: %v", err)
+	}
+	return ids, nil
 }
 
 // check applies the engine's limits to a decoded request of prompt tokens;
@@ -460,11 +476,15 @@ func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		writeError(w, statusOf(err), err.Error())
 		return
 	}
-	text := g.text
+	var tokens []uint32
 	if g.chat {
-		text = e.cfg.RenderChat(g.messages)
+		if tokens, err = e.chatTokens(&g); err != nil {
+			writeError(w, statusOf(err), err.Error())
+			return
+		}
+	} else {
+		tokens = e.cfg.Tokenizer.Encode(g.text)
 	}
-	tokens := e.cfg.Tokenizer.Encode(text)
 	if tokens == nil {
 		tokens = []uint32{}
 	}

@@ -6,6 +6,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/prefixlb/prefixlb/internal/tokenize"
 	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
@@ -25,6 +26,20 @@ type WordTokenizer struct{}
 func (WordTokenizer) Encode(text string) []uint32 { return workload.WordTokens(text) }
 
 var _ Tokenizer = WordTokenizer{}
+
+// ChatEncoder renders a chat with a model's chat template and tokenizes it.
+// Implementations must be safe for concurrent use.
+type ChatEncoder interface {
+	// EncodeChat returns the token ids of msgs rendered with opts; an error
+	// is the client's (the template rejected the conversation).
+	EncodeChat(msgs []tokenize.Message, opts tokenize.ChatOptions) ([]uint32, error)
+}
+
+var (
+	_ ChatEncoder = (*tokenize.Tokenizer)(nil)
+	_ ChatEncoder = (*tokenize.PrefixCache)(nil)
+	_ Tokenizer   = (*tokenize.PrefixCache)(nil)
+)
 
 // ChatMessage is one message of a chat request, its content parts joined.
 type ChatMessage struct {

@@ -62,6 +62,9 @@ type E2Config struct {
 	// its expected output times the replica's decode step at its batch size
 	// plus one (0 in the paper).
 	SelfDecodeWeight float64 `json:"self_decode_weight"`
+	// PrefillSlowdown stretches the queued prefill and P by the share of
+	// each chunked-prefill iteration the replica's running decodes take.
+	PrefillSlowdown bool `json:"prefill_slowdown"`
 	// DecodeBatchInFlight sizes the batch this request will decode in by
 	// every request in flight on the replica (those still prefilling will be
 	// decoding too), not only those decoding now.
@@ -96,9 +99,10 @@ type E2Config struct {
 	RebalanceInterval time.Duration `json:"rebalance_interval"`
 	// MoveCooldown is the least time between two moves of one prefix.
 	MoveCooldown time.Duration `json:"move_cooldown"`
-	// TieBreakInFlight breaks cost ties by the number of in-flight requests
-	// (then by ID); without it ties go to the lowest ID, which piles equal
-	// work (no cache anywhere, empty queues) onto one replica.
+	// TieBreakInFlight breaks cost ties by cached tokens, then by the number
+	// of in-flight requests (then by ID); without it ties go to the lowest
+	// ID, which piles equal work (no cache anywhere, empty queues) onto one
+	// replica.
 	TieBreakInFlight bool `json:"tie_break_in_flight"`
 	// MovableLoadOnly decides moves on the windowed prefill load alone (what
 	// a move can shift), leaving in-flight decode out; and keeps a move only
@@ -161,7 +165,8 @@ func DefaultE2Config() E2Config {
 	c.IncludePrefill = true
 	c.MarginalDecode = true
 	c.HistoryWeight = 0
-	c.PendingWeight = 1
+	c.PendingWeight = 1.5
+	c.PrefillSlowdown = true
 	c.DecodeWeight = 0
 	c.SelfDecodeWeight = 0.6
 	c.DecodeBatchInFlight = true
@@ -458,9 +463,29 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 		}
 		c.Load += p.cfg.SelfDecodeWeight * d
 	}
+	if p.cfg.PrefillSlowdown {
+		// Chunked prefill shares each iteration with one token of every
+		// running decode: the queue ahead and this prompt's own prefill take
+		// longer on a replica with a big decode batch.
+		rp := &v.Replicas[r]
+		if rp.Decoding > 0 {
+			ctx := rp.DecodeContextTokens / rp.Decoding
+			chunk := secs(v.Profile.Iteration(costmodel.Batch{Prefill: []costmodel.Chunk{{New: 512, Seq: 512}}}))
+			mixed := secs(v.Profile.Iteration(costmodel.Batch{Prefill: []costmodel.Chunk{{New: 512, Seq: 512}}, DecodeSeqs: rp.Decoding, DecodeContext: ctx * rp.Decoding}))
+			if chunk > 0 {
+				f := mixed/chunk - 1
+				extra := f * (p.cfg.PendingWeight*secs(rp.PendingPrefill) + c.Prefill)
+				c.Load += extra
+			}
+		}
+	}
 	c.Score = c.Load + c.Eviction + c.Prefill
 	return c
 }
+
+// tieTolerance is the relative difference under which two replicas' costs
+// count as equal (0.1%: well inside the error of any cost estimate).
+const tieTolerance = 1e-3
 
 // memoSize bounds the per-decision memo of cost-model calls: replicas
 // mostly share a few distinct figures (no hit, a full hit; an empty batch).
@@ -583,10 +608,22 @@ func (p *E2) pick(req *Request, v *View, set *prefixtree.Set, d *Decision) {
 			c.Score = math.MaxFloat64
 		}
 		p.cands = append(p.cands, c)
-		better := d.Replica < 0 || c.Score < bestScore
-		if !better && p.cfg.TieBreakInFlight && c.Score <= bestScore*(1+1e-9) &&
-			v.Replicas[r].InFlight < v.Replicas[d.Replica].InFlight {
-			better = true // equal cost: fewer requests in flight
+		// Costs within tieTolerance of each other are estimates of the same
+		// thing: break the tie on what is certain.
+		tol := tieTolerance * math.Max(bestScore, 0)
+		if !p.cfg.TieBreakInFlight {
+			tol = 0
+		}
+		better := d.Replica < 0 || c.Score < bestScore-tol
+		if !better && p.cfg.TieBreakInFlight && c.Score <= bestScore+tol {
+			// Equal cost (a short prefill is weight-bound: a hit saves no
+			// time): prefer the cache, then fewer requests in flight.
+			switch {
+			case c.MatchedTokens != d.MatchedTokens:
+				better = c.MatchedTokens > d.MatchedTokens
+			default:
+				better = v.Replicas[r].InFlight < v.Replicas[d.Replica].InFlight
+			}
 		}
 		if better {
 			d.Replica, bestScore, d.MatchedTokens = r, c.Score, c.MatchedTokens

@@ -77,7 +77,7 @@ type Node struct {
 	// cachedKids[r] counts the children replica r caches, so that an LRU
 	// eviction can check "no cached child" without walking the children.
 	cachedKids []int32
-	evicted  bool
+	evicted    bool
 
 	lastAccess   int64
 	gprev, gnext *Node // links in the tree's global LRU list

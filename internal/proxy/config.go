@@ -106,8 +106,17 @@ type Config struct {
 
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
-	// Keyer keys prompts (nil: ChunkKeyer{BlockTokens}). A tokenizer-backed
-	// Keyer must produce keys of BlockTokens tokens each.
+	// Tokenizer, when set and Keyer is nil, is the replicas' tokenizer:
+	// "qwen3" (bundled), a tokenizer.json or a model directory
+	// (LoadTokenizer). Prompts are then keyed by token ids
+	// (TokenizerKeyer), and each replica's /tokenize is probed at start
+	// and on re-admission; while any replica disagrees, text and chats
+	// fall back to text-chunk keys. "" or "none": ChunkKeyer.
+	Tokenizer string
+	// Keyer keys prompts (nil: from Tokenizer, else
+	// ChunkKeyer{BlockTokens}). A tokenizer-backed Keyer must produce keys
+	// of BlockTokens tokens each; a *TokenizerKeyer is probed as Tokenizer
+	// is.
 	Keyer Keyer
 }
 
@@ -348,6 +357,7 @@ type fileConfig struct {
 	AdminToken            *string    `json:"admin_token"`
 	DrainTimeout          *duration  `json:"drain_timeout"`
 	SpeculativeTTL        *duration  `json:"speculative_ttl"`
+	Tokenizer             *string    `json:"tokenizer"`
 }
 
 // ParseConfig applies the YAML document data over base and returns the
@@ -413,6 +423,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setS(&c.AdminToken, f.AdminToken)
 	setD(&c.DrainTimeout, f.DrainTimeout)
 	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
+	setS(&c.Tokenizer, f.Tokenizer)
 	return c, nil
 }
 

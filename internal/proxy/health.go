@@ -27,24 +27,29 @@ func (p *Proxy) watch(ctx context.Context, b *backend) {
 		scrapeC = t.C
 		p.scrape(ctx, b)
 	}
-	p.check(ctx, b)
+	if p.check(ctx, b) {
+		p.probeTokenizer(ctx, b)
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-hc.C:
-			p.check(ctx, b)
+			if p.check(ctx, b) {
+				p.probeTokenizer(ctx, b)
+			}
 		case <-scrapeC:
 			p.scrape(ctx, b)
 		}
 	}
 }
 
-// check polls b's health endpoint once and records the result.
-func (p *Proxy) check(ctx context.Context, b *backend) {
+// check polls b's health endpoint once and records the result; it reports
+// whether the check passed.
+func (p *Proxy) check(ctx context.Context, b *backend) bool {
 	err := p.get(ctx, b, p.cfg.HealthPath, func(io.Reader) error { return nil })
 	if ctx.Err() != nil {
-		return // stopping: not the replica's fault
+		return false // stopping: not the replica's fault
 	}
 	result := "ok"
 	if err != nil {
@@ -53,6 +58,7 @@ func (p *Proxy) check(ctx context.Context, b *backend) {
 	}
 	p.m.health.WithLabelValues(b.name, result).Inc()
 	p.checked(b.id, err == nil, false)
+	return err == nil
 }
 
 // scrape reads b's load from its /metrics and gives it to the core. A

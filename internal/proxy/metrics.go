@@ -21,6 +21,10 @@ type metrics struct {
 	retries    *prometheus.CounterVec // replica, reason
 	health     *prometheus.CounterVec // replica, result
 	scrapeErrs *prometheus.CounterVec // replica
+	// tokMatch and tokFallback report the tokenizer probe (set only when
+	// a tokenizer keys prompts).
+	tokMatch    *prometheus.GaugeVec // replica
+	tokFallback prometheus.Gauge
 }
 
 // latencyBuckets span 5 ms to ~10 min: TTFT of a cached short prompt to a
@@ -80,9 +84,17 @@ func newMetrics() *metrics {
 			Name: "prefixlb_scrape_errors_total",
 			Help: "Failed scrapes of a replica's /metrics.",
 		}, []string{"replica"}),
+		tokMatch: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "prefixlb_tokenizer_match",
+			Help: "Whether the router's tokenizer gives the replica's /tokenize ids on the probe prompt and chat: 1 yes, 0 no, -1 unknown (not probed yet, or /tokenize failed).",
+		}, []string{"replica"}),
+		tokFallback: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "prefixlb_tokenizer_fallback",
+			Help: "1 while some replica's tokenizer differs from the router's, so text and chat prompts are keyed by text chunks instead of token ids.",
+		}),
 	}
 	m.reg.MustRegister(m.requests, m.decisions, m.inflight, m.ttft, m.latency, m.predicted,
-		m.reported, m.outcomes, m.up, m.retries, m.health, m.scrapeErrs,
+		m.reported, m.outcomes, m.up, m.retries, m.health, m.scrapeErrs, m.tokMatch, m.tokFallback,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, o := range []string{"exact", "over", "under"} {
 		m.outcomes.WithLabelValues(o)

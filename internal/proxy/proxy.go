@@ -81,15 +81,20 @@ type Proxy struct {
 	checks   *http.Client    // health checks, scrapes, /v1/models
 	m        *metrics
 	nextID   atomic.Uint64
+	tokProbe *tokenizerProbe // nil unless the keyer is a *TokenizerKeyer
 
-	mu    sync.Mutex // guards rt, excl and state
+	mu    sync.Mutex // guards rt, excl, state and dash
 	rt    *router.Router
 	excl  *excluder
 	state []health
+	dash  dashRing // recent decisions for the dashboard (dashboard.go)
 
 	// hookState, when set (tests), is called after a replica is ejected or
 	// re-admitted, outside the lock.
 	hookState func(name string, up bool)
+	// hookProbe, when set (tests), is called after a tokenizer probe of a
+	// replica has recorded its state and the fallback.
+	hookProbe func(name string, state int)
 	// hookShutdown, when set (tests), is called once Serve has stopped
 	// accepting connections and is draining.
 	hookShutdown func()
@@ -120,6 +125,13 @@ func New(cfg Config) (*Proxy, error) {
 		log = slog.Default()
 	}
 	keyer := cfg.Keyer
+	if keyer == nil && cfg.Tokenizer != "" && cfg.Tokenizer != "none" {
+		tok, err := LoadTokenizer(cfg.Tokenizer)
+		if err != nil {
+			return nil, fmt.Errorf("proxy: config: tokenizer: %w", err)
+		}
+		keyer = NewTokenizerKeyer(tok, cfg.BlockTokens)
+	}
 	if keyer == nil {
 		keyer = ChunkKeyer{BlockTokens: cfg.BlockTokens}
 	}
@@ -152,6 +164,16 @@ func New(cfg Config) (*Proxy, error) {
 		p.m.up.WithLabelValues(name).Set(1)
 		p.m.inflight.WithLabelValues(name)
 	}
+	if tk, ok := keyer.(*TokenizerKeyer); ok {
+		if tk.BlockTokens() != cfg.BlockTokens {
+			return nil, fmt.Errorf("proxy: config: keyer: tokenizer keys of %d tokens, block_tokens is %d", tk.BlockTokens(), cfg.BlockTokens)
+		}
+		p.tokProbe = newTokenizerProbe(tk, len(p.backends))
+		for _, b := range p.backends {
+			p.m.tokMatch.WithLabelValues(b.name).Set(tokUnknown)
+		}
+		p.m.tokFallback.Set(boolFloat(tk.Fallback()))
+	}
 	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
 	p.fwd = &http.Transport{
 		DialContext:           dialer.DialContext,
@@ -177,8 +199,9 @@ func (p *Proxy) Config() Config { return p.cfg }
 
 // Handler returns the proxy's HTTP handler: /v1/* forwarded (completions
 // and chat routed by prompt), /v1/models (the union of the replicas'),
-// /health, /metrics, and the debug endpoints POST /debug/route, GET
-// /debug/replicas and GET /debug/cache (bearer AdminToken when set).
+// /health, /metrics, the debug endpoints POST /debug/route, GET
+// /debug/replicas and GET /debug/cache, and the dashboard at /ui with its
+// JSON at /ui/state.json (bearer AdminToken when set).
 func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindCompletion) })
@@ -190,6 +213,8 @@ func (p *Proxy) Handler() http.Handler {
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
 	mux.HandleFunc("GET /debug/replicas", p.admin(p.serveDebugReplicas))
 	mux.HandleFunc("GET /debug/cache", p.admin(p.serveDebugCache))
+	mux.Handle("/ui", p.dashboardHandler())
+	mux.Handle("/ui/", p.dashboardHandler())
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeErrorStatus(w, http.StatusNotFound, fmt.Errorf("no route for %s %s", r.Method, r.URL.Path))
 	})
@@ -267,6 +292,9 @@ func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, error
 	p.excl.exclude = exclude
 	d, err := p.rt.Route(req, now)
 	p.excl.exclude = nil
+	if err == nil {
+		p.dash.record(now, req.PromptTokens, &d)
+	}
 	return d, err
 }
 
@@ -321,6 +349,9 @@ func (p *Proxy) checked(id int, ok, eject bool) {
 		}
 	}
 	up := s.up
+	if changed && up && p.tokProbe != nil {
+		p.tokProbe.markDue(id) // a replica that comes back may be another build
+	}
 	if changed {
 		if err := p.rt.SetUp(id, up, now); err != nil {
 			p.log.Error("router set up", "replica", p.backends[id].name, "err", err)

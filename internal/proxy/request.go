@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 // Kind is the OpenAI endpoint a request is for.
@@ -62,6 +63,24 @@ type Request struct {
 	Texts []string
 	// TokenIDs are the prompts given as token ids (one list per prompt).
 	TokenIDs [][]uint32
+	// Chat is what a chat template needs to render the messages as the
+	// engine does (nil unless the body had messages): TokenizerKeyer keys
+	// it, ChunkKeyer keys Texts.
+	Chat *ChatPrompt
+}
+
+// ChatPrompt is a chat body as vLLM hands it to the model's chat template.
+type ChatPrompt struct {
+	// Messages are the body's messages, content parts of type text joined
+	// with "\n" as vLLM does for text-only models.
+	Messages []tokenize.Message
+	// Tools are the body's tools, each as the client sent it.
+	Tools []json.RawMessage
+	// AddGenerationPrompt is the body's add_generation_prompt (vLLM's
+	// default: true).
+	AddGenerationPrompt bool
+	// Kwargs are the body's chat_template_kwargs.
+	Kwargs map[string]json.RawMessage
 }
 
 // rawRequest is the part of a completions or chat body the proxy reads; the
@@ -77,6 +96,8 @@ type rawRequest struct {
 	Messages            []rawMessage     `json:"messages"`
 	Tools               json.RawMessage  `json:"tools"`
 	StreamOptions       *json.RawMessage `json:"stream_options"`
+	AddGenerationPrompt json.RawMessage  `json:"add_generation_prompt"`
+	ChatTemplateKwargs  json.RawMessage  `json:"chat_template_kwargs"`
 	Input               json.RawMessage  `json:"input"`
 }
 
@@ -87,6 +108,8 @@ type rawMessage struct {
 	Name       string          `json:"name"`
 	ToolCalls  json.RawMessage `json:"tool_calls"`
 	ToolCallID string          `json:"tool_call_id"`
+	// ReasoningContent is passed to the chat template when present.
+	ReasoningContent *string `json:"reasoning_content"`
 }
 
 // rawPart is one part of a chat message's content list.
@@ -158,11 +181,12 @@ func parseRequest(k Kind, body []byte, fast bool) (*Request, error) {
 		if len(raw.Messages) == 0 {
 			return nil, fmt.Errorf("%w: messages must be a non-empty list", ErrBadRequest)
 		}
-		text, err := renderChat(raw.Messages, raw.Tools)
+		text, msgs, err := renderChat(raw.Messages, raw.Tools)
 		if err != nil {
 			return nil, err
 		}
 		req.Texts = []string{text}
+		req.Chat = chatPrompt(msgs, &raw)
 	case k == KindCompletion || (k == KindOther && raw.Prompt != nil):
 		if len(raw.Prompt) == 0 || bytes.Equal(raw.Prompt, []byte("null")) {
 			if k == KindOther {
@@ -521,20 +545,24 @@ func skipSpace(raw []byte, i int) int {
 
 // renderChat renders messages (and tools, which chat templates put first)
 // into one canonical string: "role\x00content\x00" per message, content
-// parts concatenated. It stands in for the chat template until token-exact
-// tokenization lands: two conversations share a prefix of the rendering
-// exactly when they share leading messages.
-func renderChat(msgs []rawMessage, tools json.RawMessage) (string, error) {
+// parts concatenated. It is what ChunkKeyer keys (without a tokenizer, or
+// when the tokenizer disagrees with the replicas): two conversations share
+// a prefix of the rendering exactly when they share leading messages. It
+// also returns the messages as a chat template takes them.
+func renderChat(msgs []rawMessage, tools json.RawMessage) (string, []tokenize.Message, error) {
 	var b strings.Builder
 	if t := bytes.TrimSpace(tools); len(t) > 0 && !bytes.Equal(t, []byte("null")) {
 		b.WriteString("tools\x00")
 		b.Write(t)
 		b.WriteByte(0)
 	}
+	out := make([]tokenize.Message, len(msgs))
 	for i, m := range msgs {
 		if m.Role == "" {
-			return "", fmt.Errorf("%w: messages[%d].role is required", ErrBadRequest, i)
+			return "", nil, fmt.Errorf("%w: messages[%d].role is required", ErrBadRequest, i)
 		}
+		tm := &out[i]
+		tm.Role, tm.Name, tm.ToolCallID, tm.ReasoningContent = m.Role, m.Name, m.ToolCallID, m.ReasoningContent
 		b.WriteString(m.Role)
 		b.WriteByte(0)
 		if m.Name != "" {
@@ -547,18 +575,20 @@ func renderChat(msgs []rawMessage, tools json.RawMessage) (string, error) {
 		case c[0] == '"':
 			var s string
 			if err := json.Unmarshal(c, &s); err != nil {
-				return "", fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
+				return "", nil, fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
 			}
 			b.WriteString(s)
+			tm.Content = s
 		case c[0] == '[':
 			var parts []json.RawMessage
 			if err := json.Unmarshal(c, &parts); err != nil {
-				return "", fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
+				return "", nil, fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
 			}
+			var texts []string
 			for j, praw := range parts {
 				var p rawPart
 				if err := json.Unmarshal(praw, &p); err != nil {
-					return "", fmt.Errorf("%w: messages[%d].content[%d]: %s", ErrBadRequest, i, j, describeJSONError(err))
+					return "", nil, fmt.Errorf("%w: messages[%d].content[%d]: %s", ErrBadRequest, i, j, describeJSONError(err))
 				}
 				if p.Type == "text" && p.Text != nil {
 					b.WriteString(*p.Text)
@@ -567,21 +597,45 @@ func renderChat(msgs []rawMessage, tools json.RawMessage) (string, error) {
 					// URL is the same prefix).
 					b.Write(bytes.TrimSpace(praw))
 				}
+				// What tokenize.Message keeps of a part list.
+				if (p.Type == "text" || p.Type == "input_text" || p.Type == "") && p.Text != nil {
+					texts = append(texts, *p.Text)
+				}
 			}
+			tm.Content = strings.Join(texts, "\n")
 		default:
-			return "", fmt.Errorf("%w: messages[%d].content must be a string or a list of parts", ErrBadRequest, i)
+			return "", nil, fmt.Errorf("%w: messages[%d].content must be a string or a list of parts", ErrBadRequest, i)
 		}
 		b.WriteByte(0)
 		if tc := bytes.TrimSpace(m.ToolCalls); len(tc) > 0 && !bytes.Equal(tc, []byte("null")) {
 			b.Write(tc)
 			b.WriteByte(0)
+			// Malformed tool calls are left out of the template's view;
+			// the engine rejects such a request anyway.
+			_ = json.Unmarshal(tc, &tm.ToolCalls)
 		}
 		if m.ToolCallID != "" {
 			b.WriteString(m.ToolCallID)
 			b.WriteByte(0)
 		}
 	}
-	return b.String(), nil
+	return b.String(), out, nil
+}
+
+// chatPrompt gathers what a chat template needs from a chat body. Tools or
+// kwargs of the wrong shape are left out (the engine rejects such a body).
+func chatPrompt(msgs []tokenize.Message, raw *rawRequest) *ChatPrompt {
+	c := &ChatPrompt{Messages: msgs, AddGenerationPrompt: true}
+	if bytes.Equal(bytes.TrimSpace(raw.AddGenerationPrompt), []byte("false")) {
+		c.AddGenerationPrompt = false
+	}
+	if t := bytes.TrimSpace(raw.Tools); len(t) > 0 && t[0] == '[' {
+		_ = json.Unmarshal(t, &c.Tools)
+	}
+	if k := bytes.TrimSpace(raw.ChatTemplateKwargs); len(k) > 0 && k[0] == '{' {
+		_ = json.Unmarshal(k, &c.Kwargs)
+	}
+	return c
 }
 
 // describeJSONError turns a decoding error into a message for the client.

@@ -109,6 +109,7 @@ type Router struct {
 	view     policy.View
 	stats    Stats
 	spec     speculation
+	ext      []ExternalLoad // other routers' load by replica (SetExternalLoad)
 }
 
 // Stats counts what the router has done, for metrics and reports.
@@ -456,4 +457,62 @@ func (r *Router) Predict(req policy.Request, now time.Time) (policy.Decision, er
 	r.tree.Lookup(req.Keys, &r.match)
 	r.view.Replicas = r.reps
 	return r.pol.Route(&req, &r.view, now)
+}
+
+// ExternalLoad is work other routers have in flight on one replica (shared
+// through internal/sharedstate when several routers front the same pool).
+// Its fields add to the Replica fields of the same names.
+type ExternalLoad struct {
+	// InFlight and Prefilling count requests (Prefilling: no token yet).
+	InFlight, Prefilling int
+	// PendingPrefill and PendingPrefillTokens are the prefill those
+	// requests still owe; DecodeTokens the output tokens they still owe.
+	PendingPrefill       time.Duration
+	PendingPrefillTokens int
+	DecodeTokens         int
+}
+
+// Add returns l + o, field by field.
+func (l ExternalLoad) Add(o ExternalLoad) ExternalLoad {
+	return ExternalLoad{
+		InFlight:             l.InFlight + o.InFlight,
+		Prefilling:           l.Prefilling + o.Prefilling,
+		PendingPrefill:       l.PendingPrefill + o.PendingPrefill,
+		PendingPrefillTokens: l.PendingPrefillTokens + o.PendingPrefillTokens,
+		DecodeTokens:         l.DecodeTokens + o.DecodeTokens,
+	}
+}
+
+// SetExternalLoad replaces what other routers are known to have in flight on
+// replica id. From then on the policies see the replica's InFlight,
+// Prefilling, PendingPrefill(Tokens) and DecodeTokens as this router's own
+// plus l, so that several routers sharing their counts do not all pick the
+// same replica at once. Negative fields are taken as 0.
+func (r *Router) SetExternalLoad(id int, l ExternalLoad) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	l.InFlight, l.Prefilling = max(l.InFlight, 0), max(l.Prefilling, 0)
+	l.PendingPrefill, l.PendingPrefillTokens = max(l.PendingPrefill, 0), max(l.PendingPrefillTokens, 0)
+	l.DecodeTokens = max(l.DecodeTokens, 0)
+	for len(r.ext) < len(r.reps) {
+		r.ext = append(r.ext, ExternalLoad{})
+	}
+	old := r.ext[id]
+	rp := &r.reps[id]
+	rp.InFlight += l.InFlight - old.InFlight
+	rp.Prefilling += l.Prefilling - old.Prefilling
+	rp.PendingPrefill += l.PendingPrefill - old.PendingPrefill
+	rp.PendingPrefillTokens += l.PendingPrefillTokens - old.PendingPrefillTokens
+	rp.DecodeTokens += l.DecodeTokens - old.DecodeTokens
+	r.ext[id] = l
+	return nil
+}
+
+// ExternalLoad returns what SetExternalLoad last set for replica id.
+func (r *Router) ExternalLoad(id int) ExternalLoad {
+	if id < 0 || id >= len(r.ext) {
+		return ExternalLoad{}
+	}
+	return r.ext[id]
 }

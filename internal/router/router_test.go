@@ -490,3 +490,49 @@ func TestConcurrentRouter(t *testing.T) {
 		})
 	}
 }
+
+func TestSetExternalLoad(t *testing.T) {
+	pol, err := policy.New("least-load", policy.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(Config{BlockTokens: 16, Profile: profile(t), Policy: pol})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := r.AddReplica("a", false), r.AddReplica("b", false)
+	now := time.Unix(100, 0)
+	// Another router has 3 requests on a: least-load must pick b twice.
+	if err := r.SetExternalLoad(a, ExternalLoad{InFlight: 3, DecodeTokens: 30}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		d, err := r.Route(policy.Request{ID: uint64(i + 1), PromptTokens: 32}, now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Replica != b {
+			t.Fatalf("request %d went to %d, want %d", i+1, d.Replica, b)
+		}
+	}
+	// Replacing, not adding: the figure drops back.
+	if err := r.SetExternalLoad(a, ExternalLoad{InFlight: 1}); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := r.Replica(a)
+	if got.InFlight != 1 || got.DecodeTokens != 0 {
+		t.Fatalf("replica a = in flight %d, decode %d; want 1, 0", got.InFlight, got.DecodeTokens)
+	}
+	if err := r.Finished(1, 1, -1, true, now); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.SetExternalLoad(a, ExternalLoad{}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := r.Replica(a); got.InFlight != 0 {
+		t.Fatalf("replica a in flight %d after clearing, want 0", got.InFlight)
+	}
+	if err := r.SetExternalLoad(7, ExternalLoad{}); err == nil {
+		t.Fatal("SetExternalLoad(7) on 2 replicas: no error")
+	}
+}

@@ -1,0 +1,254 @@
+"use strict";
+// prefixlb dashboard: polls state.json every second and redraws. No
+// libraries; charts are inline SVG. Errors are shown in #errors (and the
+// browser tests read them there).
+(function () {
+  const POLL_MS = 1000;
+  const HISTORY = 120; // samples kept for the charts (two minutes)
+  const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
+    "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
+  const BRANCH_COLORS = { exploit: "#59a14f", explore: "#4e79a7", mixing: "#edc948", rebalance: "#e15759" };
+  const SVGNS = "http://www.w3.org/2000/svg";
+
+  const $ = (id) => document.getElementById(id);
+  const errors = [];
+  function showError(msg) {
+    errors.push(String(msg));
+    const el = $("errors");
+    el.hidden = false;
+    el.textContent = errors.slice(-5).join("\n");
+  }
+  window.addEventListener("error", (e) => showError("error: " + e.message));
+  window.addEventListener("unhandledrejection", (e) => showError("error: " + e.reason));
+
+  // The admin token, when the router has one, comes in the page's URL
+  // (?token=...) and goes to state.json as a bearer token.
+  const token = new URLSearchParams(location.search).get("token");
+  const headers = token ? { Authorization: "Bearer " + token } : {};
+
+  const replicaColor = {};
+  function colorOf(name) {
+    if (!(name in replicaColor)) replicaColor[name] = PALETTE[Object.keys(replicaColor).length % PALETTE.length];
+    return replicaColor[name];
+  }
+  const branchColor = {};
+  function colorOfBranch(b) {
+    if (!(b in branchColor)) branchColor[b] = BRANCH_COLORS[b] || PALETTE[(Object.keys(branchColor).length + 5) % PALETTE.length];
+    return branchColor[b];
+  }
+
+  // History of the charted series: name -> array of [t, v].
+  const hist = { inflight: {}, branches: {}, cache: {}, hit: {} };
+  function push(group, name, t, v) {
+    const s = group[name] || (group[name] = []);
+    s.push([t, v]);
+    if (s.length > HISTORY) s.shift();
+  }
+  let prevCache = null;
+  let prevPlacement = null; // prefix id -> assigned names
+  let prevUp = null;        // replica -> up
+
+  function el(tag, props, ...children) {
+    const e = document.createElement(tag);
+    if (props) for (const [k, v] of Object.entries(props)) {
+      if (k === "class") e.className = v; else if (k === "dataset") Object.assign(e.dataset, v); else e[k] = v;
+    }
+    for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    return e;
+  }
+  function svg(tag, attrs) {
+    const e = document.createElementNS(SVGNS, tag);
+    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+    return e;
+  }
+  function bar(frac, text) {
+    const inner = el("span");
+    inner.style.width = Math.round(Math.max(0, Math.min(1, frac)) * 100) + "%";
+    return el("td", { class: "num" }, el("span", { class: "bar" }, inner), text);
+  }
+  const num = (v, d) => (v < 0 ? "?" : Number(v).toFixed(d || 0));
+  const pct = (v) => (v < 0 ? "?" : (100 * v).toFixed(0) + "%");
+  function human(n) {
+    if (n >= 1e9) return (n / 1e9).toFixed(2) + "G";
+    if (n >= 1e6) return (n / 1e6).toFixed(2) + "M";
+    if (n >= 1e4) return (n / 1e3).toFixed(1) + "k";
+    return String(n);
+  }
+
+  // lineChart draws series (name -> [[t,v]]) into an SVG with a y axis from 0.
+  function lineChart(root, legend, series, colorFn, opts) {
+    const W = 560, H = Number(root.getAttribute("viewBox").split(" ")[3]), L = 48, R = 8, T = 8, B = 18;
+    root.replaceChildren();
+    let tmin = Infinity, tmax = -Infinity, vmax = 0;
+    for (const pts of Object.values(series)) for (const [t, v] of pts) {
+      tmin = Math.min(tmin, t); tmax = Math.max(tmax, t); vmax = Math.max(vmax, v);
+    }
+    if (!isFinite(tmin)) { tmin = 0; tmax = 1; }
+    if (tmax - tmin < 10000) tmin = tmax - 10000;
+    if (vmax <= 0) vmax = 1;
+    vmax = opts.max || vmax * 1.1;
+    const sx = (t) => L + (t - tmin) / (tmax - tmin) * (W - L - R);
+    const sy = (v) => H - B - v / vmax * (H - T - B);
+    for (let i = 0; i <= 4; i++) {
+      const v = vmax * i / 4, y = sy(v);
+      root.append(svg("line", { x1: L, x2: W - R, y1: y, y2: y, class: "grid" }));
+      const lab = svg("text", { x: L - 4, y: y + 3, "text-anchor": "end", class: "axis" });
+      lab.textContent = opts.fmt ? opts.fmt(v) : (vmax < 5 ? v.toFixed(1) : v.toFixed(0));
+      root.append(lab);
+    }
+    const ago = svg("text", { x: L, y: H - 4, class: "axis" });
+    ago.textContent = "−" + Math.round((tmax - tmin) / 1000) + " s";
+    const now = svg("text", { x: W - R, y: H - 4, "text-anchor": "end", class: "axis" });
+    now.textContent = "now";
+    root.append(ago, now);
+    legend.replaceChildren();
+    for (const [name, pts] of Object.entries(series)) {
+      if (pts.length === 0) continue;
+      const color = colorFn(name);
+      const d = pts.map(([t, v], i) => (i ? "L" : "M") + sx(t).toFixed(1) + " " + sy(v).toFixed(1)).join(" ");
+      const p = svg("path", { d: d, fill: "none", stroke: color, "stroke-width": 2, "data-series": name });
+      if (opts.dashed && opts.dashed(name)) p.setAttribute("stroke-dasharray", "5 3");
+      root.append(p);
+      const sw = el("i");
+      sw.style.background = color;
+      const last = pts[pts.length - 1][1];
+      legend.append(el("span", null, sw, name + " " + (opts.fmt ? opts.fmt(last) : last.toFixed(1))));
+    }
+  }
+
+  function renderReplicas(s) {
+    const body = $("replicas").tBodies[0];
+    const rows = s.replicas.map((r) => {
+      const maxIn = Math.max(1, ...s.replicas.map((x) => x.in_flight));
+      const tr = el("tr", { class: r.up ? "up" : "down", dataset: { replica: r.name, up: String(r.up) } },
+        el("td", null, r.name),
+        el("td", null, el("span", { class: "badge " + (r.up ? "up" : "down") }, r.up ? "up" : "down")),
+        bar(r.in_flight / maxIn, r.in_flight),
+        el("td", { class: "num" }, num(r.waiting)),
+        el("td", { class: "num" }, num(r.running)),
+        bar(r.kv_usage, pct(r.kv_usage)),
+        bar(r.hit_ratio, pct(r.hit_ratio)),
+        el("td", { class: "num" }, r.load_seconds.toFixed(3)),
+        el("td", { class: "num" }, r.pending_prefill_s.toFixed(3)),
+        el("td", { class: "num" }, human(r.cached_blocks)));
+      tr.cells[2].dataset.field = "in_flight";
+      return tr;
+    });
+    body.replaceChildren(...rows);
+  }
+
+  function logEvent(kind, text, t) {
+    const list = $("events");
+    list.prepend(el("li", { class: kind }, new Date(t).toLocaleTimeString() + "  " + text));
+    while (list.children.length > 100) list.lastChild.remove();
+  }
+
+  function renderPrefixes(s, t) {
+    const body = $("prefixes").tBodies[0];
+    body.replaceChildren(...s.prefixes.map((p) => {
+      const assigned = el("td");
+      for (const n of p.assigned) {
+        const c = el("span", { class: "chip" }, n);
+        c.style.background = colorOf(n);
+        assigned.append(c);
+      }
+      const cached = el("td");
+      for (const n of p.cached_on) {
+        const c = el("span", { class: "chip cached" }, n);
+        c.style.color = colorOf(n);
+        cached.append(c);
+      }
+      return el("tr", { class: p.assigned.length > 1 ? "replicated" : "", dataset: { prefix: p.id } },
+        el("td", { title: p.id }, p.id.slice(0, 10)),
+        el("td", { class: "num" }, human(p.tokens)),
+        el("td", { class: "num" }, p.requests_per_s.toFixed(2)),
+        el("td", { class: "num" }, p.requests), assigned, cached);
+    }));
+    $("prefixes-empty").hidden = s.prefixes.length > 0;
+    // Placement changes: replication appearing and disappearing.
+    const now = {};
+    for (const p of s.prefixes) now[p.id] = p;
+    if (prevPlacement) {
+      for (const [id, p] of Object.entries(now)) {
+        const before = prevPlacement[id];
+        if (!before) continue;
+        for (const n of p.assigned) if (!before.includes(n))
+          logEvent("add", "prefix " + id.slice(0, 10) + " (" + human(p.tokens) + " tok) " +
+            (before.length ? "replicated to " : "assigned to ") + n + " → [" + p.assigned.join(", ") + "]", t);
+        for (const n of before) if (!p.assigned.includes(n))
+          logEvent("remove", "prefix " + id.slice(0, 10) + " left " + n + " → [" + p.assigned.join(", ") + "]", t);
+      }
+    }
+    prevPlacement = {};
+    for (const [id, p] of Object.entries(now)) prevPlacement[id] = p.assigned.slice();
+    const ups = {};
+    for (const r of s.replicas) {
+      ups[r.name] = r.up;
+      if (prevUp && r.name in prevUp && prevUp[r.name] !== r.up)
+        logEvent(r.up ? "add" : "down", "replica " + r.name + (r.up ? " is back up" : " went down"), t);
+    }
+    prevUp = ups;
+  }
+
+  function renderRecent(s) {
+    $("recent").tBodies[0].replaceChildren(...s.recent.slice(0, 25).map((d) =>
+      el("tr", null,
+        el("td", null, new Date(d.time).toLocaleTimeString()),
+        el("td", null, d.replica),
+        el("td", null, d.branch),
+        el("td", { class: "num" }, d.matched_tokens + " / " + d.prompt_tokens),
+        el("td", { class: "explain" }, d.explain))));
+  }
+
+  function render(s) {
+    const t = Date.parse(s.time) || Date.now();
+    $("policy").textContent = "policy " + s.policy;
+    $("totals").textContent = "routed " + s.totals.routed + " · in flight " + s.totals.in_flight +
+      " · finished " + s.totals.finished + " · failed " + s.totals.failed;
+    $("updated").textContent = "updated " + new Date(t).toLocaleTimeString();
+    renderReplicas(s);
+    renderPrefixes(s, t);
+    renderRecent(s);
+    for (const r of s.replicas) {
+      push(hist.inflight, r.name, t, r.in_flight);
+      push(hist.hit, r.name, t, r.hit_ratio);
+    }
+    const seen = new Set(Object.keys(s.branches));
+    for (const b of Object.keys(hist.branches)) if (!seen.has(b)) push(hist.branches, b, t, 0);
+    for (const [b, v] of Object.entries(s.branches)) push(hist.branches, b, t, v);
+    $("rate-total").textContent = s.decisions_per_s.toFixed(1) + " decisions/s (last " + s.rate_window_s.toFixed(0) + " s)";
+    const c = s.cache_prediction;
+    $("cache-predicted").textContent = human(c.predicted_tokens);
+    $("cache-reported").textContent = human(c.reported_tokens);
+    $("cache-exact").textContent = c.checked ? pct(c.exact_ratio) : "–";
+    if (prevCache) {
+      const dt = Math.max((t - prevCache.t) / 1000, 1e-3);
+      push(hist.cache, "predicted", t, Math.max(0, c.predicted_tokens - prevCache.p) / dt);
+      push(hist.cache, "reported", t, Math.max(0, c.reported_tokens - prevCache.r) / dt);
+    }
+    prevCache = { t: t, p: c.predicted_tokens, r: c.reported_tokens };
+    lineChart($("chart-inflight"), $("legend-inflight"), hist.inflight, colorOf, { fmt: (v) => v.toFixed(0) });
+    lineChart($("chart-branches"), $("legend-branches"), hist.branches, colorOfBranch, { fmt: (v) => v.toFixed(1) + "/s" });
+    lineChart($("chart-cache"), $("legend-cache"), hist.cache,
+      (n) => (n === "predicted" ? "#4e79a7" : "#f28e2b"), { fmt: (v) => human(Math.round(v)) + "/s", dashed: (n) => n === "predicted" });
+    lineChart($("chart-hit"), $("legend-hit"), hist.hit, colorOf, { max: 1, fmt: (v) => (100 * v).toFixed(0) + "%" });
+    const app = $("app");
+    app.dataset.updates = String(Number(app.dataset.updates) + 1);
+  }
+
+  async function poll() {
+    try {
+      const resp = await fetch("state.json", { headers: headers, cache: "no-store" });
+      if (!resp.ok) throw new Error("state.json: HTTP " + resp.status);
+      render(await resp.json());
+      $("status").className = "status ok";
+      $("status").textContent = "live";
+    } catch (e) {
+      $("status").className = "status err";
+      $("status").textContent = String(e.message || e);
+    } finally {
+      setTimeout(poll, POLL_MS);
+    }
+  }
+  poll();
+})();

@@ -1,0 +1,230 @@
+package dashboard
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// The browser tests drive headless Chromium (Debian's chromium package) at
+// the dashboard served by an httptest server. They skip when no Chromium is
+// installed; PREFIXLB_CHROMIUM names another binary.
+//
+// -screenshots rewrites docs/dashboard.png (see docs/dashboard.md):
+//
+//	go test ./internal/dashboard -run Screenshot -screenshots
+var screenshots = flag.Bool("screenshots", false, "write docs/dashboard.png from a scripted dashboard")
+
+func chromiumPath(t *testing.T) string {
+	t.Helper()
+	if p := os.Getenv("PREFIXLB_CHROMIUM"); p != "" {
+		return p
+	}
+	for _, p := range []string{"/usr/bin/chromium", "/usr/bin/chromium-browser"} {
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	t.Skip("no Chromium (apt-get install chromium, or set PREFIXLB_CHROMIUM)")
+	return ""
+}
+
+// runChromium loads url headless for budget of virtual time (timers and
+// polls run at once; the clock advances only while nothing is pending) and
+// returns its output: the DOM with --dump-dom, and the browser's log.
+func runChromium(t *testing.T, url string, budget time.Duration, extra ...string) (stdout, log string) {
+	t.Helper()
+	bin := chromiumPath(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	args := []string{"--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+		"--disable-component-update", "--disable-sync", "--no-first-run", "--disable-extensions",
+		"--user-data-dir=" + t.TempDir(), "--enable-logging=stderr", "--v=0",
+		"--virtual-time-budget=" + strconv.Itoa(int(budget.Milliseconds()))}
+	args = append(args, extra...)
+	args = append(args, url)
+	cmd := exec.CommandContext(ctx, bin, args...)
+	var out, errb strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("chromium: %v\n%s", err, errb.String())
+	}
+	return out.String(), errb.String()
+}
+
+// consoleErrors returns every console message of the page from Chromium's
+// log (lines with "CONSOLE"): the dashboard writes none when all is well, so
+// any message (console.error, an uncaught exception, a CSP refusal, a failed
+// fetch) is an error.
+func consoleErrors(log string) []string {
+	var errs []string
+	for _, line := range strings.Split(log, "\n") {
+		if strings.Contains(line, ":CONSOLE") {
+			errs = append(errs, line)
+		}
+	}
+	return errs
+}
+
+// scriptedSource plays a scripted cluster: every call to Snapshot is one
+// second later. Load rises on every call; from call downAt on, replica r1
+// is down; from call replicateAt on, the hot prefix is replicated to r2.
+type scriptedSource struct {
+	mu                  sync.Mutex // guards calls
+	calls               int
+	downAt, replicateAt int
+	replicas            int
+}
+
+func (s *scriptedSource) Calls() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.calls
+}
+
+func (s *scriptedSource) Snapshot() Snapshot {
+	s.mu.Lock()
+	s.calls++
+	n := s.calls
+	s.mu.Unlock()
+	t0 := time.Date(2025, 6, 1, 12, 0, 0, 0, time.UTC)
+	now := t0.Add(time.Duration(n) * time.Second)
+	snap := Snapshot{Time: now, Policy: "e2", RateWindowS: 10, Branches: map[string]float64{}}
+	names := make([]string, s.replicas)
+	for i := range names {
+		names[i] = fmt.Sprintf("r%d", i)
+	}
+	for i, name := range names {
+		r := Replica{Name: name, Up: true, InFlight: 10*n + i, Waiting: (n + i) % 4, Running: 8 + i,
+			KVUsage: 0.3 + 0.05*float64(i) + 0.01*float64(n%10), HitRatio: 0.6 + 0.05*float64(i), LoadSeconds: 0.4 * float64(n+i),
+			PendingPrefillS: 0.05 * float64(i+1), CachedBlocks: 20000 + 1000*i + 37*n}
+		if i == 1 && n >= s.downAt {
+			r.Up, r.InFlight = false, 0
+		}
+		snap.Replicas = append(snap.Replicas, r)
+	}
+	hot := Prefix{ID: "9f3a61c0d2b4e5f7", Tokens: 6144, Requests: 40 * n, RequestsPerS: 4 + float64(n)/2,
+		Assigned: []string{"r0"}, CachedOn: []string{"r0"}}
+	if n >= s.replicateAt && s.replicas > 2 {
+		hot.Assigned = append(hot.Assigned, "r2")
+		hot.CachedOn = append(hot.CachedOn, "r2")
+	}
+	snap.Prefixes = []Prefix{hot,
+		{ID: "0c1d2e3f40516273", Tokens: 2048, Requests: 12, RequestsPerS: 1.2, Assigned: []string{"r1"}, CachedOn: []string{"r1", "r3"}},
+		{ID: "77aa55cc33ee1100", Tokens: 1024, Requests: 6, RequestsPerS: 0.6, Assigned: []string{names[s.replicas-1]}, CachedOn: nil},
+	}
+	snap.Branches["exploit"] = 6 + float64(n%5)
+	snap.Branches["explore"] = 2 + float64(n%3)
+	if n >= s.replicateAt {
+		snap.Branches["rebalance"] = 0.5
+	}
+	for _, v := range snap.Branches {
+		snap.DecisionsPerS += v
+	}
+	snap.CachePrediction = CachePrediction{PredictedTokens: int64(n) * 41000, ReportedTokens: int64(n) * 40000,
+		Checked: 9 * n, ExactRatio: 0.93}
+	snap.Totals = Totals{Routed: 9 * n, Finished: 9*n - 30, InFlight: 30}
+	for k := range 8 {
+		snap.Recent = append(snap.Recent, Decision{Time: now.Add(-time.Duration(k) * 100 * time.Millisecond),
+			Replica: names[k%s.replicas], Branch: "exploit", MatchedTokens: 6144, PromptTokens: 6400,
+			Explain: fmt.Sprintf("branch=exploit; matched=6144; r0=0.%03d(L=0.1,M=0,P=0.02,m=6144); r1=0.9(L=0.3,M=0,P=0.6,m=0)", k)})
+	}
+	return snap
+}
+
+// TestBrowserDashboard loads the dashboard in headless Chromium for a few
+// seconds of (virtual) time: no console error, every replica shown, the
+// page updates by itself, shows the load rising, the replica that went
+// down and the prefix that was replicated.
+func TestBrowserDashboard(t *testing.T) {
+	chromiumPath(t)
+	src := &scriptedSource{downAt: 3, replicateAt: 4, replicas: 4}
+	srv := httptest.NewServer(Handler(src))
+	defer srv.Close()
+	dom, log := runChromium(t, srv.URL+"/ui/", 8*time.Second, "--dump-dom")
+	if errs := consoleErrors(log); len(errs) > 0 {
+		t.Errorf("console errors:\n%s", strings.Join(errs, "\n"))
+	}
+	if !strings.Contains(dom, `<div id="errors" role="alert" hidden="">`) {
+		t.Errorf("the page reported errors: %s", regexp.MustCompile(`(?s)<div id="errors".*?</div>`).FindString(dom))
+	}
+	m := regexp.MustCompile(`data-updates="(\d+)"`).FindStringSubmatch(dom)
+	if m == nil {
+		t.Fatalf("no update counter in the DOM:\n%s", dom)
+	}
+	updates, _ := strconv.Atoi(m[1])
+	t.Logf("%d updates, %d polls", updates, src.Calls())
+	if updates < 5 || src.Calls() < updates {
+		t.Fatalf("%d updates for %d polls, want ≥ 5", updates, src.Calls())
+	}
+	for i := range 4 {
+		if !strings.Contains(dom, fmt.Sprintf(`data-replica="r%d"`, i)) {
+			t.Errorf("replica r%d not shown", i)
+		}
+	}
+	if !strings.Contains(dom, `<tr class="down" data-replica="r1" data-up="false">`) {
+		t.Errorf("r1 not shown down:\n%s", regexp.MustCompile(`(?s)<table id="replicas">.*?</table>`).FindString(dom))
+	}
+	// The in-flight figure of r0 is the last poll's (10 per poll), not the first's.
+	row := regexp.MustCompile(`(?s)data-replica="r0".*?</tr>`).FindString(dom)
+	want := fmt.Sprintf("</span>%d</td>", 10*updates)
+	if !strings.Contains(row, want) {
+		t.Errorf("r0 row does not show in-flight %d after %d updates: %s", 10*updates, updates, row)
+	}
+	for _, want := range []string{"replica r1 went down", "replicated to r2", `class="replicated" data-prefix="9f3a61c0d2b4e5f7"`,
+		`data-series="exploit"`, `data-series="rebalance"`, `data-series="predicted"`, "branch=exploit; matched=6144", "policy e2"} {
+		if !strings.Contains(dom, want) {
+			t.Errorf("DOM lacks %q", want)
+		}
+	}
+}
+
+// TestBrowserDashboardUnauthorized: when state.json refuses, the page says
+// so instead of failing silently.
+func TestBrowserDashboardUnauthorized(t *testing.T) {
+	chromiumPath(t)
+	h := Handler(&scriptedSource{downAt: 99, replicateAt: 99, replicas: 2})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "state.json") {
+			w.WriteHeader(401)
+			return
+		}
+		h.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	dom, _ := runChromium(t, srv.URL+"/ui/", 3*time.Second, "--dump-dom")
+	if !strings.Contains(dom, `class="status err">state.json: HTTP 401`) {
+		t.Errorf("status not shown: %s", regexp.MustCompile(`<span id="status"[^<]*</span>`).FindString(dom))
+	}
+}
+
+// TestScreenshotDashboard writes docs/dashboard.png with -screenshots.
+func TestScreenshotDashboard(t *testing.T) {
+	if !*screenshots {
+		t.Skip("-screenshots not set")
+	}
+	chromiumPath(t)
+	src := &scriptedSource{downAt: 40, replicateAt: 30, replicas: 4}
+	srv := httptest.NewServer(Handler(src))
+	defer srv.Close()
+	out, err := filepath.Abs("../../docs/dashboard.png")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, log := runChromium(t, srv.URL+"/ui/", 45*time.Second, "--hide-scrollbars", "--window-size=1400,1500", "--screenshot="+out)
+	if _, err := os.Stat(out); err != nil {
+		t.Fatalf("no screenshot: %v\n%s", err, log)
+	}
+	t.Logf("wrote %s", out)
+}

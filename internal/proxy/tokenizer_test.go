@@ -1,0 +1,404 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/tokenize"
+	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
+)
+
+// qwen3Tok loads the bundled tokenizer once for the package's tests (it
+// takes about a second).
+var qwen3Tok = sync.OnceValues(qwen3.Load)
+
+func testTokenizer(t testing.TB) *tokenize.Tokenizer {
+	t.Helper()
+	tok, err := qwen3Tok()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+func mustParse(t *testing.T, k Kind, body string) *Request {
+	t.Helper()
+	r, err := ParseRequest(k, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func TestTokenizerKeyerText(t *testing.T) {
+	tok := testTokenizer(t)
+	k := NewTokenizerKeyer(tok, 16)
+	text := strings.Repeat("The quick brown fox jumps over the lazy dog, 12345 times.\n", 20) + "<|im_end|> tail"
+	want := tok.Encode(text)
+	tests := []struct {
+		name       string
+		body       string
+		wantIDs    []uint32 // keyed
+		wantTokens int
+	}{
+		{"text", fmt.Sprintf(`{"model":"m","prompt":%q}`, text), want, len(want)},
+		{"batch of texts", fmt.Sprintf(`{"model":"m","prompt":[%q,"hello world"]}`, text), want, len(want) + 2},
+		{"token ids", `{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`,
+			[]uint32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}, 17},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			keys, n, err := k.Keys(mustParse(t, KindCompletion, tt.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if wantKeys := blocks.Keys(nil, tt.wantIDs, 16); !slices.Equal(keys, wantKeys) {
+				t.Errorf("got %d keys, want %d (blocks.Keys of the ids)", len(keys), len(wantKeys))
+			}
+			if n != tt.wantTokens {
+				t.Errorf("prompt tokens %d, want %d", n, tt.wantTokens)
+			}
+		})
+	}
+}
+
+func TestTokenizerKeyerChat(t *testing.T) {
+	tok := testTokenizer(t)
+	k := NewTokenizerKeyer(tok, 16)
+	system := strings.Repeat("You are a careful assistant. Follow the rules below.\n", 30)
+	tool := `{"type":"function","function":{"name":"get_weather","description":"Weather in <city> & more","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}`
+	msgs := []tokenize.Message{
+		{Role: "system", Content: system},
+		{Role: "user", Content: "What's the weather in Paris?\nAnd in Zürich?"},
+		{Role: "assistant", ToolCalls: []tokenize.ToolCall{{ID: "c1", Type: "function",
+			Function: tokenize.FunctionCall{Name: "get_weather", Arguments: `{"city": "Paris"}`}}}},
+		{Role: "tool", Content: "18°C", ToolCallID: "c1"},
+	}
+	msgJSON, err := json.Marshal(msgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		body string
+		msgs []tokenize.Message
+		opts tokenize.ChatOptions
+	}{
+		{"system and user", fmt.Sprintf(`{"model":"m","messages":[{"role":"system","content":%q},{"role":"user","content":"hi"}]}`, system),
+			msgs[:1:1], tokenize.ChatOptions{AddGenerationPrompt: true}},
+		{"content parts joined", `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}`,
+			[]tokenize.Message{{Role: "user", Content: "a\nb"}}, tokenize.ChatOptions{AddGenerationPrompt: true}},
+		{"tools and tool calls", fmt.Sprintf(`{"model":"m","messages":%s,"tools":[%s]}`, msgJSON, tool),
+			msgs, tokenize.ChatOptions{AddGenerationPrompt: true, Tools: []json.RawMessage{json.RawMessage(tool)}}},
+		{"no generation prompt, kwargs", `{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":false,"chat_template_kwargs":{"enable_thinking":false}}`,
+			[]tokenize.Message{{Role: "user", Content: "x"}},
+			tokenize.ChatOptions{Kwargs: map[string]json.RawMessage{"enable_thinking": json.RawMessage("false")}}},
+	}
+	tests[0].msgs = []tokenize.Message{{Role: "system", Content: system}, {Role: "user", Content: "hi"}}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			want, err := tok.EncodeChat(tt.msgs, tt.opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			keys, n, err := k.Keys(mustParse(t, KindChat, tt.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if wantKeys := blocks.Keys(nil, want, 16); !slices.Equal(keys, wantKeys) {
+				t.Errorf("got %d keys, want %d (blocks.Keys of EncodeChat)", len(keys), len(wantKeys))
+			}
+			if n != len(want) {
+				t.Errorf("prompt tokens %d, want %d", n, len(want))
+			}
+		})
+	}
+
+	// Fallback: text chunks, exactly ChunkKeyer's keys.
+	r := mustParse(t, KindChat, tests[0].body)
+	k.SetFallback(true)
+	got, n, _ := k.Keys(r)
+	want, wn, _ := ChunkKeyer{BlockTokens: 16}.Keys(r)
+	if !slices.Equal(got, want) || n != wn {
+		t.Errorf("fallback: %d keys, %d tokens; ChunkKeyer %d keys, %d tokens", len(got), n, len(want), wn)
+	}
+}
+
+// tokenizeReplica is a fake replica: /health answers 200 and /tokenize
+// what answer returns (nil: 404).
+func tokenizeReplica(t *testing.T, name string, answer func(body map[string]json.RawMessage) []uint32) Backend {
+	t.Helper()
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {})
+	mux.HandleFunc("POST /tokenize", func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]json.RawMessage
+		b, _ := io.ReadAll(r.Body)
+		if err := json.Unmarshal(b, &body); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		ids := answer(body)
+		if ids == nil {
+			http.NotFound(w, r)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(map[string]any{"tokens": ids, "count": len(ids)})
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return Backend{Name: name, URL: srv.URL}
+}
+
+// exactTokenize answers /tokenize as vLLM does with tok.
+func exactTokenize(tok *tokenize.Tokenizer) func(map[string]json.RawMessage) []uint32 {
+	return func(body map[string]json.RawMessage) []uint32 {
+		if p, ok := body["prompt"]; ok {
+			var s string
+			_ = json.Unmarshal(p, &s)
+			return tok.Encode(s)
+		}
+		var msgs []tokenize.Message
+		_ = json.Unmarshal(body["messages"], &msgs)
+		var agp bool
+		_ = json.Unmarshal(body["add_generation_prompt"], &agp)
+		ids, _ := tok.EncodeChat(msgs, tokenize.ChatOptions{AddGenerationPrompt: agp})
+		return ids
+	}
+}
+
+// probeAll starts p's loops and waits for one probe result per replica.
+func probeAll(t *testing.T, p *Proxy, n int) map[string]int {
+	t.Helper()
+	got := make(chan [2]any, n)
+	p.hookProbe = func(name string, state int) { got <- [2]any{name, state} }
+	runLoops(t, p)
+	out := map[string]int{}
+	timeout := time.After(10 * time.Second)
+	for len(out) < n {
+		select {
+		case r := <-got:
+			out[r[0].(string)] = r[1].(int)
+		case <-timeout:
+			t.Fatalf("probes: got %v, want %d replicas", out, n)
+		}
+	}
+	return out
+}
+
+func TestTokenizerProbe(t *testing.T) {
+	tok := testTokenizer(t)
+	chat := `{"model":"m","messages":[{"role":"system","content":"` + strings.Repeat("Be brief. ", 40) + `"},{"role":"user","content":"hi"}]}`
+	tests := []struct {
+		name         string
+		answers      []func(map[string]json.RawMessage) []uint32
+		wantStates   []int
+		wantFallback bool
+	}{
+		{"all match", []func(map[string]json.RawMessage) []uint32{exactTokenize(tok), exactTokenize(tok)},
+			[]int{1, 1}, false},
+		{"one differs", []func(map[string]json.RawMessage) []uint32{exactTokenize(tok), func(b map[string]json.RawMessage) []uint32 {
+			ids := exactTokenize(tok)(b)
+			ids[len(ids)-1]++ // another model's last token
+			return ids
+		}}, []int{1, 0}, true},
+		{"no /tokenize", []func(map[string]json.RawMessage) []uint32{exactTokenize(tok), func(map[string]json.RawMessage) []uint32 { return nil }},
+			[]int{1, -1}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := DefaultConfig()
+			cfg.HealthInterval = time.Hour
+			cfg.ScrapeInterval = 0
+			cfg.Logger = slog.New(slog.DiscardHandler)
+			for i, a := range tt.answers {
+				cfg.Backends = append(cfg.Backends, tokenizeReplica(t, fmt.Sprintf("r%d", i), a))
+			}
+			keyer := NewTokenizerKeyer(tok, cfg.BlockTokens)
+			cfg.Keyer = keyer
+			p, srv := startProxy(t, cfg)
+			states := probeAll(t, p, len(tt.answers))
+			for i, want := range tt.wantStates {
+				if got := states[fmt.Sprintf("r%d", i)]; got != want {
+					t.Errorf("replica r%d: state %d, want %d", i, got, want)
+				}
+			}
+			if keyer.Fallback() != tt.wantFallback {
+				t.Errorf("fallback %v, want %v", keyer.Fallback(), tt.wantFallback)
+			}
+			metrics := string(readAll(t, mustGet(t, srv.URL+"/metrics")))
+			for i, want := range tt.wantStates {
+				line := fmt.Sprintf("prefixlb_tokenizer_match{replica=\"r%d\"} %d", i, want)
+				if !strings.Contains(metrics, line) {
+					t.Errorf("metrics lack %q:\n%s", line, grep(metrics, "prefixlb_tokenizer"))
+				}
+			}
+			if line := fmt.Sprintf("prefixlb_tokenizer_fallback %d", map[bool]int{true: 1}[tt.wantFallback]); !strings.Contains(metrics, line) {
+				t.Errorf("metrics lack %q:\n%s", line, grep(metrics, "prefixlb_tokenizer"))
+			}
+			// The keys the proxy uses now: token ids, or text chunks in fallback.
+			r := mustParse(t, KindChat, chat)
+			keys, _, _ := p.keyer.Keys(r)
+			want, _, _ := ChunkKeyer{BlockTokens: cfg.BlockTokens}.Keys(r)
+			if !tt.wantFallback {
+				ids, _ := keyer.EncodeChat(r.Chat)
+				want = blocks.Keys(nil, ids, cfg.BlockTokens)
+			}
+			if !slices.Equal(keys, want) {
+				t.Errorf("keys (fallback %v) are not the expected key space", tt.wantFallback)
+			}
+		})
+	}
+}
+
+// TestTokenizerProbeOnReadmission checks that a replica that comes back
+// after an ejection is probed again, and that a fixed replica ends the
+// fallback.
+func TestTokenizerProbeOnReadmission(t *testing.T) {
+	tok := testTokenizer(t)
+	var mu sync.Mutex
+	wrong := true
+	b := tokenizeReplica(t, "r0", func(body map[string]json.RawMessage) []uint32 {
+		mu.Lock()
+		defer mu.Unlock()
+		ids := exactTokenize(tok)(body)
+		if wrong {
+			ids = append(ids, 1)
+		}
+		return ids
+	})
+	cfg := DefaultConfig()
+	cfg.Backends = []Backend{b}
+	cfg.HealthInterval = time.Hour
+	cfg.ScrapeInterval = 0
+	cfg.ReadmitAfter = 1
+	cfg.Logger = slog.New(slog.DiscardHandler)
+	keyer := NewTokenizerKeyer(tok, cfg.BlockTokens)
+	cfg.Keyer = keyer
+	p, _ := startProxy(t, cfg)
+	if st := probeAll(t, p, 1)["r0"]; st != 0 || !keyer.Fallback() {
+		t.Fatalf("first probe: state %d, fallback %v; want 0, true", st, keyer.Fallback())
+	}
+	got := make(chan int, 1)
+	p.hookProbe = func(_ string, state int) { got <- state } // no probe runs now: the next is after a check
+	mu.Lock()
+	wrong = false
+	mu.Unlock()
+	p.checked(0, false, true) // ejected
+	p.checked(0, true, false) // re-admitted: due a probe
+	p.probeTokenizer(context.Background(), p.backends[0])
+	if st := <-got; st != 1 || keyer.Fallback() {
+		t.Errorf("after re-admission: state %d, fallback %v; want 1, false", st, keyer.Fallback())
+	}
+}
+
+// startTokenizerEngines runs n modelled replicas that tokenize with tok.
+func startTokenizerEngines(t *testing.T, n int, tok *tokenize.Tokenizer) []Backend {
+	t.Helper()
+	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []Backend
+	for i := range n {
+		ec := engine.DefaultConfig()
+		ec.Replica.Profile = prof
+		ec.TimeScale = 100
+		ec.Logger = slog.New(slog.DiscardHandler)
+		c := tokenize.NewPrefixCache(tok, 0)
+		ec.Tokenizer, ec.ChatEncoder = c, c
+		e, err := engine.New(ec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- e.Run(ctx) }()
+		srv := httptest.NewServer(e.Handler())
+		t.Cleanup(func() {
+			srv.Close()
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("engine %d: Run: %v", i, err)
+			}
+		})
+		out = append(out, Backend{Name: fmt.Sprintf("engine-%d", i), URL: srv.URL})
+	}
+	return out
+}
+
+// TestEndToEndTokenizerChat runs real modelled replicas that tokenize with
+// the Qwen3 tokenizer and its chat template behind a proxy keying with the
+// same tokenizer: the probe finds them equal, chats sharing a long system
+// prompt are reported cached, and the router's predicted match is exactly
+// the replica's cached_tokens.
+func TestEndToEndTokenizerChat(t *testing.T) {
+	tok := testTokenizer(t)
+	backends := startTokenizerEngines(t, 3, tok)
+	cfg := DefaultConfig()
+	cfg.Backends = backends
+	cfg.HealthInterval = time.Hour
+	cfg.ScrapeInterval = 0
+	cfg.Logger = slog.New(slog.DiscardHandler)
+	keyer := NewTokenizerKeyer(tok, cfg.BlockTokens)
+	cfg.Keyer = keyer
+	p, srv := startProxy(t, cfg)
+	for name, st := range probeAll(t, p, len(backends)) {
+		if st != 1 {
+			t.Errorf("replica %s: tokenizer state %d, want 1 (engines tokenize with the same tokenizer)", name, st)
+		}
+	}
+	if keyer.Fallback() {
+		t.Fatal("fallback on with matching replicas")
+	}
+	system := strings.Repeat("You are the support assistant of a large shop. Answer politely, cite the policy, never invent prices.\n", 25)
+	send := func(question string) (replica string, matched int, u usage) {
+		t.Helper()
+		body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 4, "messages": []map[string]string{
+			{"role": "system", "content": system}, {"role": "user", "content": question}}})
+		resp := post(t, srv.URL, "/v1/chat/completions", string(body))
+		b := readAll(t, resp)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, b)
+		}
+		var out struct{ Usage usage }
+		if err := json.Unmarshal(b, &out); err != nil {
+			t.Fatal(err)
+		}
+		return resp.Header.Get(HeaderReplica), matchedOf(resp.Header.Get(HeaderRoute)), out.Usage
+	}
+	want, _ := tok.EncodeChat([]tokenize.Message{{Role: "system", Content: system}, {Role: "user", Content: "Where is my order #1234?"}},
+		tokenize.ChatOptions{AddGenerationPrompt: true})
+	r1, m1, u1 := send("Where is my order #1234?")
+	if u1.PromptTokens != len(want) {
+		t.Errorf("first chat: engine counted %d prompt tokens, the tokenizer %d", u1.PromptTokens, len(want))
+	}
+	if m1 != 0 {
+		t.Errorf("first chat: router predicted %d cached tokens on a cold cluster", m1)
+	}
+	for i, q := range []string{"Can I return a gift?", "Do you ship to Zürich, Switzerland?", "What is 12+30?"} {
+		r, m, u := send(q)
+		c := u.cached()
+		if c <= 0 {
+			t.Errorf("follow-up %d on %s: cached_tokens %d, want > 0", i, r, c)
+		}
+		if m != c {
+			t.Errorf("follow-up %d on %s: router predicted %d cached tokens, replica reported %d", i, r, m, c)
+		}
+		if r != r1 {
+			t.Errorf("follow-up %d went to %s, not to the prefix's replica %s", i, r, r1)
+		}
+	}
+}
