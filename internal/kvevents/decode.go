@@ -552,6 +552,9 @@ func (r *decoder) event() (Event, error) {
 		if err != nil {
 			return nil, err
 		}
+		// Find "type" first, wherever it is: an unknown event's fields may
+		// have any types, so they must not be decoded as known fields.
+		start := r.pos()
 		var typ []byte
 		hasType := false
 		for range n {
@@ -566,16 +569,30 @@ func (r *decoder) event() (Event, error) {
 				hasType = true
 				continue
 			}
-			f := fieldByName(k)
-			if hasType && !knownType(string(typ)) {
-				f = fUnknown // an unknown event's fields may differ in type
-			}
-			if err := r.field(f, &s); err != nil {
+			if err := r.skip(0); err != nil {
 				return nil, err
 			}
 		}
 		if !hasType {
 			return nil, errors.New(`event map without "type"`)
+		}
+		if !knownType(string(typ)) {
+			return nil, nil // skipped whole; the caller counts it
+		}
+		end := r.pos()
+		r.advance(start - end)
+		for range n {
+			k, err := r.bytes()
+			if err != nil {
+				return nil, fmt.Errorf("event key: %w", err)
+			}
+			f := fUnknown
+			if string(k) != "type" {
+				f = fieldByName(k)
+			}
+			if err := r.field(f, &s); err != nil {
+				return nil, err
+			}
 		}
 		return makeEvent(string(typ), &s), nil
 	}
