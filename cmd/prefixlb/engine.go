@@ -32,6 +32,7 @@ type engineOptions struct {
 	kvEvents        string
 	kvReplay        string
 	kvEncoding      string
+	kvBind          bool
 	kvTopic         string
 	tokenizer       string
 	shutdownTimeout time.Duration
@@ -97,6 +98,7 @@ port + 1) is always bound.`,
 	fs.IntVar(&cfg.DefaultMaxTokens, "default-max-tokens", cfg.DefaultMaxTokens, "output tokens of a request without max_tokens")
 	fs.StringVar(&o.kvEvents, "kv-events", "", "publish KV-cache events on this ZMQ endpoint: tcp://*:PORT binds, tcp://HOST:PORT dials")
 	fs.StringVar(&o.kvReplay, "kv-replay", "", "ZMQ endpoint of the KV-event replay socket, always bound (default: --kv-events with port+1)")
+	fs.BoolVar(&o.kvBind, "kv-bind", false, "bind --kv-events even without * (e.g. tcp://127.0.0.1:5557: loopback only)")
 	fs.StringVar(&o.kvEncoding, "kv-encoding", "array", "KV-event encoding: array (vLLM <= 0.23) or map (vLLM >= 0.26)")
 	fs.StringVar(&o.kvTopic, "kv-topic", "", "KV-event topic (default kv@<listen>@<model>, as vLLM)")
 	fs.StringVar(&o.tokenizer, "tokenizer", "", "real tokenizer: qwen3 (bundled), a tokenizer.json or a model directory (default: one token per word)")
@@ -110,7 +112,7 @@ port + 1) is always bound.`,
 func kvPublisherConfig(o *engineOptions, model string, log *slog.Logger) (kvevents.PublisherConfig, error) {
 	pc := kvevents.PublisherConfig{
 		Endpoint:       o.kvEvents,
-		Dial:           !strings.Contains(o.kvEvents, "*"),
+		Dial:           !strings.Contains(o.kvEvents, "*") && !o.kvBind,
 		ReplayEndpoint: o.kvReplay,
 		Topic:          o.kvTopic,
 		Logger:         log,

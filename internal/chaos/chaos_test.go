@@ -149,16 +149,16 @@ func TestChaos(t *testing.T) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\nfault matrix (toolbench at %g/s, 3 engines at time scale %d, policy e2; fault %v–%v of %v)\n",
 		loadRate, engineTimeScale, faultAt, healAt, loadDuration)
-	fmt.Fprintf(&b, "| %-18s | %4s | %9s | %7s | %7s | %12s | %11s | %4s | %7s | %11s | %13s | %8s |\n",
-		"fault", "sent", "completed", "retried", "retries", "clean errors", "router conn", "lost", "unclean", "hit before→after", "ttft p50 ms", "recovery")
+	fmt.Fprintf(&b, "| %-18s | %4s | %9s | %7s | %7s | %12s | %11s | %4s | %7s | %s | %s | %8s |\n",
+		"fault", "sent", "completed", "retried", "retries", "clean errors", "router conn", "lost", "unclean", "hit before→during→after", "ttft p50 ms before→during→after", "recovery")
 	for _, r := range rows {
 		rec := "—"
 		if r.Recovery >= 0 {
 			rec = r.Recovery.Round(10 * time.Millisecond).String()
 		}
-		fmt.Fprintf(&b, "| %-18s | %4d | %9d | %7d | %7d | %12d | %11d | %4d | %7d | %6.2f→%.2f | %5.1f→%5.1f | %8s |\n",
+		fmt.Fprintf(&b, "| %-18s | %4d | %9d | %7d | %7d | %12d | %11d | %4d | %7d | %.2f→%.2f→%.2f | %.1f→%.1f→%.1f | %8s |\n",
 			r.Scenario, r.Sent, r.Completed, r.Retried, r.RetriesMetric, r.Clean, r.RouterConn, r.Lost, r.Unclean,
-			r.Base.hit, r.After.hit, r.Base.ttftP50, r.After.ttftP50, rec)
+			r.Base.hit, r.During.hit, r.After.hit, r.Base.ttftP50, r.During.ttftP50, r.After.ttftP50, rec)
 	}
 	t.Log(b.String())
 }
@@ -183,14 +183,16 @@ func runScenario(t *testing.T, sc scenario) row {
 	faultT := time.Since(start)
 	sc.fault(t, c)
 	sleepUntil(ctx, start.Add(healAt))
+	healStart := time.Now()
 	sc.heal(t, c)
 	healT := time.Since(start)
+	healTook := time.Since(healStart)
 
 	out, err := wait()
 	if err != nil {
 		t.Fatalf("%s: load: %v", sc.name, err)
 	}
-	r := row{Scenario: sc.name, FaultFor: healT - faultT}
+	r := row{Scenario: sc.name, FaultFor: healT - faultT, HealTook: healTook}
 	r.tally(out.Records, sc.routerFault)
 	r.Retried = int(ct.retried.Load())
 	m, err := c.router.metrics()
@@ -207,6 +209,7 @@ func runScenario(t *testing.T, sc scenario) row {
 	r.Notes = strings.Join(notes, " ")
 	end := time.Duration(out.Records[len(out.Records)-1].SentS * float64(time.Second))
 	r.Base = quality(out.Records, warmUp, faultT)
+	r.During = quality(out.Records, faultT, healT)
 	r.Recovery = recovery(out.Records, r.Base, healT, end, recoveryWin)
 	if r.Recovery >= 0 {
 		r.After = quality(out.Records, healT+r.Recovery, healT+r.Recovery+recoveryWin)

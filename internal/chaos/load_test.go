@@ -177,7 +177,8 @@ type row struct {
 	Retried, RetriesMetric int // responses retried (header); attempts retried (router metric)
 	Clean, RouterConn      int // clean errors; connection errors from a restarting router
 	Lost, Unclean          int
-	Base, After            window
+	Base, During, After    window
+	HealTook               time.Duration // time the heal action took (a restart: until healthy)
 	Recovery               time.Duration // -1: not back within the run
 	FaultFor               time.Duration
 	Notes                  string
@@ -190,9 +191,10 @@ func (r row) String() string {
 		rec = r.Recovery.Round(10 * time.Millisecond).String()
 	}
 	return fmt.Sprintf("%-18s sent=%d completed=%d retried=%d (metric %d) clean_errors=%d router_conn_errors=%d lost=%d unclean=%d "+
-		"hit %.2f→%.2f ttft_p50 %.1fms→%.1fms recovery=%s %s",
+		"hit %.2f→%.2f→%.2f ttft_p50 %.1f→%.1f→%.1f ms recovery=%s heal_took=%s %s",
 		r.Scenario, r.Sent, r.Completed, r.Retried, r.RetriesMetric, r.Clean, r.RouterConn, r.Lost, r.Unclean,
-		r.Base.hit, r.After.hit, r.Base.ttftP50, r.After.ttftP50, rec, r.Notes)
+		r.Base.hit, r.During.hit, r.After.hit, r.Base.ttftP50, r.During.ttftP50, r.After.ttftP50, rec,
+		r.HealTook.Round(10*time.Millisecond), r.Notes)
 }
 
 // tally classifies the records of a run into r.

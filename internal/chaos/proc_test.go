@@ -161,14 +161,12 @@ func (e *engine) replayEndpoint() string { return "tcp://127.0.0.1:" + strconv.I
 // start starts the process (again) on the engine's ports.
 func (e *engine) start(t testing.TB) {
 	t.Helper()
-	// The engine binds its PUB socket only for an endpoint with '*' (vLLM's
-	// rule), which means every interface; the replay socket and HTTP are on
-	// loopback only.
+	// Every socket binds loopback only (--kv-bind: bind without '*').
 	e.p = startProc(t, e.dir, e.name, "engine",
 		"--listen", "127.0.0.1:"+strconv.Itoa(e.http),
 		"--profile", "llama3.1-8b-h100",
 		"--time-scale", strconv.FormatFloat(e.timeScale, 'f', -1, 64),
-		"--kv-events", "tcp://*:"+strconv.Itoa(e.kvPort),
+		"--kv-events", e.kvEndpoint(), "--kv-bind",
 		"--kv-replay", e.replayEndpoint(),
 		"--model", modelName,
 		"--shutdown-timeout", "1s")

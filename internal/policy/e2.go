@@ -301,6 +301,7 @@ type E2 struct {
 
 var _ Policy = (*E2)(nil)
 var _ Observer = (*E2)(nil)
+var _ Speculator = (*E2)(nil)
 
 // NewE2 returns an E2 scheduler with cfg, which it validates.
 func NewE2(cfg E2Config) (*E2, error) {
@@ -312,6 +313,11 @@ func NewE2(cfg E2Config) (*E2, error) {
 
 // Name implements Policy.
 func (p *E2) Name() string { return p.cfg.Name }
+
+// Speculative implements Speculator: prefixlb's e2 prices the holder's
+// queue, so a speculative entry cannot herd it; the prototype's rules
+// (exploit within the assigned set) can be, and do not speculate.
+func (p *E2) Speculative() bool { return !p.cfg.ExploitAssignedOnly }
 
 // Config returns the configuration in force.
 func (p *E2) Config() E2Config { return p.cfg }

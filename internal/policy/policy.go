@@ -185,6 +185,18 @@ type Observer interface {
 	ReplicaDown(replica int, now time.Time)
 }
 
+// Speculator is implemented by policies that want the router to count a
+// routed prompt as cached on its replica before the engine's KV events
+// confirm it (router.Config.SpeculativeTTL). It covers the event lag, but
+// it herds a purely sticky scorer: every request for a prefix that is new
+// everywhere follows the first one before any replica has computed it.
+// llm-d's precise scorer reads only the event index, so the peers' policies
+// do not speculate; e2, which prices the holder's queue, does.
+type Speculator interface {
+	// Speculative reports whether the policy wants speculative entries.
+	Speculative() bool
+}
+
 // Names lists the policies New knows, sorted.
 func Names() []string {
 	names := make([]string, 0, len(constructors))

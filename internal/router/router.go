@@ -53,7 +53,8 @@ type Config struct {
 	// SpeculativeTTL is how long a routed prompt's blocks count as cached
 	// on a replica that reports KV events before an event confirms them
 	// (0: DefaultSpeculativeTTL; negative: no speculative entries). It
-	// covers the lag between routing and the engine's BlockStored.
+	// covers the lag between routing and the engine's BlockStored. Only
+	// policies that implement policy.Speculator and say so get them.
 	SpeculativeTTL time.Duration
 }
 
@@ -95,21 +96,23 @@ type flight struct {
 
 // Router is the routing core. See the package comment for its concurrency.
 type Router struct {
-	cfg      Config
-	tree     *prefixtree.Tree
-	pol      policy.Policy
-	obs      policy.Observer
-	reps     []policy.Replica
-	events   []bool // replica r's cache is known from its KV events
-	inflight map[uint64]*flight
-	free     []*flight
-	rng      *rand.Rand
-	match    prefixtree.Match
-	scratch  prefixtree.Match
-	view     policy.View
-	stats    Stats
-	spec     speculation
-	ext      []ExternalLoad // other routers' load by replica (SetExternalLoad)
+	cfg  Config
+	tree *prefixtree.Tree
+	pol  policy.Policy
+	obs  policy.Observer
+	// speculative: routed prompts count as cached before events confirm them.
+	speculative bool
+	reps        []policy.Replica
+	events      []bool // replica r's cache is known from its KV events
+	inflight    map[uint64]*flight
+	free        []*flight
+	rng         *rand.Rand
+	match       prefixtree.Match
+	scratch     prefixtree.Match
+	view        policy.View
+	stats       Stats
+	spec        speculation
+	ext         []ExternalLoad // other routers' load by replica (SetExternalLoad)
 }
 
 // Stats counts what the router has done, for metrics and reports.
@@ -150,6 +153,9 @@ func New(cfg Config) (*Router, error) {
 		rng:      rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x5eed)),
 	}
 	r.obs, _ = cfg.Policy.(policy.Observer)
+	if sp, ok := cfg.Policy.(policy.Speculator); ok && cfg.SpeculativeTTL > 0 {
+		r.speculative = sp.Speculative()
+	}
 	r.view = policy.View{Tree: t, Match: &r.match, Profile: cfg.Profile, Rand: r.rng}
 	return r, nil
 }
@@ -293,7 +299,7 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 			r.tree.EvictLRU(id, over, now)
 		}
 	} else {
-		if r.cfg.SpeculativeTTL > 0 {
+		if r.speculative {
 			r.speculate(id, req.Keys, path, now)
 		}
 		r.tree.Touch(path, id, now)

@@ -219,8 +219,13 @@ func TestMirrorMode(t *testing.T) {
 }
 
 // TestEventMode: a replica with KV events is cached only as its events say.
+// speculating wraps a policy so that it asks for speculative entries.
+type speculating struct{ policy.Policy }
+
+func (speculating) Speculative() bool { return true }
+
 func TestEventMode(t *testing.T) {
-	r := newRouter(t, policy.LeastLoad{}, 0, true)
+	r := newRouter(t, speculating{policy.LeastLoad{}}, 0, true)
 	a := req(1, toks(1, 64))
 	if _, err := r.Route(a, at(0)); err != nil {
 		t.Fatal(err)

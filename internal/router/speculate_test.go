@@ -74,7 +74,7 @@ func TestSpeculativeEntries(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := newRouter(t, &policy.RoundRobin{}, 0, true)
+			r := newRouter(t, speculating{&policy.RoundRobin{}}, 0, true)
 			route(t, r, 1, 0)
 			if err := r.Finished(1, 10, -1, true, at(100)); err != nil {
 				t.Fatal(err)
@@ -94,7 +94,7 @@ func TestSpeculativeEntries(t *testing.T) {
 // TestSpeculativeRenewed: a second request for the prefix before the
 // deadline extends it; the first deadline no longer unmarks it.
 func TestSpeculativeRenewed(t *testing.T) {
-	r := newRouter(t, &policy.RoundRobin{}, 0, true)
+	r := newRouter(t, speculating{&policy.RoundRobin{}}, 0, true)
 	tokens := toks(9, 4*bt)
 	keys := blocks.Keys(nil, tokens, bt)
 	for i, ms := range []int{0, 1500} {
@@ -136,5 +136,19 @@ func TestSpeculativeOff(t *testing.T) {
 	}
 	if got := m.Speculative(); got != 0 {
 		t.Errorf("mirrored replica: Speculative() = %d, want 0", got)
+	}
+}
+
+// TestNoSpeculationWithoutOptIn: a policy that does not implement
+// policy.Speculator (llm-d's precise scorer reads only the event index)
+// gets no speculative entries.
+func TestNoSpeculationWithoutOptIn(t *testing.T) {
+	r := newRouter(t, &policy.RoundRobin{}, 0, true)
+	a := req(1, toks(1, 64))
+	if _, err := r.Route(a, at(0)); err != nil {
+		t.Fatal(err)
+	}
+	if got := matched(r, a.Keys, 0); got != 0 {
+		t.Fatalf("a policy without Speculator got %d speculative blocks, want 0", got)
 	}
 }
