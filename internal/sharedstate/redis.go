@@ -113,7 +113,8 @@ func (r *Redis) Ping(ctx context.Context) error {
 
 // addScript applies HINCRBYs to the caller's hash (KEYS[2]), refreshes its
 // TTL (ARGV[1] ms) and its heartbeat in the routers set (KEYS[1], member
-// ARGV[2]) at the server's clock, so routers' clocks need not agree.
+// ARGV[2]) at the server's clock, so routers' clocks need not agree. The set
+// itself expires when no router has written for a TTL.
 var addScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -122,6 +123,7 @@ for i = 3, #ARGV, 2 do
 end
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 redis.call('ZADD', KEYS[1], now, ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return now
 `)
 

@@ -1,0 +1,305 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/grpc"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/prefixlb/prefixlb/internal/discovery"
+	"github.com/prefixlb/prefixlb/internal/epp"
+	"github.com/prefixlb/prefixlb/internal/sharedstate"
+)
+
+// eppFlags are `prefixlb epp`'s flags.
+type eppFlags struct {
+	grpcListen, healthListen string
+	backends, discovery      string
+	kubeconfig               string
+	policy, profile          string
+	blockTokens              int
+	seed                     uint64
+	fallbacks, maxQueue      int
+	state, routerID, pool    string
+	stateTTL                 time.Duration
+	ports                    discovery.Ports
+	scrape                   time.Duration
+	explain                  bool
+	logLevel                 string
+}
+
+func newEPPCmd() *cobra.Command {
+	f := &eppFlags{}
+	cmd := &cobra.Command{
+		Use:   "epp",
+		Short: "Endpoint Picker for the Gateway API Inference Extension (Envoy ext_proc)",
+		Long: `prefixlb epp runs the routing core behind Envoy's ext_proc gRPC protocol as an
+Endpoint Picker: a gateway (kgateway, Istio, GKE) asks it which pod serves each
+request and it answers with the x-gateway-destination-endpoint header and
+envoy.lb metadata. Replicas come from --backend or from Kubernetes
+(--discovery service:NS/NAME or inferencepool:NS/NAME). Several epp replicas
+share one cache view through the engines' KV events, and their in-flight load
+through Redis (--state redis://host:6379/0). See docs/kubernetes.md.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runEPP(cmd.Context(), cmd, f) },
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&f.grpcListen, "grpc-listen", ":9002", "ext_proc gRPC address (health is served here too)")
+	fs.StringVar(&f.healthListen, "health-listen", ":9003", "gRPC health address for probes (\"\": none)")
+	fs.StringVar(&f.backends, "backend", "", "static replicas ip:port[,ip:port..] (instead of --discovery)")
+	fs.StringVar(&f.discovery, "discovery", "", "service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME")
+	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster config)")
+	fs.StringVar(&f.policy, "policy", "e2", "routing policy spec")
+	fs.StringVar(&f.profile, "profile", "llama3.1-8b-h100", "cost profile: built-in name or YAML file")
+	fs.IntVar(&f.blockTokens, "block-tokens", 16, "engine KV block size in tokens")
+	fs.Uint64Var(&f.seed, "seed", 0, "random seed of the router")
+	fs.IntVar(&f.fallbacks, "fallbacks", 2, "fallback endpoints after the primary (-1: none)")
+	fs.IntVar(&f.maxQueue, "max-queue", 0, "answer 429 when every replica's queue is at least this (0: never)")
+	fs.StringVar(&f.state, "state", "", "shared in-flight state: redis://[user:pass@]host:6379/DB (\"\": none)")
+	fs.DurationVar(&f.stateTTL, "state-ttl", 15*time.Second, "how long a dead router's counts outlive it")
+	fs.StringVar(&f.routerID, "router-id", "", "this router's id in the shared state (default $POD_NAME, else hostname-pid)")
+	fs.StringVar(&f.pool, "pool", "", "key namespace in the shared state (default: the --discovery target)")
+	fs.IntVar(&f.ports.HTTP, "http-port", 0, "replicas' OpenAI port (0: the pool's targetPort or the Service's http port)")
+	fs.IntVar(&f.ports.Metrics, "metrics-port", 0, "replicas' metrics port (0: the HTTP port; -1: do not scrape)")
+	fs.IntVar(&f.ports.KVEvents, "kv-events-port", 0, "replicas' KV-event PUB port, e.g. 5557 (0: none)")
+	fs.IntVar(&f.ports.KVReplay, "kv-replay-port", 0, "replicas' KV-event replay port (0: kv-events-port+1; -1: none)")
+	fs.StringVar(&f.ports.KVTopic, "kv-topic", "", "KV-event topic prefix; {ip} and {port} are replaced (\"\": all)")
+	fs.DurationVar(&f.scrape, "scrape-interval", time.Second, "how often to read each replica's /metrics (0: never)")
+	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) to upstream requests")
+	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	return cmd
+}
+
+func init() { rootCmd.AddCommand(newEPPCmd()) }
+
+// registry adapts the picker to discovery.Registry (the two packages do
+// not import each other: each has its own heavy dependencies).
+type registry struct{ p *epp.Picker }
+
+func (r registry) Add(x discovery.Replica)          { r.p.Add(epp.Replica(x)) }
+func (r registry) Remove(name string)               { r.p.Remove(name) }
+func (r registry) SetReady(name string, ready bool) { r.p.SetReady(name, ready) }
+
+// runEPP wires picker, discovery, shared state and the gRPC servers, and
+// runs them until ctx ends.
+func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
+		return fmt.Errorf("epp: --log-level: %w", err)
+	}
+	log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
+	if (f.backends == "") == (f.discovery == "") {
+		return errors.New("epp: give exactly one of --backend and --discovery")
+	}
+	cfg := epp.Config{Policy: f.policy, Profile: f.profile, BlockTokens: f.blockTokens, Seed: f.seed,
+		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, ScrapeInterval: f.scrape, Logger: log}
+	if f.fallbacks == 0 {
+		cfg.Fallbacks = -1
+	}
+	var runners []func(context.Context) error
+	if f.state != "" {
+		id := f.routerID
+		if id == "" {
+			id = os.Getenv("POD_NAME")
+		}
+		pool := f.pool
+		if pool == "" {
+			pool = strings.NewReplacer(":", "-", "/", "-").Replace(f.discovery + f.backends)
+		}
+		rs, err := sharedstate.NewRedis(sharedstate.RedisConfig{URL: f.state, Pool: pool, Router: id, TTL: f.stateTTL})
+		if err != nil {
+			return fmt.Errorf("epp: --state: %w", err)
+		}
+		defer rs.Close()
+		if err := rs.Ping(ctx); err != nil {
+			log.Warn("epp: shared state unreachable at start; routing on local counts until it answers", "err", err)
+		}
+		cfg.Shared = rs
+		runners = append(runners, rs.Run)
+		log.Info("epp: shared in-flight state", "redis", redactURL(f.state), "router", rs.Router(), "pool", pool)
+	}
+	p, err := epp.NewPicker(cfg)
+	if err != nil {
+		return err
+	}
+	runners = append(runners, p.Run)
+	srv := epp.NewServer(p, epp.ServerConfig{Explain: f.explain, Logger: log})
+
+	var synced <-chan struct{}
+	if f.backends != "" {
+		mp := f.ports
+		for _, b := range strings.Split(f.backends, ",") {
+			b = strings.TrimSpace(b)
+			host, port, err := net.SplitHostPort(b)
+			if err != nil {
+				return fmt.Errorf("epp: --backend %q: want ip:port: %w", b, err)
+			}
+			var n int
+			fmt.Sscan(port, &n)
+			r := discovery.Replica{Name: b, Address: b, Ready: true}
+			if mp.Metrics >= 0 && f.scrape > 0 {
+				m := n
+				if mp.Metrics > 0 {
+					m = mp.Metrics
+				}
+				r.MetricsURL = fmt.Sprintf("http://%s/metrics", net.JoinHostPort(host, fmt.Sprint(m)))
+			}
+			if mp.KVEvents > 0 {
+				r.KVEvents = fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(mp.KVEvents)))
+				if mp.KVReplay >= 0 {
+					rp := mp.KVEvents + 1
+					if mp.KVReplay > 0 {
+						rp = mp.KVReplay
+					}
+					r.KVReplay = fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(rp)))
+				}
+				r.KVTopic = strings.NewReplacer("{ip}", host, "{port}", port).Replace(mp.KVTopic)
+			}
+			p.Add(epp.Replica(r))
+		}
+		done := make(chan struct{})
+		close(done)
+		synced = done
+	} else {
+		kind, ns, name, err := discovery.ParseTarget(f.discovery)
+		if err != nil {
+			return err
+		}
+		rc, err := kubeConfig(f.kubeconfig)
+		if err != nil {
+			return fmt.Errorf("epp: kubernetes config: %w", err)
+		}
+		cs, err := kubernetes.NewForConfig(rc)
+		if err != nil {
+			return fmt.Errorf("epp: kubernetes client: %w", err)
+		}
+		dcfg := discovery.Config{Namespace: ns, Name: name, Ports: f.ports, Registry: registry{p}, Logger: log}
+		if kind == "service" {
+			w, err := discovery.NewServiceWatcher(cs, dcfg)
+			if err != nil {
+				return err
+			}
+			runners = append(runners, w.Run)
+			synced = w.Synced()
+		} else {
+			dyn, err := dynamic.NewForConfig(rc)
+			if err != nil {
+				return fmt.Errorf("epp: kubernetes dynamic client: %w", err)
+			}
+			w, err := discovery.NewPoolWatcher(cs, dyn, dcfg)
+			if err != nil {
+				return err
+			}
+			runners = append(runners, w.Run)
+			synced = w.Synced()
+		}
+	}
+
+	g := grpc.NewServer()
+	srv.Register(g)
+	healthpb.RegisterHealthServer(g, srv.Health())
+	ln, err := net.Listen("tcp", f.grpcListen)
+	if err != nil {
+		return fmt.Errorf("epp: --grpc-listen: %w", err)
+	}
+	servers := []*grpc.Server{g}
+	listeners := []net.Listener{ln}
+	if f.healthListen != "" {
+		hg := grpc.NewServer()
+		healthpb.RegisterHealthServer(hg, srv.Health())
+		hl, err := net.Listen("tcp", f.healthListen)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("epp: --health-listen: %w", err)
+		}
+		servers = append(servers, hg)
+		listeners = append(listeners, hl)
+	}
+	srv.SetServing(false)
+	log.Info("prefixlb epp", "grpc", ln.Addr().String(), "health", f.healthListen, "policy", f.policy,
+		"profile", f.profile, "discovery", f.discovery, "backends", f.backends)
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errc := make(chan error, len(runners)+len(servers))
+	for _, run := range runners {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := run(runCtx); err != nil {
+				errc <- err
+			}
+		}()
+	}
+	for i, s := range servers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.Serve(listeners[i]); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+				errc <- fmt.Errorf("epp: grpc serve: %w", err)
+			}
+		}()
+	}
+	select {
+	case <-synced:
+		srv.SetServing(true)
+		log.Info("epp: replicas discovered; serving", "ready", p.Ready())
+	case <-ctx.Done():
+	case err = <-errc:
+	}
+	if err == nil {
+		select {
+		case <-ctx.Done():
+		case err = <-errc:
+		}
+	}
+	srv.SetServing(false)
+	for _, s := range servers {
+		s.GracefulStop()
+	}
+	cancel()
+	wg.Wait()
+	return err
+}
+
+// kubeConfig is the in-cluster config, or path's.
+func kubeConfig(path string) (*rest.Config, error) {
+	if path == "" {
+		path = os.Getenv("KUBECONFIG")
+	}
+	if path == "" {
+		return rest.InClusterConfig()
+	}
+	return clientcmd.BuildConfigFromFlags("", path)
+}
+
+// redactURL hides a password in a Redis URL for logs.
+func redactURL(u string) string {
+	if at := strings.LastIndex(u, "@"); at >= 0 {
+		if i := strings.Index(u, "://"); i >= 0 && i < at {
+			return u[:i+3] + "***" + u[at:]
+		}
+	}
+	return u
+}

@@ -1,0 +1,153 @@
+package discovery
+
+import (
+	"context"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+)
+
+// InferencePoolGVR is the InferencePool resource (Gateway API Inference
+// Extension, inference.networking.k8s.io/v1). It is read as unstructured
+// data: the fields used are spec.selector.matchLabels and
+// spec.targetPorts[0].number.
+var InferencePoolGVR = schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
+
+// PoolWatcher follows one InferencePool and the pods it selects: each pod
+// with an IP is a replica, ready when its Ready condition is true and it is
+// not terminating. Pod annotations (prefixlb.io/...) override Ports.
+type PoolWatcher struct {
+	cfg    Config
+	client kubernetes.Interface
+	dyn    dynamic.Interface
+	synced chan struct{}
+}
+
+// NewPoolWatcher returns a watcher; Run starts it.
+func NewPoolWatcher(client kubernetes.Interface, dyn dynamic.Interface, cfg Config) (*PoolWatcher, error) {
+	cfg.defaults()
+	if err := cfg.validate("inferencepool"); err != nil {
+		return nil, err
+	}
+	return &PoolWatcher{cfg: cfg, client: client, dyn: dyn, synced: make(chan struct{})}, nil
+}
+
+// Synced is closed once the first full list has been applied.
+func (w *PoolWatcher) Synced() <-chan struct{} { return w.synced }
+
+// Run follows the pool and its pods until ctx ends.
+func (w *PoolWatcher) Run(ctx context.Context) error {
+	kick := make(chan struct{}, 1)
+	df := dynamicinformer.NewFilteredDynamicSharedInformerFactory(w.dyn, w.cfg.Resync, w.cfg.Namespace, nil)
+	pools := df.ForResource(InferencePoolGVR)
+	pf := informers.NewSharedInformerFactoryWithOptions(w.client, w.cfg.Resync, informers.WithNamespace(w.cfg.Namespace))
+	pods := pf.Core().V1().Pods()
+	for _, inf := range []cache.SharedIndexInformer{pools.Informer(), pods.Informer()} {
+		if _, err := inf.AddEventHandler(kicker(kick)); err != nil {
+			return fmt.Errorf("discovery: inferencepool %s/%s: %w", w.cfg.Namespace, w.cfg.Name, err)
+		}
+	}
+	df.Start(ctx.Done())
+	pf.Start(ctx.Done())
+	defer df.Shutdown()
+	defer pf.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), pools.Informer().HasSynced, pods.Informer().HasSynced) {
+		return nil
+	}
+	st := &state{reg: w.cfg.Registry, log: w.cfg.Logger}
+	reconcile := func() {
+		want, err := w.desired(pools.Lister(), pods.Lister().Pods(w.cfg.Namespace))
+		if err != nil {
+			w.cfg.Logger.Warn("discovery: inferencepool", "pool", w.cfg.Namespace+"/"+w.cfg.Name, "err", err)
+		}
+		st.apply(want)
+	}
+	reconcile()
+	close(w.synced)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-kick:
+			reconcile()
+		}
+	}
+}
+
+// poolSpec is the part of an InferencePool the watcher reads.
+type poolSpec struct {
+	selector labels.Selector
+	port     int
+}
+
+// readPool reads the selector and the target port of an InferencePool.
+func readPool(u *unstructured.Unstructured) (poolSpec, error) {
+	ml, found, err := unstructured.NestedStringMap(u.Object, "spec", "selector", "matchLabels")
+	if err != nil || !found || len(ml) == 0 {
+		return poolSpec{}, fmt.Errorf("spec.selector.matchLabels missing or invalid (%v)", err)
+	}
+	ports, found, err := unstructured.NestedSlice(u.Object, "spec", "targetPorts")
+	if err != nil || !found || len(ports) == 0 {
+		return poolSpec{}, fmt.Errorf("spec.targetPorts missing or invalid (%v)", err)
+	}
+	p0, _ := ports[0].(map[string]any)
+	n, found, err := unstructured.NestedInt64(p0, "number")
+	if err != nil || !found || n < 1 || n > 65535 {
+		return poolSpec{}, fmt.Errorf("spec.targetPorts[0].number missing or invalid (%v)", err)
+	}
+	return poolSpec{selector: labels.SelectorFromSet(ml), port: int(n)}, nil
+}
+
+// desired builds the replicas; a missing or invalid pool has none.
+func (w *PoolWatcher) desired(pools cache.GenericLister, pods interface {
+	List(labels.Selector) ([]*corev1.Pod, error)
+}) (map[string]Replica, error) {
+	want := make(map[string]Replica)
+	obj, err := pools.ByNamespace(w.cfg.Namespace).Get(w.cfg.Name)
+	if err != nil {
+		return want, err
+	}
+	u, ok := obj.(*unstructured.Unstructured)
+	if !ok {
+		return want, fmt.Errorf("unexpected object %T", obj)
+	}
+	spec, err := readPool(u)
+	if err != nil {
+		return want, err
+	}
+	if w.cfg.Ports.HTTP != 0 {
+		spec.port = w.cfg.Ports.HTTP
+	}
+	list, err := pods.List(spec.selector)
+	if err != nil {
+		return want, err
+	}
+	for _, p := range list {
+		if p.Status.PodIP == "" {
+			continue
+		}
+		want[p.Name] = replicaAt(p.Name, p.Status.PodIP, spec.port, w.cfg.Ports, p.Annotations, podReady(p))
+	}
+	return want, nil
+}
+
+// podReady: the Ready condition is true and the pod is not terminating.
+func podReady(p *corev1.Pod) bool {
+	if p.DeletionTimestamp != nil {
+		return false
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}

@@ -1,0 +1,715 @@
+// Package epp is prefixlb as an Endpoint Picker for the Kubernetes Gateway
+// API Inference Extension: the routing core behind Envoy's ext_proc gRPC
+// protocol (INTERFACES.md §4). A gateway asks it, per request, which pod
+// serves; it answers with the x-gateway-destination-endpoint header and the
+// same value in the envoy.lb dynamic metadata.
+//
+// Picker is the routing core with its feeds (KV events, scraped load,
+// shared in-flight counts from other picker replicas); Server speaks
+// ext_proc. The Kubernetes side (which pods exist, which are ready) comes
+// from internal/discovery through Picker's Add, Remove and SetReady.
+package epp
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/kvevents"
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/router"
+)
+
+// Errors Pick returns; the ext_proc edge maps them to HTTP statuses.
+var (
+	// ErrNoEndpoint: no ready replica (or none in the gateway's subset
+	// hint) can take the request (503).
+	ErrNoEndpoint = errors.New("epp: no ready endpoint")
+	// ErrShed: every candidate's queue is at Config.MaxQueue (429).
+	ErrShed = errors.New("epp: every endpoint is saturated")
+)
+
+// Replica is one model-server pod as discovery reports it. Its fields match
+// discovery.Replica's one for one, so that one converts to the other.
+type Replica struct {
+	// Name identifies the replica (the pod's name); unique in the pool.
+	Name string
+	// Address is "ip:port", what the gateway forwards to.
+	Address string
+	// MetricsURL is the replica's Prometheus page ("": not scraped).
+	MetricsURL string
+	// KVEvents is the replica's KV-event PUB socket "tcp://ip:5557" (""
+	// none: the router mirrors the replica's cache from its decisions).
+	KVEvents string
+	// KVReplay is the replica's replay ROUTER socket ("": none).
+	KVReplay string
+	// KVTopic is the subscription prefix ("": every topic).
+	KVTopic string
+	// Ready says whether the pod is ready to take requests.
+	Ready bool
+}
+
+// Shared is the in-flight load of the other routers that front the same
+// pool (sharedstate.Redis, sharedstate.Memory). Implementations must be
+// safe for concurrent use.
+type Shared interface {
+	// Add adds delta to this router's published load on replica.
+	Add(ctx context.Context, replica string, delta router.ExternalLoad) error
+	// Others returns the other routers' load, summed per replica.
+	Others(ctx context.Context) (map[string]router.ExternalLoad, error)
+}
+
+// Config configures a Picker. Zero fields take the defaults given.
+type Config struct {
+	// Policy is the routing policy spec (policy.Parse; default "e2").
+	Policy string
+	// Profile is the cost profile: a built-in name or a YAML file (default
+	// costmodel.Llama31_8BH100's name, "llama3.1-8b-h100").
+	Profile string
+	// BlockTokens is the engines' KV block size (default 16).
+	BlockTokens int
+	// Seed seeds the router's random choices.
+	Seed uint64
+	// Fallbacks is how many endpoints follow the primary in the answer, for
+	// the gateway to retry on (default 2; negative: none).
+	Fallbacks int
+	// MaxQueue sheds load: when every candidate's queue (the engine's
+	// waiting+running, else the routers' in-flight count) is at least
+	// MaxQueue, Pick fails with ErrShed (429). 0: never shed.
+	MaxQueue int
+	// DefaultOutputTokens is the output assumed without max_tokens (256).
+	DefaultOutputTokens int
+	// SpeculativeTTL: router.Config's (0: its default).
+	SpeculativeTTL time.Duration
+	// Keyer keys prompts (nil: proxy.ChunkKeyer{BlockTokens}).
+	Keyer proxy.Keyer
+	// Shared, when set, shares in-flight load with other routers.
+	Shared Shared
+	// ScrapeInterval is how often each replica's MetricsURL is read for its
+	// queue and KV usage (0: never); each read is bounded by ScrapeTimeout
+	// (default 2s).
+	ScrapeInterval, ScrapeTimeout time.Duration
+	// Logger receives the picker's logs (nil: slog.Default()).
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Policy == "" {
+		c.Policy = "e2"
+	}
+	if c.Profile == "" {
+		c.Profile = "llama3.1-8b-h100"
+	}
+	if c.BlockTokens == 0 {
+		c.BlockTokens = blocks.DefaultBlockSize
+	}
+	if c.Fallbacks == 0 {
+		c.Fallbacks = 2
+	}
+	if c.DefaultOutputTokens == 0 {
+		c.DefaultOutputTokens = 256
+	}
+	if c.ScrapeTimeout == 0 {
+		c.ScrapeTimeout = 2 * time.Second
+	}
+	if c.Keyer == nil {
+		c.Keyer = proxy.ChunkKeyer{BlockTokens: c.BlockTokens}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Validate reports the first invalid field.
+func (c *Config) Validate() error {
+	switch {
+	case c.BlockTokens < 0:
+		return fmt.Errorf("epp: block_tokens must be ≥ 1, got %d", c.BlockTokens)
+	case c.MaxQueue < 0:
+		return fmt.Errorf("epp: max_queue must be ≥ 0, got %d", c.MaxQueue)
+	case c.DefaultOutputTokens < 0:
+		return fmt.Errorf("epp: default_output_tokens must be ≥ 0, got %d", c.DefaultOutputTokens)
+	case c.ScrapeInterval < 0 || c.ScrapeTimeout < 0:
+		return errors.New("epp: scrape interval and timeout must be ≥ 0")
+	}
+	return nil
+}
+
+// replica is a Replica and its slot in the router.
+type replica struct {
+	Replica
+	id     int
+	stop   context.CancelFunc // ends its feeds (nil: not started)
+	loaded bool               // the last scrape succeeded
+}
+
+// flight is a request routed and not finished: what it added to the
+// shared load, so that exactly that comes off again.
+type flight struct {
+	req     policy.Request
+	replica *replica
+	load    router.ExternalLoad // still published (shared state)
+	first   bool
+}
+
+// Picker is the routing core of the endpoint picker. It is safe for
+// concurrent use: one mutex serialises the router, as in internal/proxy.
+type Picker struct {
+	cfg     Config
+	log     *slog.Logger
+	prof    costmodel.Profile
+	nextID  atomic.Uint64
+	kvIndex *kvevents.Index
+
+	mu      sync.Mutex // guards everything below
+	rt      *router.Router
+	cons    *constraint
+	byName  map[string]*replica
+	byAddr  map[string]*replica
+	slots   []*replica // by router ID; nil for a free slot
+	flights map[uint64]*flight
+	others  map[string]router.ExternalLoad // last good Shared.Others
+	runCtx  context.Context                // set while Run runs
+	// onFinish, when set (by tests), is called after each Finished.
+	onFinish func()
+	wg       sync.WaitGroup // the replicas' feeds
+}
+
+// NewPicker returns a Picker with no replicas. It starts nothing.
+func NewPicker(cfg Config) (*Picker, error) {
+	cfg.defaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	prof, err := loadProfile(cfg.Profile)
+	if err != nil {
+		return nil, fmt.Errorf("epp: profile: %w", err)
+	}
+	o := policy.DefaultOptions()
+	o.ApproxCapacityBlocks = o.ApproxCapacityBlocks * o.BlockTokens / cfg.BlockTokens
+	o.BlockTokens = cfg.BlockTokens
+	pol, err := policy.Parse(cfg.Policy, o)
+	if err != nil {
+		return nil, fmt.Errorf("epp: policy: %w", err)
+	}
+	cons := newConstraint(pol)
+	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: cons,
+		Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL, DefaultOutputTokens: cfg.DefaultOutputTokens})
+	if err != nil {
+		return nil, fmt.Errorf("epp: router: %w", err)
+	}
+	return &Picker{
+		cfg: cfg, log: cfg.Logger, prof: prof, kvIndex: kvevents.NewIndex(),
+		rt: rt, cons: cons,
+		byName:  make(map[string]*replica),
+		byAddr:  make(map[string]*replica),
+		flights: make(map[uint64]*flight),
+	}, nil
+}
+
+// loadProfile resolves a profile name or YAML path (as proxy does).
+func loadProfile(name string) (costmodel.Profile, error) {
+	if strings.HasSuffix(name, ".yaml") || strings.HasSuffix(name, ".yml") || strings.ContainsRune(name, os.PathSeparator) {
+		return costmodel.Load(name)
+	}
+	return costmodel.Lookup(name)
+}
+
+// Add adds a replica, or updates one of the same name (an address or a
+// port that changed makes it a new replica: the old one leaves first).
+func (p *Picker) Add(r Replica) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if old, ok := p.byName[r.Name]; ok {
+		if old.Address == r.Address && old.KVEvents == r.KVEvents && old.KVReplay == r.KVReplay &&
+			old.KVTopic == r.KVTopic && old.MetricsURL == r.MetricsURL {
+			p.setReady(old, r.Ready)
+			return
+		}
+		p.remove(old)
+	}
+	now := time.Now()
+	rep := &replica{Replica: r, id: -1}
+	// Reuse a free slot with nothing left in flight, else add one.
+	for id, s := range p.slots {
+		if s != nil {
+			continue
+		}
+		if st, err := p.rt.Replica(id); err == nil && st.InFlight == 0 {
+			rep.id = id
+			break
+		}
+	}
+	if rep.id < 0 {
+		rep.id = p.rt.AddReplica(r.Name, r.KVEvents != "")
+		p.slots = append(p.slots, nil)
+	} else {
+		_ = p.rt.CacheCleared(rep.id)
+		_ = p.rt.SetEvents(rep.id, r.KVEvents != "")
+		_ = p.rt.ReplicaLoad(rep.id, -1, -1, -1)
+	}
+	_ = p.rt.SetUp(rep.id, r.Ready, now)
+	p.slots[rep.id] = rep
+	p.byName[r.Name] = rep
+	p.byAddr[r.Address] = rep
+	if p.runCtx != nil {
+		p.start(rep)
+	}
+	p.log.Info("epp: replica added", "replica", r.Name, "address", r.Address, "ready", r.Ready, "kv_events", r.KVEvents)
+}
+
+// Remove takes replica name out of the pool: it is never picked again and
+// its cache leaves the router's tree. Requests in flight on it finish as
+// usual.
+func (p *Picker) Remove(name string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r, ok := p.byName[name]; ok {
+		p.remove(r)
+		p.log.Info("epp: replica removed", "replica", name)
+	}
+}
+
+func (p *Picker) remove(r *replica) {
+	now := time.Now()
+	_ = p.rt.SetUp(r.id, false, now)
+	_ = p.rt.CacheCleared(r.id)
+	_ = p.rt.SetExternalLoad(r.id, router.ExternalLoad{})
+	if r.stop != nil {
+		r.stop()
+	}
+	p.kvIndex.Forget(r.Name)
+	p.slots[r.id] = nil
+	delete(p.byName, r.Name)
+	if p.byAddr[r.Address] == r {
+		delete(p.byAddr, r.Address)
+	}
+}
+
+// SetReady marks replica name ready or not (a pod's readiness).
+func (p *Picker) SetReady(name string, ready bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r, ok := p.byName[name]; ok {
+		p.setReady(r, ready)
+	}
+}
+
+func (p *Picker) setReady(r *replica, ready bool) {
+	if r.Ready == ready {
+		return
+	}
+	r.Ready = ready
+	_ = p.rt.SetUp(r.id, ready, time.Now())
+	p.log.Info("epp: replica readiness", "replica", r.Name, "ready", ready)
+}
+
+// Ready returns the number of ready replicas.
+func (p *Picker) Ready() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, r := range p.byName {
+		if r.Ready {
+			n++
+		}
+	}
+	return n
+}
+
+// Input is one request as the gateway hands it over.
+type Input struct {
+	// Kind is the OpenAI endpoint (from the :path header).
+	Kind proxy.Kind
+	// Body is the request body, whole.
+	Body []byte
+	// Session is a session key for affinity ("" none).
+	Session string
+	// Subset, when non-nil, is the gateway's subset hint: the "ip:port"
+	// endpoints the answer must come from.
+	Subset []string
+}
+
+// Pick is the picker's answer for one request.
+type Pick struct {
+	// ID identifies the request to Served, FirstToken and Finished.
+	ID uint64
+	// Endpoints are "ip:port": the primary, then the fallbacks.
+	Endpoints []string
+	// Replica is the primary's name.
+	Replica string
+	// Decision is the router's decision, explained.
+	Decision policy.Decision
+}
+
+// Pick decides which replica serves in and commits the decision: the
+// request is in flight there until Finished. Errors: proxy.ErrBadRequest
+// (wrapped) for a body it cannot read, ErrNoEndpoint, ErrShed.
+func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
+	pr, err := proxy.ParseRequest(in.Kind, in.Body)
+	if err != nil {
+		return Pick{}, err
+	}
+	keys, promptTokens, err := p.cfg.Keyer.Keys(pr)
+	if err != nil {
+		return Pick{}, fmt.Errorf("epp: key prompt: %w", err)
+	}
+	session := in.Session
+	if session == "" {
+		session = pr.User
+	}
+	req := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: promptTokens,
+		OutputTokens: pr.MaxTokens, Session: session}
+	if req.OutputTokens == 0 {
+		req.OutputTokens = p.cfg.DefaultOutputTokens
+	}
+	var others map[string]router.ExternalLoad
+	if p.cfg.Shared != nil {
+		if others, err = p.cfg.Shared.Others(ctx); err != nil {
+			p.log.Warn("epp: shared state: reading other routers' load; using the last known", "err", err)
+			others = nil
+		}
+	}
+
+	p.mu.Lock()
+	pick, f, err := p.pickLocked(&req, in.Subset, others)
+	p.mu.Unlock()
+	if err != nil {
+		return Pick{}, err
+	}
+	if p.cfg.Shared != nil {
+		if err := p.cfg.Shared.Add(ctx, f.replica.Name, f.load); err != nil {
+			p.log.Warn("epp: shared state: publishing load", "replica", f.replica.Name, "err", err)
+		}
+	}
+	return pick, nil
+}
+
+func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[string]router.ExternalLoad) (Pick, *flight, error) {
+	if others != nil {
+		p.others = others
+	}
+	for id, r := range p.slots {
+		if r != nil {
+			_ = p.rt.SetExternalLoad(id, p.others[r.Name])
+		}
+	}
+	// Candidates: ready replicas, within the subset hint if there is one.
+	p.cons.allowed = p.cons.allowed[:0]
+	if subset != nil {
+		p.cons.restrict = true
+		for _, a := range subset {
+			if r, ok := p.byAddr[strings.TrimSpace(a)]; ok && r.Ready {
+				p.cons.allowed = append(p.cons.allowed, r.id)
+			}
+		}
+	} else {
+		for id, r := range p.slots {
+			if r != nil && r.Ready {
+				p.cons.allowed = append(p.cons.allowed, id)
+			}
+		}
+	}
+	defer func() { p.cons.restrict = false }()
+	if len(p.cons.allowed) == 0 {
+		if subset != nil {
+			return Pick{}, nil, fmt.Errorf("%w in the subset hint %v", ErrNoEndpoint, subset)
+		}
+		return Pick{}, nil, ErrNoEndpoint
+	}
+	if p.cfg.MaxQueue > 0 {
+		shed := true
+		for _, id := range p.cons.allowed {
+			st, _ := p.rt.Replica(id)
+			if st.Queue() < p.cfg.MaxQueue {
+				shed = false
+				break
+			}
+		}
+		if shed {
+			return Pick{}, nil, fmt.Errorf("%w (max queue %d)", ErrShed, p.cfg.MaxQueue)
+		}
+	}
+	now := time.Now()
+	d, err := p.rt.Route(*req, now)
+	if err != nil {
+		if errors.Is(err, policy.ErrNoReplica) {
+			return Pick{}, nil, ErrNoEndpoint
+		}
+		return Pick{}, nil, fmt.Errorf("epp: route: %w", err)
+	}
+	primary := p.slots[d.Replica]
+	pick := Pick{ID: req.ID, Replica: primary.Name, Decision: d, Endpoints: []string{primary.Address}}
+	pick.Endpoints = append(pick.Endpoints, p.fallbacks(d)...)
+	f := &flight{req: *req, replica: primary, load: p.flightLoad(req, d.MatchedTokens)}
+	p.flights[req.ID] = f
+	return pick, f, nil
+}
+
+// flightLoad is what one routed request adds to its replica's load: the
+// same figures the router adds to its own counts (router.commit).
+func (p *Picker) flightLoad(req *policy.Request, matched int) router.ExternalLoad {
+	missed := max(req.PromptTokens-matched, 0)
+	return router.ExternalLoad{InFlight: 1, Prefilling: 1, PendingPrefillTokens: missed,
+		PendingPrefill: p.prof.Prefill(missed, req.PromptTokens), DecodeTokens: req.OutputTokens}
+}
+
+// fallbacks lists up to Config.Fallbacks other allowed replicas' addresses,
+// most cached tokens first, then least in flight.
+func (p *Picker) fallbacks(d policy.Decision) []string {
+	if p.cfg.Fallbacks < 0 {
+		return nil
+	}
+	matched := make(map[int]int, len(d.Candidates))
+	for _, c := range d.Candidates {
+		matched[c.Replica] = c.MatchedTokens
+	}
+	type cand struct{ id, matched, inflight int }
+	var cs []cand
+	for _, id := range p.cons.allowed {
+		if id == d.Replica {
+			continue
+		}
+		st, _ := p.rt.Replica(id)
+		cs = append(cs, cand{id, matched[id], st.InFlight})
+	}
+	slices.SortFunc(cs, func(a, b cand) int {
+		if c := cmp.Compare(b.matched, a.matched); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(a.inflight, b.inflight); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.id, b.id)
+	})
+	var out []string
+	for _, c := range cs[:min(len(cs), p.cfg.Fallbacks)] {
+		out = append(out, p.slots[c.id].Address)
+	}
+	return out
+}
+
+// Served records the endpoint that actually served request id (the gateway
+// may have fallen back). A request served elsewhere than its primary moves
+// there in the router's accounts.
+func (p *Picker) Served(id uint64, endpoint string) {
+	p.mu.Lock()
+	f, ok := p.flights[id]
+	r, known := p.byAddr[endpoint]
+	if !ok || !known || r == f.replica || f.first {
+		p.mu.Unlock()
+		return
+	}
+	now := time.Now()
+	old, oldLoad := f.replica, f.load
+	_ = p.rt.Finished(id, 0, -1, false, now)
+	p.cons.force = r.id
+	d, err := p.rt.Route(f.req, now)
+	p.cons.force = -1
+	if err != nil {
+		delete(p.flights, id)
+		p.mu.Unlock()
+		p.log.Warn("epp: moving request to its served endpoint", "id", id, "endpoint", endpoint, "err", err)
+		p.publish(old.Name, neg(oldLoad))
+		return
+	}
+	f.replica = r
+	f.load = p.flightLoad(&f.req, d.MatchedTokens)
+	newLoad := f.load
+	p.mu.Unlock()
+	p.publish(old.Name, neg(oldLoad))
+	p.publish(r.Name, newLoad)
+}
+
+// FirstToken records request id's first output token.
+func (p *Picker) FirstToken(id uint64) {
+	p.mu.Lock()
+	f, ok := p.flights[id]
+	if !ok || f.first {
+		p.mu.Unlock()
+		return
+	}
+	f.first = true
+	_ = p.rt.FirstToken(id, time.Now())
+	delta := router.ExternalLoad{Prefilling: -f.load.Prefilling, PendingPrefill: -f.load.PendingPrefill,
+		PendingPrefillTokens: -f.load.PendingPrefillTokens}
+	f.load = f.load.Add(delta)
+	name := f.replica.Name
+	p.mu.Unlock()
+	p.publish(name, delta)
+}
+
+// Finished records the end of request id: outputTokens generated, the
+// cached prompt tokens the engine reported (-1 none), ok false if it failed.
+func (p *Picker) Finished(id uint64, outputTokens, cachedTokens int, ok bool) {
+	p.mu.Lock()
+	f, found := p.flights[id]
+	if !found {
+		p.mu.Unlock()
+		return
+	}
+	delete(p.flights, id)
+	if err := p.rt.Finished(id, outputTokens, cachedTokens, ok, time.Now()); err != nil {
+		p.log.Warn("epp: router finished", "id", id, "err", err)
+	}
+	name, load, hook := f.replica.Name, f.load, p.onFinish
+	p.mu.Unlock()
+	p.publish(name, neg(load))
+	if hook != nil {
+		hook()
+	}
+}
+
+// publish adds delta to this router's shared load on replica.
+func (p *Picker) publish(replica string, delta router.ExternalLoad) {
+	if p.cfg.Shared == nil || delta == (router.ExternalLoad{}) {
+		return
+	}
+	if err := p.cfg.Shared.Add(context.Background(), replica, delta); err != nil {
+		p.log.Warn("epp: shared state: publishing load", "replica", replica, "err", err)
+	}
+}
+
+func neg(l router.ExternalLoad) router.ExternalLoad {
+	return router.ExternalLoad{InFlight: -l.InFlight, Prefilling: -l.Prefilling, PendingPrefill: -l.PendingPrefill,
+		PendingPrefillTokens: -l.PendingPrefillTokens, DecodeTokens: -l.DecodeTokens}
+}
+
+// ReplicaState is a snapshot of one replica, for tests and /debug.
+type ReplicaState struct {
+	Replica
+	// InFlight counts this router's requests on it; External the other
+	// routers' (shared state).
+	InFlight, External int
+}
+
+// Replicas returns a snapshot of the known replicas, by name.
+func (p *Picker) Replicas() []ReplicaState {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []ReplicaState
+	for _, r := range p.byName {
+		st, _ := p.rt.Replica(r.id)
+		ext := p.rt.ExternalLoad(r.id).InFlight
+		out = append(out, ReplicaState{Replica: r.Replica, InFlight: st.InFlight - ext, External: ext})
+	}
+	slices.SortFunc(out, func(a, b ReplicaState) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// Run follows every replica's KV events and load until ctx ends; replicas
+// added meanwhile get their feeds at once, removed ones lose them. It
+// returns when ctx ends and every feed has stopped.
+func (p *Picker) Run(ctx context.Context) error {
+	p.mu.Lock()
+	if p.runCtx != nil {
+		p.mu.Unlock()
+		return errors.New("epp: picker already running")
+	}
+	p.runCtx = ctx
+	for _, r := range p.byName {
+		p.start(r)
+	}
+	p.mu.Unlock()
+	t := time.NewTicker(500 * time.Millisecond)
+	defer t.Stop()
+loop:
+	for {
+		select {
+		case <-ctx.Done():
+			break loop
+		case now := <-t.C:
+			p.mu.Lock()
+			p.rt.ExpireSpeculative(now)
+			p.mu.Unlock()
+		}
+	}
+	p.mu.Lock()
+	p.runCtx = nil
+	p.mu.Unlock()
+	p.wg.Wait()
+	return nil
+}
+
+// start launches r's feeds under Run's context (p.mu held).
+func (p *Picker) start(r *replica) {
+	ctx, cancel := context.WithCancel(p.runCtx)
+	r.stop = cancel
+	if r.KVEvents != "" {
+		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{
+			Replica: r.Name, Endpoint: r.KVEvents, ReplayEndpoint: r.KVReplay, Topic: r.KVTopic,
+			Index: p.kvIndex, Sink: sink{p}, Logger: p.log,
+		})
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			if err := sub.Run(ctx); err != nil {
+				p.log.Error("epp: kv events subscriber", "replica", r.Name, "err", err)
+			}
+		}()
+	}
+	if r.MetricsURL != "" && p.cfg.ScrapeInterval > 0 {
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			p.scrapeLoop(ctx, r)
+		}()
+	}
+}
+
+// sink applies one replica's KV events to the router (GPU blocks only).
+type sink struct{ p *Picker }
+
+var _ kvevents.Sink = sink{}
+
+// id returns the router ID of the replica called name, or -1.
+func (s sink) id(name string) int {
+	if r, ok := s.p.byName[name]; ok {
+		return r.id
+	}
+	return -1
+}
+
+// Stored implements kvevents.Sink.
+func (s sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blocks.Key, medium string) {
+	if medium != kvevents.MediumGPU {
+		return
+	}
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	if id := s.id(name); id >= 0 {
+		_ = s.p.rt.CacheStored(id, parent, hasParent, keys, time.Now())
+	}
+}
+
+// Removed implements kvevents.Sink.
+func (s sink) Removed(name string, keys []blocks.Key, medium string) {
+	if medium != kvevents.MediumGPU {
+		return
+	}
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	if id := s.id(name); id >= 0 {
+		_ = s.p.rt.CacheRemoved(id, keys)
+	}
+}
+
+// Cleared implements kvevents.Sink.
+func (s sink) Cleared(name string) {
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	if id := s.id(name); id >= 0 {
+		_ = s.p.rt.CacheCleared(id)
+	}
+}

@@ -1,0 +1,487 @@
+package epp
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"strings"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/prefixlb/prefixlb/internal/proxy"
+)
+
+// The Endpoint Picker protocol's names (gateway-api-inference-extension,
+// docs/proposals/004-endpoint-picker-protocol).
+const (
+	// DestinationHeader carries the picked endpoints, "ip:port[,ip:port...]",
+	// primary first; DestinationNamespace is the dynamic-metadata namespace
+	// that carries the same value under the same key.
+	DestinationHeader    = "x-gateway-destination-endpoint"
+	DestinationNamespace = "envoy.lb"
+	// ServedKey is the key, in the envoy.lb namespace of the response
+	// path's metadata_context, of the endpoint that actually served.
+	ServedKey = "x-gateway-destination-endpoint-served"
+	// SubsetNamespace / SubsetKey hold the gateway's subset hint: a list of
+	// "ip:port" the picker must choose from.
+	SubsetNamespace = "envoy.lb.subset_hint"
+	SubsetKey       = "x-gateway-destination-endpoint-subset"
+	// SessionHeader is a session key for affinity.
+	SessionHeader = "x-session-id"
+	// RouteHeader explains the decision (as prefixlb serve's x-prefixlb-route).
+	RouteHeader = "x-prefixlb-route"
+)
+
+// bodyChunkBytes bounds each streamed body chunk sent back to Envoy: some
+// Envoy builds cap a chunk at 64 KiB (the GIE picker uses the same margin).
+const bodyChunkBytes = 62000
+
+// ServerConfig configures a Server.
+type ServerConfig struct {
+	// MaxBodyBytes bounds a request body (default 16 MiB): larger ones get
+	// 413.
+	MaxBodyBytes int
+	// MaxResponseBytes bounds how much of a non-streamed response body is
+	// kept to read its usage (default 1 MiB); the body is passed through
+	// whole either way.
+	MaxResponseBytes int
+	// Explain adds the x-prefixlb-route header to the upstream request.
+	Explain bool
+	// Logger (nil: slog.Default()).
+	Logger *slog.Logger
+}
+
+// Server is the ext_proc ExternalProcessor service in front of a Picker,
+// for Envoy's FULL_DUPLEX_STREAMED body mode on both paths. One stream is
+// one HTTP request.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+	p      *Picker
+	cfg    ServerConfig
+	log    *slog.Logger
+	health *health.Server
+}
+
+// NewServer returns the ext_proc service for p.
+func NewServer(p *Picker, cfg ServerConfig) *Server {
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = 16 << 20
+	}
+	if cfg.MaxResponseBytes <= 0 {
+		cfg.MaxResponseBytes = 1 << 20
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Server{p: p, cfg: cfg, log: cfg.Logger, health: health.NewServer()}
+}
+
+// Register registers the ext_proc service on g.
+func (s *Server) Register(g *grpc.Server) { extprocv3.RegisterExternalProcessorServer(g, s) }
+
+// Health is the gRPC health service: SERVING for "" and the ext_proc
+// service once SetServing(true).
+func (s *Server) Health() *health.Server { return s.health }
+
+// SetServing sets the health status of "" and of the ext_proc service.
+func (s *Server) SetServing(ok bool) {
+	st := healthpb.HealthCheckResponse_NOT_SERVING
+	if ok {
+		st = healthpb.HealthCheckResponse_SERVING
+	}
+	s.health.SetServingStatus("", st)
+	s.health.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, st)
+}
+
+// exchange is one stream's state.
+type exchange struct {
+	s        *Server
+	srv      extprocv3.ExternalProcessor_ProcessServer
+	kind     proxy.Kind
+	session  string
+	subset   []string
+	body     []byte
+	picked   bool
+	pick     Pick
+	status   int // upstream response status (0 unknown)
+	watch    watcher
+	finished bool
+}
+
+// Process implements extprocv3.ExternalProcessorServer.
+func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
+	x := &exchange{s: s, srv: srv}
+	x.watch.max = s.cfg.MaxResponseBytes
+	defer x.finish(false)
+	for {
+		req, err := srv.Recv()
+		if err == io.EOF || status.Code(err) == codes.Canceled {
+			return nil
+		}
+		if err != nil {
+			return status.Errorf(codes.Unknown, "epp: receive: %v", err)
+		}
+		done, err := x.handle(req)
+		if err != nil || done {
+			return err
+		}
+	}
+}
+
+// handle processes one message; done ends the stream (an immediate
+// response was sent).
+func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
+	switch v := req.Request.(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		x.readRequestHeaders(v.RequestHeaders, req.GetMetadataContext())
+		if v.RequestHeaders.GetEndOfStream() { // no body: decide now
+			return x.decide(false, true)
+		}
+		return false, nil
+	case *extprocv3.ProcessingRequest_RequestBody:
+		if x.picked { // a body after the decision (should not happen): pass it on
+			return false, x.sendBody(v.RequestBody.GetBody(), v.RequestBody.GetEndOfStream())
+		}
+		x.body = append(x.body, v.RequestBody.GetBody()...)
+		if len(x.body) > x.s.cfg.MaxBodyBytes {
+			return true, x.immediate(typev3.StatusCode_PayloadTooLarge, "request body too large")
+		}
+		if v.RequestBody.GetEndOfStream() {
+			return x.decide(true, true)
+		}
+		return false, nil
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		if !x.picked { // the body ended with trailers, not end_of_stream
+			if done, err := x.decide(len(x.body) > 0, false); done || err != nil {
+				return done, err
+			}
+		}
+		return false, x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+			RequestTrailers: &extprocv3.TrailersResponse{}}})
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		x.readResponseHeaders(v.ResponseHeaders, req.GetMetadataContext())
+		if v.ResponseHeaders.GetEndOfStream() {
+			x.finish(true)
+		}
+		return false, x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
+			ResponseHeaders: &extprocv3.HeadersResponse{}}})
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		b := v.ResponseBody.GetBody()
+		if x.watch.feed(b) && x.picked {
+			x.s.p.FirstToken(x.pick.ID)
+		}
+		if v.ResponseBody.GetEndOfStream() {
+			x.finish(true) // before the answer: Envoy may end the stream on it
+		}
+		return false, x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
+			ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
+				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+					StreamedResponse: &extprocv3.StreamedBodyResponse{Body: b, EndOfStream: v.ResponseBody.GetEndOfStream()}}}}}}})
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		x.finish(true)
+		return false, x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
+			ResponseTrailers: &extprocv3.TrailersResponse{}}})
+	}
+	return false, nil
+}
+
+// readRequestHeaders takes the path, the session and the subset hint.
+func (x *exchange) readRequestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) {
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		val := headerValue(hv)
+		switch strings.ToLower(hv.GetKey()) {
+		case ":path":
+			x.kind = kindOf(val)
+		case SessionHeader:
+			x.session = val
+		}
+	}
+	if ns := md.GetFilterMetadata()[SubsetNamespace]; ns != nil {
+		if v, ok := ns.GetFields()[SubsetKey]; ok {
+			x.subset = []string{}
+			switch k := v.GetKind().(type) {
+			case *structpb.Value_ListValue:
+				for _, e := range k.ListValue.GetValues() {
+					if s := e.GetStringValue(); s != "" {
+						x.subset = append(x.subset, s)
+					}
+				}
+			case *structpb.Value_StringValue: // tolerate "a:1,b:2"
+				for _, s := range strings.Split(k.StringValue, ",") {
+					if s = strings.TrimSpace(s); s != "" {
+						x.subset = append(x.subset, s)
+					}
+				}
+			}
+		}
+	}
+}
+
+// kindOf maps an OpenAI path to its kind.
+func kindOf(path string) proxy.Kind {
+	path, _, _ = strings.Cut(path, "?")
+	switch {
+	case strings.HasSuffix(path, "/chat/completions"):
+		return proxy.KindChat
+	case strings.HasSuffix(path, "/completions"):
+		return proxy.KindCompletion
+	}
+	return proxy.KindOther
+}
+
+func headerValue(h *corev3.HeaderValue) string {
+	if len(h.GetRawValue()) > 0 {
+		return string(h.GetRawValue())
+	}
+	return h.GetValue()
+}
+
+// decide picks and answers: the request headers response carrying the
+// destination (header and metadata), then the body (if haveBody) streamed
+// back unchanged, eos on its last chunk.
+func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
+	pick, err := x.s.p.Pick(x.srv.Context(), Input{Kind: x.kind, Body: x.body, Session: x.session, Subset: x.subset})
+	if err != nil {
+		code := typev3.StatusCode_InternalServerError
+		switch {
+		case errors.Is(err, proxy.ErrBadRequest):
+			code = typev3.StatusCode_BadRequest
+		case errors.Is(err, ErrNoEndpoint):
+			code = typev3.StatusCode_ServiceUnavailable
+		case errors.Is(err, ErrShed):
+			code = typev3.StatusCode_TooManyRequests
+		}
+		x.s.log.Debug("epp: no pick", "err", err, "status", int(code))
+		return true, x.immediate(code, err.Error())
+	}
+	x.picked, x.pick = true, pick
+	dest := strings.Join(pick.Endpoints, ",")
+	set := []*corev3.HeaderValueOption{{Header: &corev3.HeaderValue{Key: DestinationHeader, RawValue: []byte(dest)}}}
+	if x.s.cfg.Explain {
+		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: RouteHeader, RawValue: []byte(pick.Decision.Explain())}})
+	}
+	md, _ := structpb.NewStruct(map[string]any{DestinationNamespace: map[string]any{DestinationHeader: dest}})
+	if err := x.send(&extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
+			Response: &extprocv3.CommonResponse{
+				ClearRouteCache: true,
+				HeaderMutation:  &extprocv3.HeaderMutation{SetHeaders: set},
+			}}},
+		DynamicMetadata: md,
+	}); err != nil {
+		return false, err
+	}
+	if haveBody {
+		err = x.sendBody(x.body, eos)
+	}
+	x.body = nil
+	return false, err
+}
+
+// sendBody streams b back to Envoy unchanged, in chunks of bodyChunkBytes.
+func (x *exchange) sendBody(b []byte, eos bool) error {
+	for first := true; first || len(b) > 0; first = false {
+		n := min(len(b), bodyChunkBytes)
+		chunk := b[:n]
+		b = b[n:]
+		err := x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
+			RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
+				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+					StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos && len(b) == 0}}}}}}})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// readResponseHeaders takes the status, the content type and the served
+// endpoint (metadata, else a header of the same name).
+func (x *exchange) readResponseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) {
+	served := ""
+	if ns := md.GetFilterMetadata()[DestinationNamespace]; ns != nil {
+		served = ns.GetFields()[ServedKey].GetStringValue()
+	}
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		val := headerValue(hv)
+		switch strings.ToLower(hv.GetKey()) {
+		case ":status":
+			x.status = atoi(val)
+		case "content-type":
+			x.watch.sse = strings.Contains(val, "text/event-stream")
+		case ServedKey:
+			if served == "" {
+				served = val
+			}
+		}
+	}
+	if x.picked && served != "" {
+		x.s.p.Served(x.pick.ID, strings.TrimSpace(served))
+	}
+}
+
+func atoi(s string) int {
+	n := 0
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return 0
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n
+}
+
+// finish reports the request's end once. complete is false when the stream
+// ended without the response's end (the request failed or the gateway does
+// not send the response path: counted as done if the status was 2xx).
+func (x *exchange) finish(complete bool) {
+	if !x.picked || x.finished {
+		return
+	}
+	x.finished = true
+	ok := x.status >= 200 && x.status < 300
+	if !complete && x.status == 0 {
+		ok = false
+	}
+	out, cached := x.watch.result()
+	x.s.p.Finished(x.pick.ID, out, cached, ok)
+}
+
+// immediate answers the request itself with an HTTP status and a JSON
+// error body in OpenAI's shape.
+func (x *exchange) immediate(code typev3.StatusCode, msg string) error {
+	body, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": "prefixlb_epp", "code": int(code)}})
+	return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+		ImmediateResponse: &extprocv3.ImmediateResponse{
+			Status:  &typev3.HttpStatus{Code: code},
+			Body:    body,
+			Details: "prefixlb_epp: " + msg,
+			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+				{Header: &corev3.HeaderValue{Key: "content-type", RawValue: []byte("application/json")}}}},
+		}}})
+}
+
+func (x *exchange) send(r *extprocv3.ProcessingResponse) error {
+	if err := x.srv.Send(r); err != nil {
+		return status.Errorf(codes.Unknown, "epp: send to envoy: %v", err)
+	}
+	return nil
+}
+
+// watcher reads the response body on the side: SSE events for the first
+// token and the usage, or a whole JSON response's usage.
+type watcher struct {
+	sse     bool
+	max     int
+	line    []byte // SSE: the unfinished line
+	body    []byte // JSON: the body so far (up to max)
+	tokens  int
+	usage   *usage
+	overrun bool
+}
+
+// usage is an OpenAI usage object.
+type usage struct {
+	CompletionTokens    int `json:"completion_tokens"`
+	PromptTokensDetails *struct {
+		CachedTokens *int `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+}
+
+// chunk is what the watcher reads from an event or a response.
+type chunk struct {
+	Choices []struct {
+		Text  *string `json:"text"`
+		Delta *struct {
+			Content          *string         `json:"content"`
+			ReasoningContent *string         `json:"reasoning_content"`
+			ToolCalls        json.RawMessage `json:"tool_calls"`
+		} `json:"delta"`
+		Message *struct {
+			Content *string `json:"content"`
+		} `json:"message"`
+	} `json:"choices"`
+	Usage *usage `json:"usage"`
+}
+
+func nonEmpty(s *string) bool { return s != nil && *s != "" }
+
+// feed reads b; it reports whether b carried the first output token.
+func (w *watcher) feed(b []byte) (first bool) {
+	if !w.sse {
+		if len(w.body)+len(b) <= w.max {
+			w.body = append(w.body, b...)
+		} else {
+			w.overrun = true
+		}
+		return false
+	}
+	w.line = append(w.line, b...)
+	for {
+		i := bytes.IndexByte(w.line, '\n')
+		if i < 0 {
+			if len(w.line) > w.max { // a runaway line: drop it
+				w.line = w.line[:0]
+			}
+			return first
+		}
+		ln := bytes.TrimRight(w.line[:i], "\r")
+		if data, ok := bytes.CutPrefix(ln, []byte("data:")); ok {
+			if w.event(bytes.TrimSpace(data)) && w.tokens == 1 {
+				first = true
+			}
+		}
+		w.line = w.line[i+1:]
+	}
+}
+
+// event reads one SSE data payload; it reports whether it carried output.
+func (w *watcher) event(data []byte) bool {
+	if len(data) == 0 || string(data) == "[DONE]" {
+		return false
+	}
+	var c chunk
+	if json.Unmarshal(data, &c) != nil {
+		return false
+	}
+	if c.Usage != nil {
+		w.usage = c.Usage
+	}
+	for _, ch := range c.Choices {
+		if nonEmpty(ch.Text) || (ch.Delta != nil && (nonEmpty(ch.Delta.Content) || nonEmpty(ch.Delta.ReasoningContent) ||
+			(len(ch.Delta.ToolCalls) > 0 && string(ch.Delta.ToolCalls) != "null"))) {
+			w.tokens++
+			return true
+		}
+	}
+	return false
+}
+
+// result returns the output tokens and the cached prompt tokens reported
+// (-1 unknown).
+func (w *watcher) result() (out, cached int) {
+	if !w.sse && !w.overrun && len(w.body) > 0 {
+		var c chunk
+		if json.Unmarshal(w.body, &c) == nil && c.Usage != nil {
+			w.usage = c.Usage
+		}
+	}
+	out, cached = w.tokens, -1
+	if w.usage != nil {
+		out = w.usage.CompletionTokens
+		if d := w.usage.PromptTokensDetails; d != nil && d.CachedTokens != nil {
+			cached = max(*d.CachedTokens, 0)
+		}
+	}
+	return out, cached
+}
