@@ -45,6 +45,11 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"idle-timeout":            func() { c.IdleTimeout = f.cfg.IdleTimeout },
 		"request-timeout":         func() { c.RequestTimeout = f.cfg.RequestTimeout },
 		"read-header-timeout":     func() { c.ReadHeaderTimeout = f.cfg.ReadHeaderTimeout },
+		"body-read-timeout":       func() { c.BodyReadTimeout = f.cfg.BodyReadTimeout },
+		"client-idle-timeout":     func() { c.ClientIdleTimeout = f.cfg.ClientIdleTimeout },
+		"max-header-bytes":        func() { c.MaxHeaderBytes = f.cfg.MaxHeaderBytes },
+		"max-concurrent":          func() { c.MaxConcurrent = f.cfg.MaxConcurrent },
+		"max-prompt-tokens":       func() { c.MaxPromptTokens = f.cfg.MaxPromptTokens },
 		"health-path":             func() { c.HealthPath = f.cfg.HealthPath },
 		"health-interval":         func() { c.HealthInterval = f.cfg.HealthInterval },
 		"health-timeout":          func() { c.HealthTimeout = f.cfg.HealthTimeout },
@@ -124,6 +129,11 @@ is re-admitted; while one disagrees, text and chats are keyed by text chunks
 	fs.DurationVar(&d.IdleTimeout, "idle-timeout", d.IdleTimeout, "longest silence inside a response body (0: none)")
 	fs.DurationVar(&d.RequestTimeout, "request-timeout", d.RequestTimeout, "timeout of a whole request, retries included (0: none)")
 	fs.DurationVar(&d.ReadHeaderTimeout, "read-header-timeout", d.ReadHeaderTimeout, "timeout to read a client's request headers")
+	fs.DurationVar(&d.BodyReadTimeout, "body-read-timeout", d.BodyReadTimeout, "timeout to read a client's request body once its headers are read; slower ones get 408 (0: none)")
+	fs.DurationVar(&d.ClientIdleTimeout, "client-idle-timeout", d.ClientIdleTimeout, "how long an idle keep-alive client connection is kept open (0: no limit)")
+	fs.IntVar(&d.MaxHeaderBytes, "max-header-bytes", d.MaxHeaderBytes, "largest request line and headers accepted; larger ones get 431")
+	fs.IntVar(&d.MaxConcurrent, "max-concurrent", d.MaxConcurrent, "inference requests (streams included) in flight at once; more get 429 with Retry-After (0: no limit)")
+	fs.IntVar(&d.MaxPromptTokens, "max-prompt-tokens", d.MaxPromptTokens, "longest prompt accepted, in tokens (estimated from bytes without --tokenizer); longer ones get 400")
 	fs.StringVar(&d.HealthPath, "health-path", d.HealthPath, "replicas' health endpoint")
 	fs.DurationVar(&d.HealthInterval, "health-interval", d.HealthInterval, "interval of active health checks")
 	fs.DurationVar(&d.HealthTimeout, "health-timeout", d.HealthTimeout, "timeout of one health check or metrics scrape")

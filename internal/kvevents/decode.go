@@ -461,6 +461,9 @@ func (r *decoder) events(b *Batch) error {
 		}
 		b.Events = append(b.Events, ev)
 	}
+	if len(b.Events) == 0 {
+		b.Events = nil // however the batch was encoded: no known events is nil
+	}
 	return nil
 }
 

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -26,12 +25,12 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 // admin wraps h with the bearer-token check when AdminToken is set. The
-// token is compared in constant time.
+// token is compared in constant time, length included (tokenMatches).
 func (p *Proxy) admin(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		if want := p.cfg.AdminToken; want != "" {
+		if p.cfg.AdminToken != "" {
 			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-			if !ok || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), []byte(want)) != 1 {
+			if !ok || !tokenMatches(strings.TrimSpace(got), p.adminTok) {
 				writeError(w, fmt.Errorf("proxy: %s: %w", r.URL.Path, ErrUnauthorized))
 				return
 			}
@@ -159,6 +158,10 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 	keys, tokens, err := p.keyer.Keys(req)
 	if err != nil {
 		writeError(w, fmt.Errorf("proxy: key prompt: %w", err))
+		return
+	}
+	if err := p.checkPromptTokens(tokens); err != nil {
+		writeError(w, err)
 		return
 	}
 	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession)}

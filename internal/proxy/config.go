@@ -71,6 +71,25 @@ type Config struct {
 	RequestTimeout time.Duration
 	// ReadHeaderTimeout bounds reading a client's request headers (Serve).
 	ReadHeaderTimeout time.Duration
+	// BodyReadTimeout bounds reading a client's request body, from the end
+	// of its headers (0: none). A client that sends its body too slowly
+	// (slowloris on the body) gets 408 and its connection closed. Responses
+	// are not bounded: a stream may last as long as the replica takes.
+	BodyReadTimeout time.Duration
+	// ClientIdleTimeout bounds how long a client's keep-alive connection
+	// may sit idle between requests before Serve closes it (0: none).
+	ClientIdleTimeout time.Duration
+	// MaxHeaderBytes bounds a client's request line and headers (Serve;
+	// > 0). Larger ones get 431. net/http allows 4 KiB of slack over it.
+	MaxHeaderBytes int
+	// MaxConcurrent bounds the inference requests (/v1/*, /v1/models
+	// aside) in flight at once, streams included (0: no bound). One over it
+	// is answered 429 at once, with Retry-After, before its body is read.
+	MaxConcurrent int
+	// MaxPromptTokens bounds a prompt's length in tokens (> 0): counted for
+	// token ids and with a tokenizer, estimated for text chunks (a batch
+	// counts all its prompts). A longer prompt gets 400 before it is routed.
+	MaxPromptTokens int
 
 	// HealthPath is polled on every replica every HealthInterval (> 0),
 	// each poll bounded by HealthTimeout (> 0).
@@ -121,7 +140,9 @@ type Config struct {
 }
 
 // DefaultConfig returns the defaults: e2 on llama3.1-8b-h100, blocks of 16
-// tokens, health checks every 5s, up to 2 retries, 16 MiB bodies.
+// tokens, health checks every 5s, up to 2 retries, 16 MiB bodies read within
+// 30s, 64 KiB of headers, prompts of up to 1,048,576 tokens, 4096 requests
+// in flight, keep-alive connections closed after 2 minutes idle.
 func DefaultConfig() Config {
 	return Config{
 		Listen:                "127.0.0.1:8080",
@@ -134,6 +155,11 @@ func DefaultConfig() Config {
 		IdleTimeout:           5 * time.Minute,
 		RequestTimeout:        0,
 		ReadHeaderTimeout:     10 * time.Second,
+		BodyReadTimeout:       30 * time.Second,
+		ClientIdleTimeout:     2 * time.Minute,
+		MaxHeaderBytes:        64 << 10,
+		MaxConcurrent:         4096,
+		MaxPromptTokens:       1 << 20,
 		HealthPath:            "/health",
 		HealthInterval:        5 * time.Second,
 		HealthTimeout:         2 * time.Second,
@@ -204,7 +230,8 @@ func (c *Config) Validate() error {
 		{"connect_timeout", c.ConnectTimeout}, {"response_header_timeout", c.ResponseHeaderTimeout},
 		{"idle_timeout", c.IdleTimeout}, {"request_timeout", c.RequestTimeout},
 		{"read_header_timeout", c.ReadHeaderTimeout}, {"scrape_interval", c.ScrapeInterval},
-		{"drain_timeout", c.DrainTimeout},
+		{"drain_timeout", c.DrainTimeout}, {"body_read_timeout", c.BodyReadTimeout},
+		{"client_idle_timeout", c.ClientIdleTimeout},
 	} {
 		if d.v < 0 {
 			return bad(d.name, "must be ≥ 0, got %v", d.v)
@@ -229,6 +256,12 @@ func (c *Config) Validate() error {
 		return bad("max_response_bytes", "must be > 0, got %d", c.MaxResponseBytes)
 	case c.MaxRetries < 0:
 		return bad("max_retries", "must be ≥ 0, got %d", c.MaxRetries)
+	case c.MaxHeaderBytes <= 0:
+		return bad("max_header_bytes", "must be > 0, got %d", c.MaxHeaderBytes)
+	case c.MaxConcurrent < 0:
+		return bad("max_concurrent", "must be ≥ 0 (0: no bound), got %d", c.MaxConcurrent)
+	case c.MaxPromptTokens <= 0:
+		return bad("max_prompt_tokens", "must be > 0, got %d", c.MaxPromptTokens)
 	}
 	return nil
 }
@@ -344,6 +377,11 @@ type fileConfig struct {
 	IdleTimeout           *duration  `json:"idle_timeout"`
 	RequestTimeout        *duration  `json:"request_timeout"`
 	ReadHeaderTimeout     *duration  `json:"read_header_timeout"`
+	BodyReadTimeout       *duration  `json:"body_read_timeout"`
+	ClientIdleTimeout     *duration  `json:"client_idle_timeout"`
+	MaxHeaderBytes        *int       `json:"max_header_bytes"`
+	MaxConcurrent         *int       `json:"max_concurrent"`
+	MaxPromptTokens       *int       `json:"max_prompt_tokens"`
 	HealthPath            *string    `json:"health_path"`
 	HealthInterval        *duration  `json:"health_interval"`
 	HealthTimeout         *duration  `json:"health_timeout"`
@@ -406,6 +444,11 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setD(&c.IdleTimeout, f.IdleTimeout)
 	setD(&c.RequestTimeout, f.RequestTimeout)
 	setD(&c.ReadHeaderTimeout, f.ReadHeaderTimeout)
+	setD(&c.BodyReadTimeout, f.BodyReadTimeout)
+	setD(&c.ClientIdleTimeout, f.ClientIdleTimeout)
+	setI(&c.MaxHeaderBytes, f.MaxHeaderBytes)
+	setI(&c.MaxConcurrent, f.MaxConcurrent)
+	setI(&c.MaxPromptTokens, f.MaxPromptTokens)
 	setS(&c.HealthPath, f.HealthPath)
 	setD(&c.HealthInterval, f.HealthInterval)
 	setD(&c.HealthTimeout, f.HealthTimeout)

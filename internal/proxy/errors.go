@@ -16,6 +16,13 @@ import (
 var (
 	// ErrBodyTooLarge is returned for a request body over Config.MaxBodyBytes.
 	ErrBodyTooLarge = errors.New("request body too large")
+	// ErrBodyTimeout is returned for a request body not read within
+	// Config.BodyReadTimeout.
+	ErrBodyTimeout = errors.New("request body read timeout")
+	// ErrPromptTooLong is returned for a prompt over Config.MaxPromptTokens.
+	ErrPromptTooLong = errors.New("prompt too long")
+	// ErrOverloaded is returned for a request over Config.MaxConcurrent.
+	ErrOverloaded = errors.New("too many requests in flight")
 	// ErrUnauthorized is returned for an admin or debug request without the
 	// configured bearer token.
 	ErrUnauthorized = errors.New("missing or wrong bearer token")
@@ -60,8 +67,13 @@ func (e *attemptError) Unwrap() []error { return []error{ErrUpstream, e.err} }
 func statusOf(err error) int {
 	var ae *attemptError
 	switch {
-	case errors.Is(err, ErrBadRequest), errors.Is(err, router.ErrEmptyPrompt), errors.Is(err, router.ErrBadRequest):
+	case errors.Is(err, ErrBadRequest), errors.Is(err, router.ErrEmptyPrompt), errors.Is(err, router.ErrBadRequest),
+		errors.Is(err, ErrPromptTooLong):
 		return http.StatusBadRequest
+	case errors.Is(err, ErrBodyTimeout):
+		return http.StatusRequestTimeout
+	case errors.Is(err, ErrOverloaded):
+		return http.StatusTooManyRequests
 	case errors.Is(err, ErrBodyTooLarge):
 		return http.StatusRequestEntityTooLarge
 	case errors.Is(err, ErrUnauthorized):
@@ -83,6 +95,10 @@ func errorType(status int) string {
 	switch status {
 	case http.StatusBadRequest, http.StatusRequestEntityTooLarge, http.StatusMethodNotAllowed:
 		return "invalid_request_error"
+	case http.StatusRequestTimeout:
+		return "timeout_error"
+	case http.StatusTooManyRequests:
+		return "rate_limit_error"
 	case http.StatusUnauthorized:
 		return "authentication_error"
 	case http.StatusNotFound:

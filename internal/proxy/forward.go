@@ -89,6 +89,10 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind Kind
 		fail(fmt.Errorf("proxy: key prompt: %w", err))
 		return
 	}
+	if err := p.checkPromptTokens(tokens); err != nil {
+		fail(err)
+		return
+	}
 	preq := policy.Request{Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession)}
 	if preq.Session == "" {
 		preq.Session = req.User
@@ -179,6 +183,9 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 		if errors.As(err, &mbe) {
 			return nil, fmt.Errorf("proxy: read body: %w: over the limit of %d bytes", ErrBodyTooLarge, limit)
 		}
+		if errors.Is(err, ErrBodyTimeout) {
+			return nil, fmt.Errorf("proxy: read body: %w", err)
+		}
 		return nil, fmt.Errorf("proxy: read body: %w: %v", ErrBadRequest, err)
 	}
 	return body, nil
@@ -230,7 +237,9 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 		if idled.Load() {
 			return &attemptError{replica: b.name, reason: reasonTimeout, err: errIdle}
 		}
-		if errors.Is(err, errGarbage) || errors.Is(err, errTruncated) || errors.Is(err, errEventTooLong) {
+		// A stream cut short (the replica died or closed the connection) is
+		// a connection failure; data that cannot be decoded is garbage.
+		if errors.Is(err, errGarbage) || errors.Is(err, errEventTooLong) {
 			return &attemptError{replica: b.name, reason: reasonGarbage, err: err}
 		}
 		return &attemptError{replica: b.name, reason: reasonConn, err: err}

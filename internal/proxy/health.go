@@ -131,6 +131,9 @@ type Load struct {
 	KVUsage float64
 }
 
+// maxLoadCount caps the request counts read from a replica's metrics.
+const maxLoadCount = 1 << 30
+
 // unknownLoad is a Load with nothing known.
 var unknownLoad = Load{Waiting: -1, Running: -1, KVUsage: -1}
 
@@ -188,11 +191,14 @@ func parseLoad(r io.Reader) (Load, error) {
 		return 0, false
 	}
 	l := unknownLoad
+	// Counts are capped before the conversion: a float beyond int's range
+	// converts to an arbitrary int (math.MinInt64 on amd64), which a
+	// replica reporting 1e300 would turn into a negative load.
 	if v, ok := firstFamily(runningNames, false); ok {
-		l.Running = int(math.Round(v))
+		l.Running = int(math.Round(min(v, maxLoadCount)))
 	}
 	if v, ok := firstFamily(waitingNames, false); ok {
-		l.Waiting = int(math.Round(v))
+		l.Waiting = int(math.Round(min(v, maxLoadCount)))
 	}
 	if v, ok := firstFamily(kvNames, true); ok {
 		l.KVUsage = min(max(v, 0), 1)

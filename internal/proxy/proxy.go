@@ -82,6 +82,8 @@ type Proxy struct {
 	m        *metrics
 	nextID   atomic.Uint64
 	tokProbe *tokenizerProbe // nil unless the keyer is a *TokenizerKeyer
+	slots    chan struct{}   // one per inference request in flight; nil: no bound (limits.go)
+	adminTok tokenDigest     // digest of cfg.AdminToken, when set
 
 	mu    sync.Mutex // guards rt, excl, state and dash
 	rt    *router.Router
@@ -145,6 +147,12 @@ func New(cfg Config) (*Proxy, error) {
 		excl:   ex,
 		byName: make(map[string]*backend),
 	}
+	if cfg.MaxConcurrent > 0 {
+		p.slots = make(chan struct{}, cfg.MaxConcurrent)
+	}
+	if cfg.AdminToken != "" {
+		p.adminTok = digestToken(cfg.AdminToken)
+	}
 	if p.kv, err = newKVState(p.m.reg); err != nil {
 		return nil, fmt.Errorf("proxy: kv events metrics: %w", err)
 	}
@@ -204,10 +212,10 @@ func (p *Proxy) Config() Config { return p.cfg }
 // JSON at /ui/state.json (bearer AdminToken when set).
 func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindCompletion) })
-	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindChat) })
+	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindCompletion) }))
+	mux.HandleFunc("POST /v1/chat/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindChat) }))
 	mux.HandleFunc("GET /v1/models", p.serveModels)
-	mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindOther) })
+	mux.HandleFunc("/v1/", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindOther) }))
 	mux.HandleFunc("GET /health", p.serveHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
@@ -247,10 +255,13 @@ func (p *Proxy) Run(ctx context.Context) error {
 // before closing what is left. It returns nil after a complete drain.
 // Serve does not run the health loops: call Run too.
 func (p *Proxy) Serve(ctx context.Context, ln net.Listener) error {
+	// No ReadTimeout or WriteTimeout: they would bound streams too. Bodies
+	// are bounded per request (BodyReadTimeout, in limited).
 	srv := &http.Server{
 		Handler:           p.Handler(),
 		ReadHeaderTimeout: p.cfg.ReadHeaderTimeout,
-		IdleTimeout:       2 * time.Minute,
+		IdleTimeout:       p.cfg.ClientIdleTimeout,
+		MaxHeaderBytes:    p.cfg.MaxHeaderBytes,
 		ErrorLog:          slog.NewLogLogger(p.log.Handler(), slog.LevelWarn),
 	}
 	if p.hookShutdown != nil {
@@ -411,6 +422,12 @@ func newExcluder(inner policy.Policy) *excluder {
 
 // Name implements policy.Policy.
 func (e *excluder) Name() string { return e.inner.Name() }
+
+// Speculative implements policy.Speculator for the inner policy.
+func (e *excluder) Speculative() bool {
+	sp, ok := e.inner.(policy.Speculator)
+	return ok && sp.Speculative()
+}
 
 // Route implements policy.Policy: the inner policy sees excluded replicas
 // as down.

@@ -410,6 +410,11 @@ func (a *azureReader) parse(line []byte) (Request, error) {
 	if err != nil {
 		return Request{}, fmt.Errorf("bad TIMESTAMP %q: want like 2023-11-16 18:17:03.9799600", f[0])
 	}
+	// Arrivals are nanoseconds since 1970 (UnixNano is undefined outside
+	// 1678..2262), and non-negative so that their differences fit too.
+	if t.Before(time.Unix(0, 0)) || t.After(time.Unix(0, math.MaxInt64)) {
+		return Request{}, fmt.Errorf("TIMESTAMP %q is out of range: want a time from 1970 to 2262", strings.TrimSpace(f[0]))
+	}
 	n, err := strconv.Atoi(strings.TrimSpace(f[1]))
 	if err != nil || n < 1 {
 		return Request{}, fmt.Errorf("bad ContextTokens %q: want an integer >= 1", f[1])
