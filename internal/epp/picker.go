@@ -174,7 +174,7 @@ type Picker struct {
 
 	mu      sync.Mutex // guards everything below
 	rt      *router.Router
-	cons    *constraint
+	cons    *policy.Constrained
 	byName  map[string]*replica
 	byAddr  map[string]*replica
 	slots   []*replica // by router ID; nil for a free slot
@@ -203,7 +203,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("epp: policy: %w", err)
 	}
-	cons := newConstraint(pol)
+	cons := policy.NewConstrained(pol)
 	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: cons,
 		Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL, DefaultOutputTokens: cfg.DefaultOutputTokens})
 	if err != nil {
@@ -406,23 +406,23 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 		}
 	}
 	// Candidates: ready replicas, within the subset hint if there is one.
-	p.cons.allowed = p.cons.allowed[:0]
+	p.cons.Allowed = p.cons.Allowed[:0]
 	if subset != nil {
-		p.cons.restrict = true
+		p.cons.Restrict = true
 		for _, a := range subset {
 			if r, ok := p.byAddr[strings.TrimSpace(a)]; ok && r.Ready {
-				p.cons.allowed = append(p.cons.allowed, r.id)
+				p.cons.Allowed = append(p.cons.Allowed, r.id)
 			}
 		}
 	} else {
 		for id, r := range p.slots {
 			if r != nil && r.Ready {
-				p.cons.allowed = append(p.cons.allowed, id)
+				p.cons.Allowed = append(p.cons.Allowed, id)
 			}
 		}
 	}
-	defer func() { p.cons.restrict = false }()
-	if len(p.cons.allowed) == 0 {
+	defer func() { p.cons.Restrict = false }()
+	if len(p.cons.Allowed) == 0 {
 		if subset != nil {
 			return Pick{}, nil, fmt.Errorf("%w in the subset hint %v", ErrNoEndpoint, subset)
 		}
@@ -430,7 +430,7 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 	}
 	if p.cfg.MaxQueue > 0 {
 		shed := true
-		for _, id := range p.cons.allowed {
+		for _, id := range p.cons.Allowed {
 			st, _ := p.rt.Replica(id)
 			if st.Queue() < p.cfg.MaxQueue {
 				shed = false
@@ -477,7 +477,7 @@ func (p *Picker) fallbacks(d policy.Decision) []string {
 	}
 	type cand struct{ id, matched, inflight int }
 	var cs []cand
-	for _, id := range p.cons.allowed {
+	for _, id := range p.cons.Allowed {
 		if id == d.Replica {
 			continue
 		}
@@ -514,9 +514,9 @@ func (p *Picker) Served(id uint64, endpoint string) {
 	now := time.Now()
 	old, oldLoad := f.replica, f.load
 	_ = p.rt.Finished(id, 0, -1, false, now)
-	p.cons.force = r.id
+	p.cons.Force = r.id
 	d, err := p.rt.Route(f.req, now)
-	p.cons.force = -1
+	p.cons.Force = -1
 	if err != nil {
 		delete(p.flights, id)
 		p.mu.Unlock()

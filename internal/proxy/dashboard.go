@@ -108,7 +108,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	for i := range reps {
 		cachedBlocks[i] = tree.CachedBlocks(i)
 	}
-	e2, _ := p.excl.inner.(*policy.E2)
+	e2, _ := p.excl.Inner.(*policy.E2)
 	window := make([][2]float64, len(reps)) // load, hit ratio
 	var e2Window time.Duration
 	if e2 != nil {

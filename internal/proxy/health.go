@@ -144,6 +144,10 @@ var (
 	kvNames      = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"}
 )
 
+// ParseLoad reads a replica's load from vLLM's or SGLang's Prometheus text
+// exposition (see parseLoad); the endpoint picker shares it.
+func ParseLoad(r io.Reader) (Load, error) { return parseLoad(r) }
+
 // parseLoad reads vLLM's or SGLang's Prometheus text exposition. Counts are
 // summed over series (engines of a data-parallel replica); KV usage is the
 // mean over series. Metrics it does not find stay unknown.

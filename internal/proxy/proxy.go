@@ -87,7 +87,7 @@ type Proxy struct {
 
 	mu    sync.Mutex // guards rt, excl, state and dash
 	rt    *router.Router
-	excl  *excluder
+	excl  *policy.Constrained
 	state []health
 	dash  dashRing // recent decisions for the dashboard (dashboard.go)
 
@@ -116,7 +116,7 @@ func New(cfg Config) (*Proxy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("proxy: config: policy: %w", err)
 	}
-	ex := newExcluder(pol)
+	ex := policy.NewConstrained(pol)
 	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: ex, Seed: cfg.Seed,
 		SpeculativeTTL: cfg.SpeculativeTTL})
 	if err != nil {
@@ -300,9 +300,9 @@ func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, error
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.excl.exclude = exclude
+	p.excl.Exclude = exclude
 	d, err := p.rt.Route(req, now)
-	p.excl.exclude = nil
+	p.excl.Exclude = nil
 	if err == nil {
 		p.dash.record(now, req.PromptTokens, &d)
 	}
@@ -396,80 +396,4 @@ func (p *Proxy) upCount() int {
 		}
 	}
 	return n
-}
-
-// excluder wraps the configured policy so that one decision can leave out
-// replicas a request already failed on, without marking them down in the
-// core (which would tell the policy they left the pool). The proxy sets
-// exclude under its lock around Route.
-type excluder struct {
-	inner   policy.Policy
-	obs     policy.Observer // inner as an Observer, or nil
-	exclude []int
-	reps    []policy.Replica // scratch copy of the view's replicas
-}
-
-var (
-	_ policy.Policy   = (*excluder)(nil)
-	_ policy.Observer = (*excluder)(nil)
-)
-
-func newExcluder(inner policy.Policy) *excluder {
-	e := &excluder{inner: inner}
-	e.obs, _ = inner.(policy.Observer)
-	return e
-}
-
-// Name implements policy.Policy.
-func (e *excluder) Name() string { return e.inner.Name() }
-
-// Speculative implements policy.Speculator for the inner policy.
-func (e *excluder) Speculative() bool {
-	sp, ok := e.inner.(policy.Speculator)
-	return ok && sp.Speculative()
-}
-
-// Route implements policy.Policy: the inner policy sees excluded replicas
-// as down.
-func (e *excluder) Route(req *policy.Request, v *policy.View, now time.Time) (policy.Decision, error) {
-	if len(e.exclude) == 0 {
-		return e.inner.Route(req, v, now)
-	}
-	e.reps = append(e.reps[:0], v.Replicas...)
-	for _, r := range e.exclude {
-		if r >= 0 && r < len(e.reps) {
-			e.reps[r].Up = false
-		}
-	}
-	vv := *v
-	vv.Replicas = e.reps
-	return e.inner.Route(req, &vv, now)
-}
-
-// Routed implements policy.Observer.
-func (e *excluder) Routed(req *policy.Request, d *policy.Decision, v *policy.View, now time.Time) {
-	if e.obs != nil {
-		e.obs.Routed(req, d, v, now)
-	}
-}
-
-// FirstToken implements policy.Observer.
-func (e *excluder) FirstToken(id uint64, replica int, ttft time.Duration, now time.Time) {
-	if e.obs != nil {
-		e.obs.FirstToken(id, replica, ttft, now)
-	}
-}
-
-// Finished implements policy.Observer.
-func (e *excluder) Finished(id uint64, replica int, outputTokens int, ok bool, now time.Time) {
-	if e.obs != nil {
-		e.obs.Finished(id, replica, outputTokens, ok, now)
-	}
-}
-
-// ReplicaDown implements policy.Observer.
-func (e *excluder) ReplicaDown(replica int, now time.Time) {
-	if e.obs != nil {
-		e.obs.ReplicaDown(replica, now)
-	}
 }
