@@ -122,6 +122,11 @@ type Config struct {
 	// replica with KV events before its events confirm it (0: the router's
 	// default, 2s; negative: no speculative entries).
 	SpeculativeTTL time.Duration
+	// TreeMaxBlocks bounds the router's global prefix tree in blocks (0:
+	// prefixtree.DefaultMaxBlocks, 2M); unheld prefixes beyond it are
+	// evicted least recently used first. The tree's memory (about 80 bytes
+	// a block) grows until it reaches the bound.
+	TreeMaxBlocks int
 
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
@@ -254,6 +259,8 @@ func (c *Config) Validate() error {
 		return bad("max_body_bytes", "must be > 0, got %d", c.MaxBodyBytes)
 	case c.MaxResponseBytes <= 0:
 		return bad("max_response_bytes", "must be > 0, got %d", c.MaxResponseBytes)
+	case c.TreeMaxBlocks < 0:
+		return bad("tree_max_blocks", "must be ≥ 0, got %d", c.TreeMaxBlocks)
 	case c.MaxRetries < 0:
 		return bad("max_retries", "must be ≥ 0, got %d", c.MaxRetries)
 	case c.MaxHeaderBytes <= 0:
@@ -395,6 +402,7 @@ type fileConfig struct {
 	AdminToken            *string    `json:"admin_token"`
 	DrainTimeout          *duration  `json:"drain_timeout"`
 	SpeculativeTTL        *duration  `json:"speculative_ttl"`
+	TreeMaxBlocks         *int       `json:"tree_max_blocks"`
 	Tokenizer             *string    `json:"tokenizer"`
 }
 
@@ -466,6 +474,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setS(&c.AdminToken, f.AdminToken)
 	setD(&c.DrainTimeout, f.DrainTimeout)
 	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
+	setI(&c.TreeMaxBlocks, f.TreeMaxBlocks)
 	setS(&c.Tokenizer, f.Tokenizer)
 	return c, nil
 }

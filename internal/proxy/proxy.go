@@ -29,6 +29,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/prefixlb/prefixlb/internal/kvevents"
@@ -118,7 +119,7 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	ex := policy.NewConstrained(pol)
 	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: ex, Seed: cfg.Seed,
-		SpeculativeTTL: cfg.SpeculativeTTL})
+		SpeculativeTTL: cfg.SpeculativeTTL, TreeMaxBlocks: cfg.TreeMaxBlocks})
 	if err != nil {
 		return nil, fmt.Errorf("proxy: new router: %w", err)
 	}
@@ -150,6 +151,15 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.MaxConcurrent > 0 {
 		p.slots = make(chan struct{}, cfg.MaxConcurrent)
 	}
+	// The global tree's size, read under the core's lock at scrape time.
+	p.m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "prefixlb_tree_blocks",
+		Help: "Blocks held by the router's global prefix tree (bounded by tree_max_blocks).",
+	}, func() float64 {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return float64(p.rt.Tree().Blocks())
+	}))
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
 	}

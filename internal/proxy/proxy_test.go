@@ -205,6 +205,7 @@ func TestExplanationHeadersAndMetrics(t *testing.T) {
 		`prefixlb_cache_predictions_total{outcome="exact"} 1`,
 		`prefixlb_request_latency_seconds_count`,
 		`prefixlb_inflight{replica="a"} 0`,
+		"prefixlb_tree_blocks 13", // 880 bytes of prompt: 13 full 64-byte chunks
 	} {
 		if !strings.Contains(string(m), want) {
 			t.Errorf("metrics lack %q", want)
