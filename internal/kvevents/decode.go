@@ -358,8 +358,24 @@ func (r *decoder) skip(depth int) error {
 			}
 		}
 		return nil
+	case msgpcode.IsString(c) || msgpcode.IsBin(c):
+		_, err := r.bytes() // bounds-checked, aliases the payload
+		return err
+	case msgpcode.IsExt(c):
+		// msgpack.Decoder.Skip would read the declared length into its
+		// scratch buffer, growing it by up to 1 MiB per call before finding
+		// the payload short, and the pooled decoder would keep it.
+		_, n, err := r.d.DecodeExtHeader()
+		if err != nil {
+			return err
+		}
+		if n > r.br.Len() {
+			return fmt.Errorf("ext of %d bytes in %d", n, r.br.Len())
+		}
+		r.advance(n)
+		return nil
 	}
-	return r.d.Skip() // a scalar, string, bin or ext: no recursion
+	return r.d.Skip() // nil, a bool or a number: a few bytes, no recursion
 }
 
 // raw skips one value and returns a copy of its encoding.
