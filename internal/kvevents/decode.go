@@ -574,6 +574,38 @@ func (r *decoder) event() (Event, error) {
 		// Find "type" first, wherever it is: an unknown event's fields may
 		// have any types, so they must not be decoded as known fields.
 		start := r.pos()
+		if n > 0 {
+			// vLLM's tagged encoding puts "type" first: then one pass.
+			k, err := r.bytes()
+			if err != nil {
+				return nil, fmt.Errorf("event key: %w", err)
+			}
+			if string(k) == "type" {
+				typ, err := r.bytes()
+				if err != nil {
+					return nil, fmt.Errorf("event type: %w", err)
+				}
+				known := knownType(string(typ))
+				for range n - 1 {
+					k, err := r.bytes()
+					if err != nil {
+						return nil, fmt.Errorf("event key: %w", err)
+					}
+					f := fUnknown
+					if known && string(k) != "type" {
+						f = fieldByName(k)
+					}
+					if err := r.field(f, &s); err != nil {
+						return nil, err
+					}
+				}
+				if !known {
+					return nil, nil // skipped whole; the caller counts it
+				}
+				return makeEvent(string(typ), &s), nil
+			}
+			r.advance(start - r.pos())
+		}
 		var typ []byte
 		hasType := false
 		for range n {
