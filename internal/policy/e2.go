@@ -550,6 +550,10 @@ func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
 
 	p.cands = p.cands[:0]
 	d := Decision{Replica: -1}
+	mix := -1
+	if missed >= matched && p.cfg.Mixing {
+		mix = p.mixTarget(v)
+	}
 	switch {
 	case missed < matched:
 		d.Branch = "exploit"
@@ -558,12 +562,11 @@ func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
 			set = p.assignedSet(v, matchedBlocks)
 		}
 		p.pick(req, v, set, &d)
-	case p.cfg.Mixing && p.mixTarget(v) >= 0:
-		r := p.mixTarget(v)
+	case mix >= 0:
 		d.Branch = "mixing"
-		c := p.cost(r, req, v)
+		c := p.cost(mix, req, v)
 		p.cands = append(p.cands, c)
-		d.Replica, d.MatchedTokens = r, c.MatchedTokens
+		d.Replica, d.MatchedTokens = mix, c.MatchedTokens
 	default:
 		d.Branch = "explore"
 		p.pick(req, v, nil, &d)
