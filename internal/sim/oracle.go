@@ -1,6 +1,8 @@
 package sim
 
 import (
+	"cmp"
+	"slices"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -43,10 +45,5 @@ func Oracle(reqs []workload.Request, prof costmodel.Profile, blockTokens int) []
 }
 
 func sortByArrival(order []int, reqs []workload.Request) {
-	// Insertion-friendly: workloads are nearly sorted already.
-	for i := 1; i < len(order); i++ {
-		for j := i; j > 0 && reqs[order[j]].Arrival < reqs[order[j-1]].Arrival; j-- {
-			order[j], order[j-1] = order[j-1], order[j]
-		}
-	}
+	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(reqs[a].Arrival, reqs[b].Arrival) })
 }
