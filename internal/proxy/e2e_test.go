@@ -30,8 +30,9 @@ type e2eResult struct {
 }
 
 // startEngines runs n modelled replicas (internal/engine) on loopback, 100
-// times faster than real time, until the test ends.
-func startEngines(t *testing.T, n int) []Backend {
+// times faster than real time, until the test ends; configure, if given,
+// adjusts each engine's config.
+func startEngines(t *testing.T, n int, configure ...func(*engine.Config)) []Backend {
 	t.Helper()
 	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
 	if err != nil {
@@ -43,6 +44,9 @@ func startEngines(t *testing.T, n int) []Backend {
 		ec.Replica.Profile = prof
 		ec.TimeScale = 100
 		ec.Logger = slog.New(slog.DiscardHandler)
+		for _, f := range configure {
+			f(&ec)
+		}
 		e, err := engine.New(ec)
 		if err != nil {
 			t.Fatal(err)

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
-	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
@@ -307,36 +306,10 @@ func TestTokenizerProbeOnReadmission(t *testing.T) {
 // startTokenizerEngines runs n modelled replicas that tokenize with tok.
 func startTokenizerEngines(t *testing.T, n int, tok *tokenize.Tokenizer) []Backend {
 	t.Helper()
-	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []Backend
-	for i := range n {
-		ec := engine.DefaultConfig()
-		ec.Replica.Profile = prof
-		ec.TimeScale = 100
-		ec.Logger = slog.New(slog.DiscardHandler)
+	return startEngines(t, n, func(ec *engine.Config) {
 		c := tokenize.NewPrefixCache(tok, 0)
 		ec.Tokenizer, ec.ChatEncoder = c, c
-		e, err := engine.New(ec)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- e.Run(ctx) }()
-		srv := httptest.NewServer(e.Handler())
-		t.Cleanup(func() {
-			srv.Close()
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("engine %d: Run: %v", i, err)
-			}
-		})
-		out = append(out, Backend{Name: fmt.Sprintf("engine-%d", i), URL: srv.URL})
-	}
-	return out
+	})
 }
 
 // TestEndToEndTokenizerChat runs real modelled replicas that tokenize with
