@@ -386,35 +386,9 @@ type watcher struct {
 	line    []byte // SSE: the unfinished line
 	body    []byte // JSON: the body so far (up to max)
 	tokens  int
-	usage   *usage
+	usage   *proxy.Chunk // the last chunk that reported usage
 	overrun bool
 }
-
-// usage is an OpenAI usage object.
-type usage struct {
-	CompletionTokens    int `json:"completion_tokens"`
-	PromptTokensDetails *struct {
-		CachedTokens *int `json:"cached_tokens"`
-	} `json:"prompt_tokens_details"`
-}
-
-// chunk is what the watcher reads from an event or a response.
-type chunk struct {
-	Choices []struct {
-		Text  *string `json:"text"`
-		Delta *struct {
-			Content          *string         `json:"content"`
-			ReasoningContent *string         `json:"reasoning_content"`
-			ToolCalls        json.RawMessage `json:"tool_calls"`
-		} `json:"delta"`
-		Message *struct {
-			Content *string `json:"content"`
-		} `json:"message"`
-	} `json:"choices"`
-	Usage *usage `json:"usage"`
-}
-
-func nonEmpty(s *string) bool { return s != nil && *s != "" }
 
 // feed reads b; it reports whether b carried the first output token.
 func (w *watcher) feed(b []byte) (first bool) {
@@ -450,38 +424,30 @@ func (w *watcher) event(data []byte) bool {
 	if len(data) == 0 || string(data) == "[DONE]" {
 		return false
 	}
-	var c chunk
-	if json.Unmarshal(data, &c) != nil {
+	c, ok := proxy.ReadChunk(data)
+	if !ok {
 		return false
 	}
-	if c.Usage != nil {
-		w.usage = c.Usage
+	if c.HasUsage {
+		w.usage = &c
 	}
-	for _, ch := range c.Choices {
-		if nonEmpty(ch.Text) || (ch.Delta != nil && (nonEmpty(ch.Delta.Content) || nonEmpty(ch.Delta.ReasoningContent) ||
-			(len(ch.Delta.ToolCalls) > 0 && string(ch.Delta.ToolCalls) != "null"))) {
-			w.tokens++
-			return true
-		}
+	if c.Output {
+		w.tokens++
 	}
-	return false
+	return c.Output
 }
 
 // result returns the output tokens and the cached prompt tokens reported
 // (-1 unknown).
 func (w *watcher) result() (out, cached int) {
 	if !w.sse && !w.overrun && len(w.body) > 0 {
-		var c chunk
-		if json.Unmarshal(w.body, &c) == nil && c.Usage != nil {
-			w.usage = c.Usage
+		if c, ok := proxy.ReadChunk(w.body); ok && c.HasUsage {
+			w.usage = &c
 		}
 	}
 	out, cached = w.tokens, -1
 	if w.usage != nil {
-		out = w.usage.CompletionTokens
-		if d := w.usage.PromptTokensDetails; d != nil && d.CachedTokens != nil {
-			cached = max(*d.CachedTokens, 0)
-		}
+		out, cached = w.usage.CompletionTokens, w.usage.CachedTokens
 	}
 	return out, cached
 }

@@ -160,6 +160,47 @@ type usage struct {
 	} `json:"prompt_tokens_details"`
 }
 
+// output reports whether a chunk carried output: text, content, reasoning
+// or tool calls.
+func (c *chunkInfo) output() bool {
+	for _, ch := range c.Choices {
+		if (ch.Text != nil && *ch.Text != "") ||
+			(ch.Delta != nil && ((ch.Delta.Content != nil && *ch.Delta.Content != "") ||
+				(ch.Delta.ReasoningContent != nil && *ch.Delta.ReasoningContent != "") ||
+				(ch.Delta.Reasoning != nil && *ch.Delta.Reasoning != "") ||
+				(len(ch.Delta.ToolCalls) > 0 && string(ch.Delta.ToolCalls) != "null"))) {
+			return true
+		}
+	}
+	return false
+}
+
+// Chunk is what ReadChunk learns from one completion or chat chunk.
+type Chunk struct {
+	// Output says whether the chunk carried output tokens.
+	Output bool
+	// HasUsage says whether it reported usage; CompletionTokens and
+	// CachedTokens (-1: not reported) are then set.
+	HasUsage                       bool
+	CompletionTokens, CachedTokens int
+}
+
+// ReadChunk parses one completion or chat chunk — an SSE event's data, or
+// a whole non-streamed response — the way the proxy reads replies on the
+// side (the endpoint picker shares it). ok is false when data is not JSON.
+func ReadChunk(data []byte) (c Chunk, ok bool) {
+	var ci chunkInfo
+	if json.Unmarshal(data, &ci) != nil {
+		return Chunk{}, false
+	}
+	c.Output = ci.output()
+	if ci.Usage != nil {
+		c.HasUsage = true
+		c.CompletionTokens, c.CachedTokens = ci.Usage.CompletionTokens, ci.Usage.cached()
+	}
+	return c, true
+}
+
 // cached returns the reported cached prompt tokens, or -1 if none.
 func (u *usage) cached() int {
 	if u == nil || u.PromptTokensDetails == nil || u.PromptTokensDetails.CachedTokens == nil {
@@ -204,15 +245,7 @@ func (s *streamState) observe(ev *sseEvent) (token bool, err error) {
 	if len(c.Error) > 0 && string(c.Error) != "null" {
 		s.upstreamError = true
 	}
-	for _, ch := range c.Choices {
-		if (ch.Text != nil && *ch.Text != "") ||
-			(ch.Delta != nil && ((ch.Delta.Content != nil && *ch.Delta.Content != "") ||
-				(ch.Delta.ReasoningContent != nil && *ch.Delta.ReasoningContent != "") ||
-				(ch.Delta.Reasoning != nil && *ch.Delta.Reasoning != "") ||
-				(len(ch.Delta.ToolCalls) > 0 && string(ch.Delta.ToolCalls) != "null"))) {
-			token = true
-		}
-	}
+	token = c.output()
 	if token {
 		s.tokens++
 	}
