@@ -31,9 +31,12 @@ type cluster struct {
 	router    *router
 }
 
-// clusterOpts chooses engine 0's HTTP path.
+// clusterOpts chooses engine 0's HTTP path and adds router flags.
 type clusterOpts struct {
 	front, httpProxy bool
+	// routerFlags are appended to the router's command line (later flags
+	// win over routerFlags' defaults).
+	routerFlags []string
 }
 
 func newCluster(t *testing.T, o clusterOpts) *cluster {
@@ -59,7 +62,7 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 		}
 		bs = append(bs, b)
 	}
-	c.router = newRouter(t, c.dir, bs)
+	c.router = newRouter(t, c.dir, bs, o.routerFlags...)
 	return c
 }
 

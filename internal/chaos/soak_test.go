@@ -23,6 +23,7 @@ type soakSample struct {
 	EnginesRSS       int64
 	EnginesFDs       int
 	RouterInflight   int
+	TreeBlocks       int
 }
 
 // soakMinute is one minute of load.
@@ -32,6 +33,14 @@ type soakMinute struct {
 	Sent, Completed, Errors int
 	TTFT, Latency           report.Summary
 	Hit                     float64
+}
+
+// soakRouterFlags override the suite's router flags for the soak.
+var soakRouterFlags = []string{
+	"--idle-timeout", "30s",
+	"--response-header-timeout", "30s",
+	"--request-timeout", "60s",
+	"--tree-max-blocks", "100000",
 }
 
 // soakWorkloads are cycled minute by minute.
@@ -55,7 +64,13 @@ func TestSoak(t *testing.T) {
 	} else if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	c := newCluster(t, clusterOpts{})
+	// The soak looks for leaks, not for faults: the router runs with
+	// production-like timeouts (the suite's 3 s idle timeout turns a
+	// scheduling stall on a busy 2-core machine into an error) and a
+	// prefix tree bounded at 100k blocks (about 8 MiB), so that the tree
+	// reaches its bound within the hour and the memory it holds levels off
+	// where a user would see it level off.
+	c := newCluster(t, clusterOpts{routerFlags: soakRouterFlags})
 	ctx, cancel := context.WithTimeout(context.Background(), *soakDuration+5*time.Minute)
 	defer cancel()
 	start := time.Now()
@@ -140,6 +155,7 @@ func sampleCluster(c *cluster, at time.Duration) (soakSample, error) {
 	}
 	s.RouterGoroutines = int(m["go_goroutines"])
 	s.RouterInflight = int(m["prefixlb_inflight"])
+	s.TreeBlocks = int(m["prefixlb_tree_blocks"])
 	for _, e := range c.engines {
 		ps, err := readProcStats(e.p.pid())
 		if err != nil {
@@ -168,10 +184,10 @@ func firstErrors(recs []report.RequestRecord, n int) []string {
 // writeSoak writes samples.csv and minutes.csv under dir.
 func writeSoak(dir string, samples []soakSample, minutes []soakMinute) error {
 	var b strings.Builder
-	b.WriteString("elapsed_s,router_rss_mib,router_fds,router_goroutines,router_inflight,engines_rss_mib,engines_fds\n")
+	b.WriteString("elapsed_s,router_rss_mib,router_fds,router_goroutines,router_inflight,tree_blocks,engines_rss_mib,engines_fds\n")
 	for _, s := range samples {
-		fmt.Fprintf(&b, "%.0f,%.1f,%d,%d,%d,%.1f,%d\n", s.At.Seconds(), mib(s.RouterRSS), s.RouterFDs, s.RouterGoroutines,
-			s.RouterInflight, mib(s.EnginesRSS), s.EnginesFDs)
+		fmt.Fprintf(&b, "%.0f,%.1f,%d,%d,%d,%d,%.1f,%d\n", s.At.Seconds(), mib(s.RouterRSS), s.RouterFDs, s.RouterGoroutines,
+			s.RouterInflight, s.TreeBlocks, mib(s.EnginesRSS), s.EnginesFDs)
 	}
 	if err := os.WriteFile(filepath.Join(dir, "samples.csv"), []byte(b.String()), 0o644); err != nil {
 		return err
@@ -201,8 +217,8 @@ func soakSummary(samples []soakSample, minutes []soakMinute, elapsed time.Durati
 		elapsed.Round(time.Second), len(minutes), strings.Join(soakWorkloads, "/"), sent, completed, errs)
 	if len(samples) > 0 {
 		for _, s := range []soakSample{samples[0], samples[len(samples)/2], samples[len(samples)-1]} {
-			fmt.Fprintf(&b, "t=%5.0fs router rss %.1f MiB fds %d goroutines %d | engines rss %.1f MiB fds %d\n",
-				s.At.Seconds(), mib(s.RouterRSS), s.RouterFDs, s.RouterGoroutines, mib(s.EnginesRSS), s.EnginesFDs)
+			fmt.Fprintf(&b, "t=%5.0fs router rss %.1f MiB fds %d goroutines %d tree %d blocks | engines rss %.1f MiB fds %d\n",
+				s.At.Seconds(), mib(s.RouterRSS), s.RouterFDs, s.RouterGoroutines, s.TreeBlocks, mib(s.EnginesRSS), s.EnginesFDs)
 		}
 	}
 	if len(p99) > 0 {
