@@ -21,19 +21,32 @@ const (
 
 // cluster is three engines and a router. Engine 0 is reached through the
 // fault points a scenario asks for: a switchable HTTP front, a delaying TCP
-// proxy, and (always) a TCP proxy on its KV-event stream.
+// proxy, (always) a TCP proxy on its KV-event stream, and behind that a
+// ZeroMQ relay that can drop messages. The load may reach the router
+// through a TCP proxy of its own.
 type cluster struct {
-	dir       string
-	engines   []*engine
-	front     *front    // in front of engine 0's HTTP, or nil
-	httpProxy *tcpProxy // in front of engine 0's HTTP, or nil
-	kvProxy   *tcpProxy // in front of engine 0's KV-event PUB socket
-	router    *router
+	dir         string
+	engines     []*engine
+	front       *front    // in front of engine 0's HTTP, or nil
+	httpProxy   *tcpProxy // in front of engine 0's HTTP, or nil
+	kvProxy     *tcpProxy // in front of engine 0's KV-event PUB socket (or of kvRelay)
+	kvRelay     *zmqRelay // between kvProxy and engine 0's PUB socket, or nil
+	clientProxy *tcpProxy // between the load and the router, or nil
+	router      *router
+	// replica0 is engine 0's name in the router's metrics and logs.
+	replica0 string
+
+	// Set by a scenario's hooks, on the scenario's goroutine.
+	notes     []string // figures for the row
+	lagAtHeal float64  // the router's KV lag for engine 0 at the heal, seconds
 }
 
-// clusterOpts chooses engine 0's HTTP path and adds router flags.
+// clusterOpts chooses engine 0's HTTP and KV-event paths, the load's path
+// to the router, and adds router flags.
 type clusterOpts struct {
 	front, httpProxy bool
+	kvRelay          bool // a zmqRelay behind kvProxy
+	clientProxy      bool // a tcpProxy before the router, for the load
 	// routerFlags are appended to the router's command line (later flags
 	// win over routerFlags' defaults).
 	routerFlags []string
@@ -49,7 +62,12 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	for i, e := range c.engines {
 		b := backend{URL: e.url(), KVEvents: e.kvEndpoint(), KVReplay: e.replayEndpoint()}
 		if i == 0 {
-			c.kvProxy = newTCPProxy(t, fmt.Sprintf("127.0.0.1:%d", e.kvPort))
+			kvTarget := fmt.Sprintf("127.0.0.1:%d", e.kvPort)
+			if o.kvRelay {
+				c.kvRelay = newZMQRelay(t, e.kvEndpoint())
+				kvTarget = c.kvRelay.addr()
+			}
+			c.kvProxy = newTCPProxy(t, kvTarget)
 			b.KVEvents = "tcp://" + c.kvProxy.addr()
 			switch {
 			case o.front:
@@ -62,8 +80,20 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 		}
 		bs = append(bs, b)
 	}
+	c.replica0 = strings.TrimPrefix(bs[0].URL, "http://")
 	c.router = newRouter(t, c.dir, bs, o.routerFlags...)
+	if o.clientProxy {
+		c.clientProxy = newTCPProxy(t, strings.TrimPrefix(c.router.url(), "http://"))
+	}
 	return c
+}
+
+// loadURL is where the load is sent: the router, or the proxy before it.
+func (c *cluster) loadURL() string {
+	if c.clientProxy != nil {
+		return "http://" + c.clientProxy.addr()
+	}
+	return c.router.url()
 }
 
 // scenario is one fault: what to set up, inject and heal.
@@ -75,7 +105,25 @@ type scenario struct {
 	// routerFault: the router itself is restarted; connection errors from
 	// it are expected (and counted apart).
 	routerFault bool
+	// probe, when set, runs just before the heal, to see that the fault
+	// took effect; it may record figures with c.note.
+	probe func(t *testing.T, c *cluster)
+	// caughtUp, when set, says whether the router's view of the faulted
+	// link is current again. runScenario polls it from the heal (every
+	// 20 ms, at most viewTimeout) and reports the time it took as "view back".
+	caughtUp func(c *cluster) (bool, error)
+	// check, when set, asserts what is particular to the fault, on the
+	// row and the router's metrics (summed over replicas) after the run.
+	check func(t *testing.T, c *cluster, r row, m map[string]float64)
 }
+
+// Fault sizes of the link scenarios.
+const (
+	kvDelay     = 200 * time.Millisecond // one-way, on engine 0's KV-event stream
+	clientDelay = 50 * time.Millisecond  // each way, between the load and the router
+	kvGapEvery  = time.Second            // gap mode: one KV message let through per second
+	viewTimeout = 10 * time.Second
+)
 
 func scenarios() []scenario {
 	return []scenario{
@@ -110,9 +158,32 @@ func scenarios() []scenario {
 			heal:  func(_ *testing.T, c *cluster) { c.httpProxy.setDelay(0) },
 		},
 		{
+			name:  "client link delayed",
+			opts:  clusterOpts{clientProxy: true},
+			fault: func(_ *testing.T, c *cluster) { c.clientProxy.setLatency(clientDelay) },
+			heal:  func(_ *testing.T, c *cluster) { c.clientProxy.setLatency(0) },
+			check: checkClientDelayed,
+		},
+		{
 			name:  "kv stream cut",
 			fault: func(_ *testing.T, c *cluster) { c.kvProxy.cut(true) },
 			heal:  func(_ *testing.T, c *cluster) { c.kvProxy.heal() },
+		},
+		{
+			name:     "kv stream delayed",
+			fault:    func(_ *testing.T, c *cluster) { c.kvProxy.setLatency(kvDelay) },
+			heal:     func(_ *testing.T, c *cluster) { c.kvProxy.setLatency(0) },
+			probe:    probeKVLag,
+			caughtUp: kvLagBack,
+			check:    checkKVDelayed,
+		},
+		{
+			name:     "kv stream gapped",
+			opts:     clusterOpts{kvRelay: true},
+			fault:    func(_ *testing.T, c *cluster) { c.kvRelay.setGap(kvGapEvery) },
+			heal:     func(_ *testing.T, c *cluster) { c.kvRelay.setGap(0) },
+			caughtUp: kvGapFilled,
+			check:    checkKVGapped,
 		},
 		{
 			name:        "router restart",
@@ -127,7 +198,7 @@ func scenarios() []scenario {
 // no request is lost and every failure is clean; it prints the fault matrix.
 func TestChaos(t *testing.T) {
 	if testing.Short() {
-		t.Skip("chaos: starts processes for ~3 minutes; not under -short")
+		t.Skip("chaos: starts processes for ~4 minutes; not under -short")
 	}
 	var rows []row
 	for _, sc := range scenarios() {
@@ -152,16 +223,16 @@ func TestChaos(t *testing.T) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\nfault matrix (toolbench at %g/s, 3 engines at time scale %d, policy e2; fault %v–%v of %v)\n",
 		loadRate, engineTimeScale, faultAt, healAt, loadDuration)
-	fmt.Fprintf(&b, "| %-18s | %4s | %9s | %7s | %7s | %12s | %11s | %4s | %7s | %s | %s | %8s |\n",
-		"fault", "sent", "completed", "retried", "retries", "clean errors", "router conn", "lost", "unclean", "hit before→during→after", "ttft p50 ms before→during→after", "recovery")
+	fmt.Fprintf(&b, "| %-19s | %4s | %9s | %7s | %7s | %12s | %11s | %4s | %7s | %s | %s | %8s | %s |\n",
+		"fault", "sent", "completed", "retried", "retries", "clean errors", "router conn", "lost", "unclean", "hit before→during→after", "ttft p50 ms before→during→after", "recovery", "notes")
 	for _, r := range rows {
 		rec := "—"
 		if r.Recovery >= 0 {
 			rec = r.Recovery.Round(10 * time.Millisecond).String()
 		}
-		fmt.Fprintf(&b, "| %-18s | %4d | %9d | %7d | %7d | %12d | %11d | %4d | %7d | %.2f→%.2f→%.2f | %.1f→%.1f→%.1f | %8s |\n",
+		fmt.Fprintf(&b, "| %-19s | %4d | %9d | %7d | %7d | %12d | %11d | %4d | %7d | %.2f→%.2f→%.2f | %.1f→%.1f→%.1f | %8s | %s |\n",
 			r.Scenario, r.Sent, r.Completed, r.Retried, r.RetriesMetric, r.Clean, r.RouterConn, r.Lost, r.Unclean,
-			r.Base.hit, r.During.hit, r.After.hit, r.Base.ttftP50, r.During.ttftP50, r.After.ttftP50, rec)
+			r.Base.hit, r.During.hit, r.After.hit, r.Base.ttftP50, r.During.ttftP50, r.After.ttftP50, rec, r.Notes)
 	}
 	t.Log(b.String())
 }
@@ -173,7 +244,7 @@ func runScenario(t *testing.T, sc scenario) row {
 	reqs := genWorkload(t, "toolbench", int(loadRate*loadDuration.Seconds())+20, loadRate, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), loadDuration+90*time.Second)
 	defer cancel()
-	ct, start, wait := runLoad(ctx, c.router.url(), reqs, loadDuration)
+	ct, start, wait := runLoad(ctx, c.loadURL(), reqs, loadDuration)
 	t.Cleanup(func() { cancel(); _, _ = wait() })
 
 	retriesBefore := 0.0
@@ -186,10 +257,17 @@ func runScenario(t *testing.T, sc scenario) row {
 	faultT := time.Since(start)
 	sc.fault(t, c)
 	sleepUntil(ctx, start.Add(healAt))
+	if sc.probe != nil {
+		sc.probe(t, c)
+	}
 	healStart := time.Now()
 	sc.heal(t, c)
 	healT := time.Since(start)
 	healTook := time.Since(healStart)
+	viewBack := time.Duration(-1)
+	if sc.caughtUp != nil {
+		viewBack = waitCaughtUp(t, c, sc.caughtUp, healStart)
+	}
 
 	out, err := wait()
 	if err != nil {
@@ -209,7 +287,9 @@ func runScenario(t *testing.T, sc scenario) row {
 			notes = append(notes, fmt.Sprintf("kv %s=%g", strings.TrimSuffix(k, "_total"), v))
 		}
 	}
-	r.Notes = strings.Join(notes, " ")
+	if viewBack >= 0 {
+		notes = append(notes, "view back "+viewBack.Round(time.Millisecond).String())
+	}
 	end := time.Duration(out.Records[len(out.Records)-1].SentS * float64(time.Second))
 	r.Base = quality(out.Records, warmUp, faultT)
 	r.During = quality(out.Records, faultT, healT)
@@ -219,5 +299,110 @@ func runScenario(t *testing.T, sc scenario) row {
 	} else {
 		r.After = quality(out.Records, healT, end)
 	}
+	if sc.check != nil {
+		sc.check(t, c, r, m)
+	}
+	r.Notes = strings.Join(append(notes, c.notes...), " ")
 	return r
+}
+
+// note records a figure of the scenario for its row.
+func (c *cluster) note(format string, args ...any) {
+	c.notes = append(c.notes, fmt.Sprintf(format, args...))
+}
+
+// waitCaughtUp polls caughtUp until it holds and returns the time since
+// from; on timeout it fails the test and returns -1.
+func waitCaughtUp(t *testing.T, c *cluster, caughtUp func(*cluster) (bool, error), from time.Time) time.Duration {
+	t.Helper()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	var last error
+	for time.Since(from) < viewTimeout {
+		ok, err := caughtUp(c)
+		if ok {
+			return time.Since(from)
+		}
+		last = err
+		<-tick.C
+	}
+	t.Errorf("chaos: router's view of engine 0's KV events not current %v after the heal (last error: %v)", viewTimeout, last)
+	return -1
+}
+
+// checkClientDelayed: the delay reached the clients (median TTFT up by at
+// least most of a round trip while it lasted).
+func checkClientDelayed(t *testing.T, _ *cluster, r row, _ map[string]float64) {
+	if min := r.Base.ttftP50 + 0.8*float64(2*clientDelay/time.Millisecond); r.During.ttftP50 < min {
+		t.Errorf("client link delayed: median TTFT %.1f ms during the fault, want ≥ %.1f ms (the delay did not take effect)", r.During.ttftP50, min)
+	}
+}
+
+// probeKVLag records the router's KV-event lag for engine 0 just before the
+// heal: the delay of the last batch it applied.
+func probeKVLag(t *testing.T, c *cluster) {
+	m, err := c.router.replicaMetrics(c.replica0)
+	if err != nil {
+		t.Errorf("kv stream delayed: %v", err)
+		return
+	}
+	c.lagAtHeal = m["prefixlb_kvevents_lag_seconds"]
+	c.note("kv lag at heal %.0fms", 1000*c.lagAtHeal)
+}
+
+// kvLagBack: the router applies engine 0's batches within 50 ms of their
+// timestamps again (the engines and the router share the clock).
+func kvLagBack(c *cluster) (bool, error) {
+	m, err := c.router.replicaMetrics(c.replica0)
+	if err != nil {
+		return false, err
+	}
+	return m["prefixlb_kvevents_lag_seconds"] < 0.05, nil
+}
+
+// checkKVDelayed: the delay took effect, and the stream was delayed whole:
+// no gap (nothing reordered or dropped), no lost batch.
+func checkKVDelayed(t *testing.T, c *cluster, _ row, m map[string]float64) {
+	if c.lagAtHeal < 0.8*kvDelay.Seconds() {
+		t.Errorf("kv stream delayed: router's KV lag for engine 0 was %.3fs at the heal, want ≥ %.3fs (the delay did not take effect)",
+			c.lagAtHeal, 0.8*kvDelay.Seconds())
+	}
+	for _, k := range []string{"gaps_total", "lost_batches_total"} {
+		if v := m["prefixlb_kvevents_"+k]; v != 0 {
+			t.Errorf("kv stream delayed: prefixlb_kvevents_%s = %g, want 0 (a delay reorders and drops nothing)", k, v)
+		}
+	}
+}
+
+// kvGapFilled: the router has applied every batch up to the last one the
+// relay dropped.
+func kvGapFilled(c *cluster) (bool, error) {
+	st := c.kvRelay.stats()
+	m, err := c.router.replicaMetrics(c.replica0)
+	if err != nil {
+		return false, err
+	}
+	return st.LastDropped < 0 || m["prefixlb_kvevents_last_seq"] >= float64(st.LastDropped), nil
+}
+
+// checkKVGapped: the relay made gaps on the live stream, the router saw
+// them, and replay filled every one (no batch lost).
+func checkKVGapped(t *testing.T, c *cluster, _ row, m map[string]float64) {
+	st := c.kvRelay.stats()
+	c.note("relay dropped %d of %d msgs in %d gaps", st.Dropped, st.Dropped+st.Sent, st.Gaps)
+	if st.Err != nil {
+		t.Errorf("kv stream gapped: the relay stopped: %v", st.Err)
+	}
+	if st.Dropped == 0 || st.Gaps == 0 {
+		t.Errorf("kv stream gapped: the relay dropped %d messages in %d gaps; the fault did not take effect", st.Dropped, st.Gaps)
+	}
+	if g := m["prefixlb_kvevents_gaps_total"]; g < 1 {
+		t.Errorf("kv stream gapped: prefixlb_kvevents_gaps_total = %g, want ≥ 1 (the relay made %d gaps)", g, st.Gaps)
+	}
+	if v := m["prefixlb_kvevents_lost_batches_total"]; v != 0 {
+		t.Errorf("kv stream gapped: prefixlb_kvevents_lost_batches_total = %g, want 0 (replay fills a gap)", v)
+	}
+	if v := m["prefixlb_kvevents_redials_total"]; v != 0 {
+		t.Errorf("kv stream gapped: prefixlb_kvevents_redials_total = %g, want 0 (the connection stayed up)", v)
+	}
 }

@@ -4,7 +4,9 @@
 // processes on loopback, drive open-loop load with package loadgen, and
 // inject faults while the load runs — a replica killed and restarted, a
 // replica that hangs, answers 500s or garbage, a slow replica behind a
-// delaying TCP proxy, the KV-event stream cut, the router restarted.
+// delaying TCP proxy, the link between clients and router delayed, the
+// KV-event stream cut, delayed, or gapped (messages dropped by a ZeroMQ
+// relay on a connection that stays up), the router restarted.
 //
 // Every request must either complete or end in a clean, attributable error;
 // none may be lost. docs/reliability.md has the measured fault matrix and

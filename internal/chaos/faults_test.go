@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"bytes"
 	"fmt"
 	"io"
 	"log"
@@ -17,20 +18,24 @@ import (
 	"time"
 )
 
-// tcpProxy is a TCP relay on loopback in front of one address. It can delay
-// every chunk it relays (a slow network or replica), cut every connection,
-// and refuse new ones (a cut link). The test that creates it owns it; it
-// stops, with every relay goroutine, at Close (registered as a cleanup).
+// tcpProxy is a TCP relay on loopback in front of one address. It can slow
+// every chunk it relays (a slow replica), hold every byte for a fixed time (a
+// network's one-way latency), cut every connection, and refuse new ones (a
+// cut link). Bytes leave in the order they came, whatever the setting. The
+// test that creates it owns it; it stops, with every relay goroutine, at
+// Close (registered as a cleanup).
 type tcpProxy struct {
-	ln     net.Listener
-	target string
-	delay  atomic.Int64 // nanoseconds added before relaying each chunk
-	refuse atomic.Bool  // close new connections at once
-	stop   chan struct{}
-	wg     sync.WaitGroup // the accept loop and the relays
+	ln      net.Listener
+	target  string
+	delay   atomic.Int64 // nanoseconds waited after reading each chunk, before reading the next
+	latency atomic.Int64 // nanoseconds each chunk is held after it was read, without slowing the reads
+	refuse  atomic.Bool  // close new connections at once
+	stop    chan struct{}
+	wg      sync.WaitGroup // the accept loop and the relays
 
-	mu    sync.Mutex // guards conns
-	conns map[net.Conn]struct{}
+	mu        sync.Mutex // guards conns and relatency
+	conns     map[net.Conn]struct{}
+	relatency chan struct{} // closed (and replaced) when the latency changes
 }
 
 // newTCPProxy starts a relay to target.
@@ -40,7 +45,8 @@ func newTCPProxy(t testing.TB, target string) *tcpProxy {
 	if err != nil {
 		t.Fatalf("chaos: tcp proxy listen: %v", err)
 	}
-	p := &tcpProxy{ln: ln, target: target, stop: make(chan struct{}), conns: make(map[net.Conn]struct{})}
+	p := &tcpProxy{ln: ln, target: target, stop: make(chan struct{}), conns: make(map[net.Conn]struct{}),
+		relatency: make(chan struct{})}
 	p.wg.Add(1)
 	go p.accept()
 	t.Cleanup(p.Close)
@@ -50,8 +56,49 @@ func newTCPProxy(t testing.TB, target string) *tcpProxy {
 // addr is the relay's host:port.
 func (p *tcpProxy) addr() string { return p.ln.Addr().String() }
 
-// setDelay sets the delay added to each relayed chunk.
+// setDelay sets the delay added to each relayed chunk. The delays add up: a
+// response of n chunks takes n×d longer, as from a replica that is slow to
+// produce each one.
 func (p *tcpProxy) setDelay(d time.Duration) { p.delay.Store(int64(d)) }
+
+// setLatency sets the time each chunk is held, in each direction, from when
+// it was read: a link's one-way delay. Unlike setDelay it does not limit the
+// throughput; chunks still leave in order. A chunk already held leaves at its
+// read time plus the new latency (0: at once).
+func (p *tcpProxy) setLatency(d time.Duration) {
+	p.mu.Lock()
+	p.latency.Store(int64(d))
+	close(p.relatency)
+	p.relatency = make(chan struct{})
+	p.mu.Unlock()
+}
+
+// hold waits until c has been held the latency in force; false if the relay
+// was closed first.
+func (p *tcpProxy) hold(c chunk) bool {
+	if p.latency.Load() == 0 {
+		return true
+	}
+	for {
+		p.mu.Lock()
+		changed := p.relatency
+		p.mu.Unlock()
+		d := time.Until(c.at.Add(time.Duration(p.latency.Load())))
+		if d <= 0 {
+			return true
+		}
+		t := time.NewTimer(d)
+		select {
+		case <-t.C:
+			return true
+		case <-changed: // wait again, for the new latency
+			t.Stop()
+		case <-p.stop:
+			t.Stop()
+			return false
+		}
+	}
+}
 
 // cut closes every connection; with refuse set, new ones are closed at once
 // until it is cleared.
@@ -142,32 +189,74 @@ func (p *tcpProxy) relay(c net.Conn) {
 	<-done
 }
 
-// copy relays src to dst, waiting the configured delay before each chunk
-// (the injected fault's timing, interrupted by Close).
+// chunk is what one read returned, and when it is ready to be sent on.
+type chunk struct {
+	b  []byte
+	at time.Time
+}
+
+// copy relays src to dst: its reader waits the configured delay after each
+// chunk it reads and queues the chunk; a writer goroutine, owned by copy and
+// joined before it returns, sends each chunk on once it has been held the
+// latency. A write error closes src, which ends the read; the
+// end of src is passed on (a half-close) once every chunk has been sent.
 func (p *tcpProxy) copy(dst, src net.Conn) {
+	q := make(chan chunk, 1024)
+	wdone := make(chan struct{})
+	go func() {
+		defer close(wdone)
+		for c := range q {
+			if !p.hold(c) {
+				return
+			}
+			if _, err := dst.Write(c.b); err != nil {
+				src.Close()
+				return
+			}
+		}
+	}()
+	eof := p.read(src, q, wdone)
+	close(q)
+	<-wdone
+	if tc, ok := dst.(*net.TCPConn); ok && eof {
+		_ = tc.CloseWrite()
+	}
+}
+
+// read queues what src sends until it ends (true: at EOF), the writer
+// stops, or the relay is closed.
+func (p *tcpProxy) read(src net.Conn, q chan<- chunk, wdone <-chan struct{}) (eof bool) {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
-			if d := time.Duration(p.delay.Load()); d > 0 {
-				t := time.NewTimer(d)
-				select {
-				case <-t.C:
-				case <-p.stop:
-					t.Stop()
-					return
-				}
+			if d := time.Duration(p.delay.Load()); d > 0 && !p.wait(d) {
+				return false
 			}
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
+			select {
+			case q <- chunk{b: bytes.Clone(buf[:n]), at: time.Now()}:
+			case <-wdone:
+				return false
+			case <-p.stop:
+				return false
 			}
 		}
 		if err != nil {
-			if tc, ok := dst.(*net.TCPConn); ok && err == io.EOF {
-				_ = tc.CloseWrite()
-			}
-			return
+			return err == io.EOF
 		}
+	}
+}
+
+// wait waits d (the injected fault's timing); false if the relay was closed
+// first.
+func (p *tcpProxy) wait(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-p.stop:
+		return false
 	}
 }
 

@@ -190,7 +190,7 @@ func (r row) String() string {
 	if r.Recovery >= 0 {
 		rec = r.Recovery.Round(10 * time.Millisecond).String()
 	}
-	return fmt.Sprintf("%-18s sent=%d completed=%d retried=%d (metric %d) clean_errors=%d router_conn_errors=%d lost=%d unclean=%d "+
+	return fmt.Sprintf("%-19s sent=%d completed=%d retried=%d (metric %d) clean_errors=%d router_conn_errors=%d lost=%d unclean=%d "+
 		"hit %.2f→%.2f→%.2f ttft_p50 %.1f→%.1f→%.1f ms recovery=%s heal_took=%s %s",
 		r.Scenario, r.Sent, r.Completed, r.Retried, r.RetriesMetric, r.Clean, r.RouterConn, r.Lost, r.Unclean,
 		r.Base.hit, r.During.hit, r.After.hit, r.Base.ttftP50, r.During.ttftP50, r.After.ttftP50, rec,

@@ -86,8 +86,20 @@ func (r *router) metrics() (map[string]float64, error) {
 	return scrape(r.url() + "/metrics")
 }
 
+// replicaMetrics scrapes the router's /metrics, keeping only the series
+// labelled replica=name.
+func (r *router) replicaMetrics(name string) (map[string]float64, error) {
+	return scrapeWhere(r.url()+"/metrics", "replica", name)
+}
+
 // scrape reads a Prometheus text page and sums every family's series.
 func scrape(url string) (map[string]float64, error) {
+	return scrapeWhere(url, "", "")
+}
+
+// scrapeWhere reads a Prometheus text page and sums every family's series
+// that have label=value (label "": every series).
+func scrapeWhere(url, label, value string) (map[string]float64, error) {
 	c := &http.Client{Timeout: 2 * time.Second}
 	resp, err := c.Get(url)
 	if err != nil {
@@ -106,6 +118,9 @@ func scrape(url string) (map[string]float64, error) {
 	for name, f := range fams {
 		sum := 0.0
 		for _, m := range f.GetMetric() {
+			if label != "" && !hasLabel(m.GetLabel(), label, value) {
+				continue
+			}
 			switch {
 			case m.Counter != nil:
 				sum += m.GetCounter().GetValue()
@@ -120,4 +135,17 @@ func scrape(url string) (map[string]float64, error) {
 		out[name] = sum
 	}
 	return out, nil
+}
+
+// hasLabel reports whether a series has label name=value.
+func hasLabel[L interface {
+	GetName() string
+	GetValue() string
+}](ls []L, name, value string) bool {
+	for _, l := range ls {
+		if l.GetName() == name {
+			return l.GetValue() == value
+		}
+	}
+	return false
 }
