@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"strings"
@@ -29,6 +30,9 @@ import (
 // eppFlags are `prefixlb epp`'s flags.
 type eppFlags struct {
 	grpcListen, healthListen string
+	metricsListen            string
+	tokenizer                string
+	treeMaxBlocks            int
 	backends, discovery      string
 	kubeconfig               string
 	policy, profile          string
@@ -54,13 +58,21 @@ request and it answers with the x-gateway-destination-endpoint header and
 envoy.lb metadata. Replicas come from --backend or from Kubernetes
 (--discovery service:NS/NAME or inferencepool:NS/NAME). Several epp replicas
 share one cache view through the engines' KV events, and their in-flight load
-through Redis (--state redis://host:6379/0). See docs/kubernetes.md.`,
+through Redis (--state redis://host:6379/0).
+
+--tokenizer (qwen3, a tokenizer.json or a model directory) keys prompts by the
+replicas' token ids, so that they match the blocks vLLM's KV events report;
+without it prompts are keyed by text chunks. --metrics-listen (:9090) serves
+the picker's Prometheus metrics at /metrics. See docs/kubernetes.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runEPP(cmd.Context(), cmd, f) },
 	}
 	fs := cmd.Flags()
 	fs.StringVar(&f.grpcListen, "grpc-listen", ":9002", "ext_proc gRPC address (health is served here too)")
 	fs.StringVar(&f.healthListen, "health-listen", ":9003", "gRPC health address for probes (\"\": none)")
+	fs.StringVar(&f.metricsListen, "metrics-listen", ":9090", "HTTP address of the picker's Prometheus /metrics (\"\": none)")
+	fs.StringVar(&f.tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys that match vLLM's KV events: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
+	fs.IntVar(&f.treeMaxBlocks, "tree-max-blocks", 0, "bound of the router's prefix tree in blocks (0: 2M, about 160 MiB)")
 	fs.StringVar(&f.backends, "backend", "", "static replicas ip:port[,ip:port..] (instead of --discovery)")
 	fs.StringVar(&f.discovery, "discovery", "", "service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME")
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster config)")
@@ -112,7 +124,8 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		return errors.New("epp: give exactly one of --backend and --discovery")
 	}
 	cfg := epp.Config{Policy: f.policy, Profile: f.profile, BlockTokens: f.blockTokens, Seed: f.seed,
-		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, ScrapeInterval: f.scrape, Logger: log}
+		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, ScrapeInterval: f.scrape, Tokenizer: f.tokenizer,
+		TreeMaxBlocks: f.treeMaxBlocks, Logger: log}
 	if f.fallbacks == 0 {
 		cfg.Fallbacks = -1
 	}
@@ -235,14 +248,27 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		servers = append(servers, hg)
 		listeners = append(listeners, hl)
 	}
+	var metricsSrv *http.Server
+	var metricsLn net.Listener
+	if f.metricsListen != "" {
+		if metricsLn, err = net.Listen("tcp", f.metricsListen); err != nil {
+			for _, l := range listeners {
+				l.Close()
+			}
+			return fmt.Errorf("epp: --metrics-listen: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", p.MetricsHandler())
+		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	}
 	srv.SetServing(false)
-	log.Info("prefixlb epp", "grpc", ln.Addr().String(), "health", f.healthListen, "policy", f.policy,
-		"profile", f.profile, "discovery", f.discovery, "backends", f.backends)
+	log.Info("prefixlb epp", "grpc", ln.Addr().String(), "health", f.healthListen, "metrics", f.metricsListen,
+		"policy", f.policy, "profile", f.profile, "tokenizer", f.tokenizer, "discovery", f.discovery, "backends", f.backends)
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
-	errc := make(chan error, len(runners)+len(servers))
+	errc := make(chan error, len(runners)+len(servers)+1) // +1: the metrics server
 	for _, run := range runners {
 		wg.Add(1)
 		go func() {
@@ -258,6 +284,15 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 			defer wg.Done()
 			if err := s.Serve(listeners[i]); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 				errc <- fmt.Errorf("epp: grpc serve: %w", err)
+			}
+		}()
+	}
+	if metricsSrv != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := metricsSrv.Serve(metricsLn); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("epp: metrics serve: %w", err)
 			}
 		}()
 	}
@@ -277,6 +312,11 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	srv.SetServing(false)
 	for _, s := range servers {
 		s.GracefulStop()
+	}
+	if metricsSrv != nil {
+		sctx, scancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_ = metricsSrv.Shutdown(sctx)
+		scancel()
 	}
 	cancel()
 	wg.Wait()

@@ -27,13 +27,25 @@ func spread(routers []*Picker) (ratio float64, counts []int) {
 			byName[r.Name] += r.InFlight
 		}
 	}
-	lo, hi := 1<<30, 0
 	for _, n := range names {
-		c := byName[n]
-		counts = append(counts, c)
+		counts = append(counts, byName[n])
+	}
+	return maxMin(counts), counts
+}
+
+// maxMin is max/min of counts, a 0 counting 0.5.
+func maxMin(counts []int) float64 {
+	lo, hi := 1<<30, 0
+	for _, c := range counts {
 		lo, hi = min(lo, c), max(hi, c)
 	}
-	return float64(hi) / max(float64(lo), 0.5), counts
+	return float64(hi) / max(float64(lo), 0.5)
+}
+
+// burstBody is request k of a burst: a distinct prompt of 1-8k tokens.
+func burstBody(rng *rand.Rand, k int) []byte {
+	words := 200 + rng.IntN(1800)
+	return completionBody(fmt.Sprintf("request %d: %s", k, strings.Repeat("lorem ipsum ", words)), true)
 }
 
 // burst sends n requests, round-robin over routers, none finishing, and
@@ -43,8 +55,7 @@ func burst(t *testing.T, routers []*Picker, replicas, n int, seed uint64) (worst
 	t.Helper()
 	rng := rand.New(rand.NewPCG(seed, 1))
 	for k := range n {
-		words := 200 + rng.IntN(1800) // distinct prompts of 1-8k tokens
-		body := completionBody(fmt.Sprintf("request %d: %s", k, strings.Repeat("lorem ipsum ", words)), true)
+		body := burstBody(rng, k)
 		if _, err := routers[k%len(routers)].Pick(context.Background(), Input{Kind: proxy.KindCompletion, Body: body}); err != nil {
 			t.Fatal(err)
 		}

@@ -92,8 +92,19 @@ type Config struct {
 	DefaultOutputTokens int
 	// SpeculativeTTL: router.Config's (0: its default).
 	SpeculativeTTL time.Duration
-	// Keyer keys prompts (nil: proxy.ChunkKeyer{BlockTokens}).
+	// Keyer keys prompts (nil: Tokenizer's keys if set, else
+	// proxy.ChunkKeyer{BlockTokens}).
 	Keyer proxy.Keyer
+	// Tokenizer, when Keyer is nil, is the replicas' tokenizer
+	// (proxy.LoadTokenizer: "qwen3" for the bundled one, a tokenizer.json
+	// or a model directory): prompts are keyed by blocks of its token ids,
+	// chats rendered with its chat template, so that keys are the router
+	// keys of the engines' KV blocks (the kvevents.Index computes those from
+	// the token ids of vLLM's BlockStored events). "" or "none": text
+	// chunks (proxy.ChunkKeyer), which match nothing in KV events.
+	Tokenizer string
+	// TreeMaxBlocks bounds the router's prefix tree (0: its default, 2M).
+	TreeMaxBlocks int
 	// Shared, when set, shares in-flight load with other routers.
 	Shared Shared
 	// ScrapeInterval is how often each replica's MetricsURL is read for its
@@ -123,8 +134,8 @@ func (c *Config) defaults() {
 	if c.ScrapeTimeout == 0 {
 		c.ScrapeTimeout = 2 * time.Second
 	}
-	if c.Keyer == nil {
-		c.Keyer = proxy.ChunkKeyer{BlockTokens: c.BlockTokens}
+	if c.Tokenizer == "none" {
+		c.Tokenizer = ""
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -142,6 +153,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("epp: default_output_tokens must be ≥ 0, got %d", c.DefaultOutputTokens)
 	case c.ScrapeInterval < 0 || c.ScrapeTimeout < 0:
 		return errors.New("epp: scrape interval and timeout must be ≥ 0")
+	case c.TreeMaxBlocks < 0:
+		return fmt.Errorf("epp: tree_max_blocks must be ≥ 0, got %d", c.TreeMaxBlocks)
 	}
 	return nil
 }
@@ -160,6 +173,7 @@ type flight struct {
 	req     policy.Request
 	replica *replica
 	load    router.ExternalLoad // still published (shared state)
+	matched int                 // prompt tokens predicted cached there
 	first   bool
 }
 
@@ -169,6 +183,8 @@ type Picker struct {
 	cfg     Config
 	log     *slog.Logger
 	prof    costmodel.Profile
+	policy  string // the policy's name, a metrics label
+	m       *metrics
 	nextID  atomic.Uint64
 	kvIndex *kvevents.Index
 
@@ -183,7 +199,10 @@ type Picker struct {
 	runCtx  context.Context                // set while Run runs
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
-	wg       sync.WaitGroup // the replicas' feeds
+	// onKV, when set (by tests), is called with p.mu held after each KV
+	// event applied to the router.
+	onKV func()
+	wg   sync.WaitGroup // the replicas' feeds
 }
 
 // NewPicker returns a Picker with no replicas. It starts nothing.
@@ -205,17 +224,30 @@ func NewPicker(cfg Config) (*Picker, error) {
 	}
 	cons := policy.NewConstrained(pol)
 	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: cons,
-		Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL, DefaultOutputTokens: cfg.DefaultOutputTokens})
+		Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL, DefaultOutputTokens: cfg.DefaultOutputTokens,
+		TreeMaxBlocks: cfg.TreeMaxBlocks})
 	if err != nil {
 		return nil, fmt.Errorf("epp: router: %w", err)
 	}
-	return &Picker{
-		cfg: cfg, log: cfg.Logger, prof: prof, kvIndex: kvevents.NewIndex(),
+	if cfg.Keyer == nil && cfg.Tokenizer != "" {
+		tok, err := proxy.LoadTokenizer(cfg.Tokenizer)
+		if err != nil {
+			return nil, fmt.Errorf("epp: tokenizer: %w", err)
+		}
+		cfg.Keyer = proxy.NewTokenizerKeyer(tok, cfg.BlockTokens)
+	}
+	if cfg.Keyer == nil {
+		cfg.Keyer = proxy.ChunkKeyer{BlockTokens: cfg.BlockTokens}
+	}
+	p := &Picker{
+		cfg: cfg, log: cfg.Logger, prof: prof, policy: pol.Name(), kvIndex: kvevents.NewIndex(),
 		rt: rt, cons: cons,
 		byName:  make(map[string]*replica),
 		byAddr:  make(map[string]*replica),
 		flights: make(map[uint64]*flight),
-	}, nil
+	}
+	p.m = newMetrics(p)
+	return p, nil
 }
 
 // loadProfile resolves a profile name or YAML path (as proxy does).
@@ -263,6 +295,7 @@ func (p *Picker) Add(r Replica) {
 	p.slots[rep.id] = rep
 	p.byName[r.Name] = rep
 	p.byAddr[r.Address] = rep
+	p.m.replicaAdded(r.Name, r.KVEvents != "")
 	if p.runCtx != nil {
 		p.start(rep)
 	}
@@ -290,6 +323,7 @@ func (p *Picker) remove(r *replica) {
 		r.stop()
 	}
 	p.kvIndex.Forget(r.Name)
+	p.m.replicaRemoved(r.Name)
 	p.slots[r.id] = nil
 	delete(p.byName, r.Name)
 	if p.byAddr[r.Address] == r {
@@ -357,6 +391,7 @@ type Pick struct {
 // request is in flight there until Finished. Errors: proxy.ErrBadRequest
 // (wrapped) for a body it cannot read, ErrNoEndpoint, ErrShed.
 func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
+	start := time.Now()
 	pr, err := proxy.ParseRequest(in.Kind, in.Body)
 	if err != nil {
 		return Pick{}, err
@@ -377,6 +412,7 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	var others map[string]router.ExternalLoad
 	if p.cfg.Shared != nil {
 		if others, err = p.cfg.Shared.Others(ctx); err != nil {
+			p.m.errors.WithLabelValues(errSharedRead).Inc()
 			p.log.Warn("epp: shared state: reading other routers' load; using the last known", "err", err)
 			others = nil
 		}
@@ -390,9 +426,11 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	}
 	if p.cfg.Shared != nil {
 		if err := p.cfg.Shared.Add(ctx, f.replica.Name, f.load); err != nil {
+			p.m.errors.WithLabelValues(errSharedWrite).Inc()
 			p.log.Warn("epp: shared state: publishing load", "replica", f.replica.Name, "err", err)
 		}
 	}
+	p.m.decided(p.policy, &pick, req.PromptTokens, time.Since(start))
 	return pick, nil
 }
 
@@ -452,7 +490,7 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 	primary := p.slots[d.Replica]
 	pick := Pick{ID: req.ID, Replica: primary.Name, Decision: d, Endpoints: []string{primary.Address}}
 	pick.Endpoints = append(pick.Endpoints, p.fallbacks(d)...)
-	f := &flight{req: *req, replica: primary, load: p.flightLoad(req, d.MatchedTokens)}
+	f := &flight{req: *req, replica: primary, load: p.flightLoad(req, d.MatchedTokens), matched: d.MatchedTokens}
 	p.flights[req.ID] = f
 	return pick, f, nil
 }
@@ -526,6 +564,7 @@ func (p *Picker) Served(id uint64, endpoint string) {
 	}
 	f.replica = r
 	f.load = p.flightLoad(&f.req, d.MatchedTokens)
+	f.matched = d.MatchedTokens
 	newLoad := f.load
 	p.mu.Unlock()
 	p.publish(old.Name, neg(oldLoad))
@@ -563,8 +602,11 @@ func (p *Picker) Finished(id uint64, outputTokens, cachedTokens int, ok bool) {
 	if err := p.rt.Finished(id, outputTokens, cachedTokens, ok, time.Now()); err != nil {
 		p.log.Warn("epp: router finished", "id", id, "err", err)
 	}
-	name, load, hook := f.replica.Name, f.load, p.onFinish
+	name, load, matched, hook := f.replica.Name, f.load, f.matched, p.onFinish
 	p.mu.Unlock()
+	if ok && cachedTokens >= 0 {
+		p.m.prediction(matched, cachedTokens, p.cfg.BlockTokens)
+	}
 	p.publish(name, neg(load))
 	if hook != nil {
 		hook()
@@ -577,6 +619,7 @@ func (p *Picker) publish(replica string, delta router.ExternalLoad) {
 		return
 	}
 	if err := p.cfg.Shared.Add(context.Background(), replica, delta); err != nil {
+		p.m.errors.WithLabelValues(errSharedWrite).Inc()
 		p.log.Warn("epp: shared state: publishing load", "replica", replica, "err", err)
 	}
 }
@@ -649,7 +692,7 @@ func (p *Picker) start(r *replica) {
 	if r.KVEvents != "" {
 		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{
 			Replica: r.Name, Endpoint: r.KVEvents, ReplayEndpoint: r.KVReplay, Topic: r.KVTopic,
-			Index: p.kvIndex, Sink: sink{p}, Logger: p.log,
+			Index: p.kvIndex, Sink: sink{p}, Metrics: p.m.kv, Logger: p.log,
 		})
 		p.wg.Add(1)
 		go func() {
@@ -683,25 +726,33 @@ func (s sink) id(name string) int {
 
 // Stored implements kvevents.Sink.
 func (s sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blocks.Key, medium string) {
-	if medium != kvevents.MediumGPU {
-		return
-	}
 	s.p.mu.Lock()
 	defer s.p.mu.Unlock()
-	if id := s.id(name); id >= 0 {
+	id := s.id(name)
+	switch {
+	case id < 0:
+	case medium != kvevents.MediumGPU: // offloaded blocks are not routed on
+		s.p.m.kvApplied.WithLabelValues(name, "cpu_ignored").Inc()
+	default:
 		_ = s.p.rt.CacheStored(id, parent, hasParent, keys, time.Now())
+		s.p.m.kvApplied.WithLabelValues(name, "stored").Inc()
+		s.p.kvApplied()
 	}
 }
 
 // Removed implements kvevents.Sink.
 func (s sink) Removed(name string, keys []blocks.Key, medium string) {
-	if medium != kvevents.MediumGPU {
-		return
-	}
 	s.p.mu.Lock()
 	defer s.p.mu.Unlock()
-	if id := s.id(name); id >= 0 {
+	id := s.id(name)
+	switch {
+	case id < 0:
+	case medium != kvevents.MediumGPU: // offloaded blocks are not routed on
+		s.p.m.kvApplied.WithLabelValues(name, "cpu_ignored").Inc()
+	default:
 		_ = s.p.rt.CacheRemoved(id, keys)
+		s.p.m.kvApplied.WithLabelValues(name, "removed").Inc()
+		s.p.kvApplied()
 	}
 }
 
@@ -711,5 +762,14 @@ func (s sink) Cleared(name string) {
 	defer s.p.mu.Unlock()
 	if id := s.id(name); id >= 0 {
 		_ = s.p.rt.CacheCleared(id)
+		s.p.m.kvApplied.WithLabelValues(name, "cleared").Inc()
+		s.p.kvApplied()
+	}
+}
+
+// kvApplied calls the test hook (p.mu held).
+func (p *Picker) kvApplied() {
+	if p.onKV != nil {
+		p.onKV()
 	}
 }

@@ -36,6 +36,7 @@ func (p *Picker) scrape(ctx context.Context, client *http.Client, r *replica) {
 	}
 	if err != nil {
 		p.log.Debug("epp: metrics scrape failed", "replica", r.Name, "err", err)
+		p.m.scrapeErr.WithLabelValues(r.Name).Inc()
 		waiting, running, kv = -1, -1, -1
 	}
 	p.mu.Lock()

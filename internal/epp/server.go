@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"strconv"
 	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -120,6 +121,10 @@ type exchange struct {
 
 // Process implements extprocv3.ExternalProcessorServer.
 func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
+	m := s.p.m
+	m.streams.Inc()
+	m.streamsN.Inc()
+	defer m.streams.Dec()
 	x := &exchange{s: s, srv: srv}
 	x.watch.max = s.cfg.MaxResponseBytes
 	defer x.finish(false)
@@ -129,6 +134,7 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 			return nil
 		}
 		if err != nil {
+			m.errors.WithLabelValues(errReceive).Inc()
 			return status.Errorf(codes.Unknown, "epp: receive: %v", err)
 		}
 		done, err := x.handle(req)
@@ -261,7 +267,12 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 		case errors.Is(err, ErrShed):
 			code = typev3.StatusCode_TooManyRequests
 		}
-		x.s.log.Debug("epp: no pick", "err", err, "status", int(code))
+		if code == typev3.StatusCode_InternalServerError {
+			x.s.p.m.errors.WithLabelValues(errRoute).Inc()
+			x.s.log.Warn("epp: no pick", "err", err, "status", int(code))
+		} else {
+			x.s.log.Debug("epp: no pick", "err", err, "status", int(code))
+		}
 		return true, x.immediate(code, err.Error())
 	}
 	x.picked, x.pick = true, pick
@@ -360,6 +371,7 @@ func (x *exchange) finish(complete bool) {
 // immediate answers the request itself with an HTTP status and a JSON
 // error body in OpenAI's shape.
 func (x *exchange) immediate(code typev3.StatusCode, msg string) error {
+	x.s.p.m.immediate.WithLabelValues(strconv.Itoa(int(code))).Inc()
 	body, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": "prefixlb_epp", "code": int(code)}})
 	return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{
@@ -373,6 +385,7 @@ func (x *exchange) immediate(code typev3.StatusCode, msg string) error {
 
 func (x *exchange) send(r *extprocv3.ProcessingResponse) error {
 	if err := x.srv.Send(r); err != nil {
+		x.s.p.m.errors.WithLabelValues(errSend).Inc()
 		return status.Errorf(codes.Unknown, "epp: send to envoy: %v", err)
 	}
 	return nil
