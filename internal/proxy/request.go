@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
 	"strings"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -83,126 +84,85 @@ type ChatPrompt struct {
 	Kwargs map[string]json.RawMessage
 }
 
-// rawRequest is the part of a completions or chat body the proxy reads; the
-// field types reject wrong JSON types with an error naming the field.
-type rawRequest struct {
-	Model               *string          `json:"model"`
-	Stream              *bool            `json:"stream"`
-	MaxTokens           *int64           `json:"max_tokens"`
-	MaxCompletionTokens *int64           `json:"max_completion_tokens"`
-	N                   *int64           `json:"n"`
-	User                *string          `json:"user"`
-	Prompt              json.RawMessage  `json:"prompt"`
-	Messages            []rawMessage     `json:"messages"`
-	Tools               json.RawMessage  `json:"tools"`
-	StreamOptions       *json.RawMessage `json:"stream_options"`
-	AddGenerationPrompt json.RawMessage  `json:"add_generation_prompt"`
-	ChatTemplateKwargs  json.RawMessage  `json:"chat_template_kwargs"`
-	Input               json.RawMessage  `json:"input"`
-}
-
-// rawMessage is one chat message.
-type rawMessage struct {
-	Role       string          `json:"role"`
-	Content    json.RawMessage `json:"content"`
-	Name       string          `json:"name"`
-	ToolCalls  json.RawMessage `json:"tool_calls"`
-	ToolCallID string          `json:"tool_call_id"`
-	// ReasoningContent is passed to the chat template when present.
-	ReasoningContent *string `json:"reasoning_content"`
-}
-
-// rawPart is one part of a chat message's content list.
-type rawPart struct {
-	Type string  `json:"type"`
-	Text *string `json:"text"`
-}
-
 // ParseRequest reads the body of a request of kind k. Completions need a
 // model and a prompt; chat needs a model and messages; other kinds are read
 // best effort: a body the proxy cannot read (not JSON, or another API's
 // shapes) yields an empty Request and no error, since it is forwarded as it
 // is, unkeyed. Errors wrap ErrBadRequest.
+//
+// The body is read in one pass (decodeBody) that accepts, rejects and
+// decodes exactly as encoding/json would decode it into the fields the
+// proxy reads, with encoding/json's error messages. The Request does not
+// alias the body.
 func ParseRequest(k Kind, body []byte) (*Request, error) {
-	req, err := parseRequest(k, body, true)
+	req, err := readRequest(k, body)
 	if err != nil && k == KindOther {
 		return &Request{Kind: KindOther}, nil
 	}
 	return req, err
 }
 
-// parseRequest is ParseRequest; fast enables the direct scan of a token-id
-// prompt (splitTokenPrompt), which tests turn off to check it changes
-// nothing.
-func parseRequest(k Kind, body []byte, fast bool) (*Request, error) {
-	req := &Request{Kind: k}
-	var raw rawRequest
-	var ids [][]uint32 // the prompt, when splitTokenPrompt read it
-	if fast && k != KindChat {
-		raw, ids = splitTokenPrompt(body)
+// readRequest is ParseRequest without the leniency for other kinds.
+func readRequest(k Kind, body []byte) (*Request, error) {
+	raw, msg := decodeBody(body)
+	if msg != "" {
+		return nil, fmt.Errorf("%w: %s", ErrBadRequest, msg)
 	}
-	if ids == nil {
-		if err := json.Unmarshal(body, &raw); err != nil {
-			return nil, fmt.Errorf("%w: %s", ErrBadRequest, describeJSONError(err))
-		}
+	req := &Request{Kind: k, Stream: raw.stream.set && raw.stream.v}
+	if raw.model.set {
+		req.Model = raw.model.s
 	}
-	if raw.Model != nil {
-		req.Model = *raw.Model
-	}
-	if raw.Stream != nil {
-		req.Stream = *raw.Stream
-	}
-	if raw.User != nil {
-		req.User = *raw.User
+	if raw.user.set {
+		req.User = raw.user.s
 	}
 	if k != KindOther && req.Model == "" {
 		return nil, errNoModel
 	}
 	maxTok := int64(0)
 	switch {
-	case raw.MaxCompletionTokens != nil:
-		maxTok = *raw.MaxCompletionTokens
-	case raw.MaxTokens != nil:
-		maxTok = *raw.MaxTokens
+	case raw.maxCompletionTokens.set:
+		maxTok = raw.maxCompletionTokens.v
+	case raw.maxTokens.set:
+		maxTok = raw.maxTokens.v
 	}
 	if maxTok < 0 {
 		return nil, fmt.Errorf("%w: max_tokens must be ≥ 0, got %d", ErrBadRequest, maxTok)
 	}
 	n := int64(1)
-	if raw.N != nil {
-		if *raw.N < 1 {
-			return nil, fmt.Errorf("%w: n must be ≥ 1, got %d", ErrBadRequest, *raw.N)
+	if raw.n.set {
+		if raw.n.v < 1 {
+			return nil, fmt.Errorf("%w: n must be ≥ 1, got %d", ErrBadRequest, raw.n.v)
 		}
-		n = *raw.N
+		n = raw.n.v
 	}
 	prompts := 1
 	switch {
-	case k == KindChat || (k == KindOther && raw.Messages != nil):
-		if len(raw.Messages) == 0 {
+	case k == KindChat || (k == KindOther && raw.messages != nil):
+		if len(raw.messages) == 0 {
 			return nil, fmt.Errorf("%w: messages must be a non-empty list", ErrBadRequest)
 		}
-		text, msgs, err := renderChat(raw.Messages, raw.Tools)
+		text, msgs, err := renderChat(raw.messages, raw.tools)
 		if err != nil {
 			return nil, err
 		}
 		req.Texts = []string{text}
-		req.Chat = chatPrompt(msgs, &raw)
-	case k == KindCompletion || (k == KindOther && raw.Prompt != nil):
-		if len(raw.Prompt) == 0 || bytes.Equal(raw.Prompt, []byte("null")) {
+		req.Chat = chatPrompt(msgs, raw)
+	case k == KindCompletion || (k == KindOther && raw.prompt != nil):
+		if raw.prompt == nil || string(raw.prompt) == "null" {
 			if k == KindOther {
 				break
 			}
 			return nil, fmt.Errorf("%w: you must provide a prompt", ErrBadRequest)
 		}
-		if ids != nil {
-			req.TokenIDs = ids
-		} else if err := parsePrompt(req, raw.Prompt, "prompt"); err != nil {
+		if raw.promptIDs != nil {
+			req.TokenIDs = raw.promptIDs
+		} else if err := parsePrompt(req, raw.prompt, "prompt"); err != nil {
 			return nil, err
 		}
 		prompts = max(len(req.Texts), len(req.TokenIDs))
-	case raw.Input != nil && !bytes.Equal(raw.Input, []byte("null")):
+	case raw.input != nil && string(raw.input) != "null":
 		// Embeddings and similar: "input" takes the shapes of "prompt".
-		if err := parsePrompt(req, raw.Input, "input"); err != nil {
+		if err := parsePrompt(req, raw.input, "input"); err != nil {
 			return nil, err
 		}
 		prompts = max(len(req.Texts), len(req.TokenIDs))
@@ -213,44 +173,46 @@ func parseRequest(k Kind, body []byte, fast bool) (*Request, error) {
 }
 
 // parsePrompt reads a prompt in any of its four shapes: a string, a list of
-// strings, a list of token ids, or a list of token-id lists.
-func parsePrompt(req *Request, raw json.RawMessage, field string) error {
-	raw = bytes.TrimSpace(raw)
+// strings, a list of token ids, or a list of token-id lists. raw is one
+// valid JSON value, as the body holds it.
+func parsePrompt(req *Request, raw []byte, field string) error {
 	switch raw[0] {
 	case '"':
-		var s string
-		if err := json.Unmarshal(raw, &s); err != nil {
-			return fmt.Errorf("%w: %s: %s", ErrBadRequest, field, describeJSONError(err))
-		}
-		req.Texts = []string{s}
+		s := jsonScan{b: raw}
+		t, _ := s.str()
+		req.Texts = []string{t}
 		return nil
 	case '[':
 	default:
 		return fmt.Errorf("%w: %s must be a string, a list of strings, a list of token ids or a list of token-id lists", ErrBadRequest, field)
 	}
 	// Token ids, the common shape of long prompts from benchmarks and
-	// agents, are read by a direct scan: decoding a 4096-id list item by
-	// item through encoding/json costs milliseconds per request.
+	// agents, are read by a direct scan.
 	if ids, ok := scanTokenIDLists(raw); ok {
 		req.TokenIDs = ids
 		return nil
 	}
-	var items []json.RawMessage
-	if err := json.Unmarshal(raw, &items); err != nil {
-		return fmt.Errorf("%w: %s: %s", ErrBadRequest, field, describeJSONError(err))
-	}
+	items := listItems(raw)
 	if len(items) == 0 {
 		return fmt.Errorf("%w: %s must not be empty", ErrBadRequest, field)
 	}
-	first := bytes.TrimSpace(items[0])
-	switch {
-	case len(first) > 0 && first[0] == '"':
-		var ss []string
-		if err := json.Unmarshal(raw, &ss); err != nil {
-			return fmt.Errorf("%w: %s: a list of strings must hold only strings", ErrBadRequest, field)
+	switch items[0][0] {
+	case '"':
+		// A list of strings; null items are "" (encoding/json leaves a
+		// string as it is on null).
+		ss := make([]string, len(items))
+		for i, it := range items {
+			switch it[0] {
+			case '"':
+				s := jsonScan{b: it}
+				ss[i], _ = s.str()
+			case 'n':
+			default:
+				return fmt.Errorf("%w: %s: a list of strings must hold only strings", ErrBadRequest, field)
+			}
 		}
 		req.Texts = ss
-	case len(first) > 0 && first[0] == '[':
+	case '[':
 		for i, it := range items {
 			ids, err := tokenIDs(it)
 			if err != nil {
@@ -271,11 +233,60 @@ func parsePrompt(req *Request, raw json.RawMessage, field string) error {
 	return nil
 }
 
-// tokenIDs decodes a JSON list of token ids (integers in [0, 2³²)).
-func tokenIDs(raw json.RawMessage) ([]uint32, error) {
-	var ids []int64
-	if err := json.Unmarshal(raw, &ids); err != nil {
-		return nil, errors.New("token ids must be integers")
+// listItems returns the items of raw, a valid JSON list, each as its JSON.
+// It returns a non-nil empty list for [] (encoding/json's result for a
+// []json.RawMessage) and nil when raw is not a list.
+func listItems(raw []byte) [][]byte {
+	s := jsonScan{b: raw}
+	if s.peek() != '[' {
+		return nil
+	}
+	items := [][]byte{}
+	empty, ok := s.open(']')
+	for ok && !empty {
+		var it []byte
+		if it, ok = s.span(); !ok {
+			break
+		}
+		items = append(items, it)
+		var more bool
+		if more, ok = s.next(']'); !more {
+			break
+		}
+	}
+	return items
+}
+
+// tokenIDs decodes raw, a valid JSON value, as a list of token ids
+// (integers in [0, 2³²)), as encoding/json decodes it into []int64 and
+// then checks the range: null is an empty list and a null item 0.
+func tokenIDs(raw []byte) ([]uint32, error) {
+	errInts := errors.New("token ids must be integers")
+	switch raw[0] {
+	case 'n':
+		return []uint32{}, nil
+	case '[':
+	default:
+		return nil, errInts
+	}
+	items := listItems(raw)
+	ids := make([]int64, len(items))
+	bad := false
+	for i, it := range items {
+		switch {
+		case it[0] == 'n':
+		case it[0] == '-' || isDigit(it[0]):
+			v, err := strconv.ParseInt(string(it), 10, 64)
+			if err != nil {
+				bad = true
+			}
+			ids[i] = v
+		default:
+			bad = true
+		}
+	}
+	if bad {
+		return nil, errInts
 	}
 	out := make([]uint32, len(ids))
 	for i, id := range ids {
@@ -285,154 +296,6 @@ func tokenIDs(raw json.RawMessage) ([]uint32, error) {
 		out[i] = uint32(id)
 	}
 	return out, nil
-}
-
-// splitTokenPrompt reads a body whose prompt is token ids without handing
-// the ids to encoding/json: it finds and scans the prompt's value in one
-// pass (findTokenPrompt) and decodes the rest of the body with the prompt
-// replaced by 0. A 4096-token prompt then costs one pass over its bytes
-// instead of four through encoding/json, and a tenth of the CPU. It
-// returns nil ids when the body is not of that shape or does not decode;
-// the caller then decodes the whole body, so results and errors are those
-// of encoding/json alone.
-func splitTokenPrompt(body []byte) (rawRequest, [][]uint32) {
-	s, e, ids := findTokenPrompt(body)
-	if ids == nil {
-		return rawRequest{}, nil
-	}
-	rest := make([]byte, 0, len(body)-(e-s)+1)
-	rest = append(append(append(rest, body[:s]...), '0'), body[e:]...)
-	var raw rawRequest
-	if json.Unmarshal(rest, &raw) != nil || !bytes.Equal(raw.Prompt, []byte("0")) {
-		return rawRequest{}, nil
-	}
-	raw.Prompt = body[s:e]
-	return raw, ids
-}
-
-// findTokenPrompt finds, in body, the value that encoding/json decodes
-// into rawRequest.Prompt: that of the last top-level key equal to "prompt"
-// under bytes.EqualFold (encoding/json's key matching; the last duplicate
-// wins). When that value is token ids (scanTokenIDs) it returns where it
-// lies and the ids; otherwise, or when body is not an object the scan can
-// follow (a key with an escape, unbalanced brackets, text after the
-// object), nil ids. The scan lexes strings as JSON does, so when the body
-// with the value replaced is valid JSON the value found is the real one.
-func findTokenPrompt(body []byte) (start, end int, ids [][]uint32) {
-	i := skipSpace(body, 0)
-	if i >= len(body) || body[i] != '{' {
-		return 0, 0, nil
-	}
-	i = skipSpace(body, i+1)
-	if i < len(body) && body[i] == '}' {
-		return 0, 0, nil
-	}
-	for {
-		if i >= len(body) || body[i] != '"' {
-			return 0, 0, nil
-		}
-		ke := bytes.IndexByte(body[i+1:], '"')
-		if ke < 0 {
-			return 0, 0, nil
-		}
-		key := body[i+1 : i+1+ke]
-		if bytes.IndexByte(key, '\\') >= 0 {
-			return 0, 0, nil
-		}
-		i = skipSpace(body, i+ke+2)
-		if i >= len(body) || body[i] != ':' {
-			return 0, 0, nil
-		}
-		vs := skipSpace(body, i+1)
-		var ve int
-		var ok bool
-		if bytes.EqualFold(key, []byte("prompt")) {
-			start, ids = vs, nil
-			if ids, ve, ok = scanTokenIDs(body, vs); !ok {
-				ids = nil
-				ve, ok = skipValue(body, vs)
-			}
-			end = ve
-		} else {
-			ve, ok = skipValue(body, vs)
-		}
-		if !ok {
-			return 0, 0, nil
-		}
-		i = skipSpace(body, ve)
-		if i >= len(body) {
-			return 0, 0, nil
-		}
-		switch body[i] {
-		case ',':
-			i = skipSpace(body, i+1)
-		case '}':
-			if skipSpace(body, i+1) != len(body) {
-				return 0, 0, nil
-			}
-			return start, end, ids
-		default:
-			return 0, 0, nil
-		}
-	}
-}
-
-// skipValue returns the index just past the JSON value that starts at
-// body[i]. It checks only what it needs to find the end: strings, and
-// bracket depth.
-func skipValue(body []byte, i int) (int, bool) {
-	if i >= len(body) {
-		return 0, false
-	}
-	switch body[i] {
-	case '"':
-		return skipString(body, i)
-	case '{', '[':
-		depth := 0
-		for i < len(body) {
-			switch body[i] {
-			case '"':
-				e, ok := skipString(body, i)
-				if !ok {
-					return 0, false
-				}
-				i = e
-				continue
-			case '{', '[':
-				depth++
-			case '}', ']':
-				depth--
-				if depth == 0 {
-					return i + 1, true
-				}
-			}
-			i++
-		}
-		return 0, false
-	}
-	// A number or a literal: up to the next delimiter.
-	for i < len(body) {
-		switch body[i] {
-		case ',', '}', ']', ' ', '\n', '\r', '\t':
-			return i, true
-		}
-		i++
-	}
-	return i, true
-}
-
-// skipString returns the index just past the JSON string that starts at
-// body[i] ('"').
-func skipString(body []byte, i int) (int, bool) {
-	for i++; i < len(body); i++ {
-		switch body[i] {
-		case '\\':
-			i++ // the escaped byte ("\u" digits need no care)
-		case '"':
-			return i + 1, true
-		}
-	}
-	return 0, false
 }
 
 // scanTokenIDLists reads raw, a whole JSON value, as scanTokenIDs does.
@@ -549,57 +412,62 @@ func skipSpace(raw []byte, i int) int {
 // when the tokenizer disagrees with the replicas): two conversations share
 // a prefix of the rendering exactly when they share leading messages. It
 // also returns the messages as a chat template takes them.
-func renderChat(msgs []rawMessage, tools json.RawMessage) (string, []tokenize.Message, error) {
+func renderChat(msgs []chatMsg, tools []byte) (string, []tokenize.Message, error) {
+	size := len(tools) + 8
+	for i := range msgs {
+		m := &msgs[i]
+		size += len(m.role) + len(m.name) + unquotedCap(m.content.raw, m.content.stops) + len(m.toolCalls) + len(m.toolCallID) + 4
+		for _, p := range m.content.parts {
+			size += len(p.raw)
+		}
+	}
 	var b strings.Builder
-	if t := bytes.TrimSpace(tools); len(t) > 0 && !bytes.Equal(t, []byte("null")) {
+	b.Grow(size)
+	if len(tools) > 0 && string(tools) != "null" {
 		b.WriteString("tools\x00")
-		b.Write(t)
+		b.Write(tools)
 		b.WriteByte(0)
 	}
 	out := make([]tokenize.Message, len(msgs))
-	for i, m := range msgs {
-		if m.Role == "" {
+	// Where each string content lies in the rendering: the messages'
+	// contents are substrings of it.
+	type span struct{ msg, start, end int }
+	var spans []span
+	for i := range msgs {
+		m := &msgs[i]
+		if m.role == "" {
 			return "", nil, fmt.Errorf("%w: messages[%d].role is required", ErrBadRequest, i)
 		}
 		tm := &out[i]
-		tm.Role, tm.Name, tm.ToolCallID, tm.ReasoningContent = m.Role, m.Name, m.ToolCallID, m.ReasoningContent
-		b.WriteString(m.Role)
+		tm.Role, tm.Name, tm.ToolCallID, tm.ReasoningContent = m.role, m.name, m.toolCallID, m.reasoning.ptr()
+		b.WriteString(m.role)
 		b.WriteByte(0)
-		if m.Name != "" {
-			b.WriteString(m.Name)
+		if m.name != "" {
+			b.WriteString(m.name)
 			b.WriteByte(0)
 		}
-		c := bytes.TrimSpace(m.Content)
-		switch {
-		case len(c) == 0 || bytes.Equal(c, []byte("null")):
-		case c[0] == '"':
-			var s string
-			if err := json.Unmarshal(c, &s); err != nil {
-				return "", nil, fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
-			}
-			b.WriteString(s)
-			tm.Content = s
-		case c[0] == '[':
-			var parts []json.RawMessage
-			if err := json.Unmarshal(c, &parts); err != nil {
-				return "", nil, fmt.Errorf("%w: messages[%d].content: %s", ErrBadRequest, i, describeJSONError(err))
-			}
+		switch m.content.kind {
+		case contentAbsent, contentNull:
+		case contentString:
+			start := b.Len()
+			unquoteTo(&b, m.content.raw, m.content.stops)
+			spans = append(spans, span{i, start, b.Len()})
+		case contentParts:
 			var texts []string
-			for j, praw := range parts {
-				var p rawPart
-				if err := json.Unmarshal(praw, &p); err != nil {
-					return "", nil, fmt.Errorf("%w: messages[%d].content[%d]: %s", ErrBadRequest, i, j, describeJSONError(err))
+			for j, p := range m.content.parts {
+				if p.err != "" {
+					return "", nil, fmt.Errorf("%w: messages[%d].content[%d]: %s", ErrBadRequest, i, j, p.err)
 				}
-				if p.Type == "text" && p.Text != nil {
-					b.WriteString(*p.Text)
+				if p.typ == "text" && p.text.set {
+					b.WriteString(p.text.s)
 				} else {
 					// Images, audio, files: key their JSON (the same image
 					// URL is the same prefix).
-					b.Write(bytes.TrimSpace(praw))
+					b.Write(p.raw)
 				}
 				// What tokenize.Message keeps of a part list.
-				if (p.Type == "text" || p.Type == "input_text" || p.Type == "") && p.Text != nil {
-					texts = append(texts, *p.Text)
+				if (p.typ == "text" || p.typ == "input_text" || p.typ == "") && p.text.set {
+					texts = append(texts, p.text.s)
 				}
 			}
 			tm.Content = strings.Join(texts, "\n")
@@ -607,68 +475,141 @@ func renderChat(msgs []rawMessage, tools json.RawMessage) (string, []tokenize.Me
 			return "", nil, fmt.Errorf("%w: messages[%d].content must be a string or a list of parts", ErrBadRequest, i)
 		}
 		b.WriteByte(0)
-		if tc := bytes.TrimSpace(m.ToolCalls); len(tc) > 0 && !bytes.Equal(tc, []byte("null")) {
+		if tc := m.toolCalls; len(tc) > 0 && string(tc) != "null" {
 			b.Write(tc)
 			b.WriteByte(0)
 			// Malformed tool calls are left out of the template's view;
 			// the engine rejects such a request anyway.
-			_ = json.Unmarshal(tc, &tm.ToolCalls)
+			tm.ToolCalls = toolCalls(tc)
 		}
-		if m.ToolCallID != "" {
-			b.WriteString(m.ToolCallID)
+		if m.toolCallID != "" {
+			b.WriteString(m.toolCallID)
 			b.WriteByte(0)
 		}
 	}
-	return b.String(), out, nil
+	text := b.String()
+	for _, sp := range spans {
+		out[sp.msg].Content = text[sp.start:sp.end]
+	}
+	return text, out, nil
+}
+
+// toolCalls decodes a message's tool_calls (raw, a valid JSON value) as
+// encoding/json decodes it into []tokenize.ToolCall with its error
+// ignored: what has the wrong shape is left out, the rest kept.
+func toolCalls(raw []byte) []tokenize.ToolCall {
+	s := jsonScan{b: raw}
+	if s.peek() != '[' {
+		return nil
+	}
+	calls := []tokenize.ToolCall{}
+	empty, ok := s.open(']')
+	for ok && !empty {
+		var tc tokenize.ToolCall
+		if s.peek() == '{' {
+			ok = s.toolCall(&tc)
+		} else {
+			ok = s.skip()
+		}
+		calls = append(calls, tc)
+		var more bool
+		if more, ok = s.next(']'); !more {
+			break
+		}
+	}
+	return calls
+}
+
+// toolCall reads one tool call object, leniently (see toolCalls).
+func (s *jsonScan) toolCall(tc *tokenize.ToolCall) bool {
+	empty, ok := s.open('}')
+	for ok && !empty {
+		var key []byte
+		if key, ok = s.key(); !ok {
+			return false
+		}
+		switch {
+		case keyIs(key, "id"):
+			ok = s.stringInto(&tc.ID, nil, nil, "")
+		case keyIs(key, "type"):
+			ok = s.stringInto(&tc.Type, nil, nil, "")
+		case keyIs(key, "function") && s.peek() == '{':
+			ok = s.function(&tc.Function)
+		default:
+			ok = s.skip()
+		}
+		if !ok {
+			return false
+		}
+		var more bool
+		if more, ok = s.next('}'); !more {
+			break
+		}
+	}
+	return ok
+}
+
+// function reads a tool call's function object, leniently.
+func (s *jsonScan) function(f *tokenize.FunctionCall) bool {
+	empty, ok := s.open('}')
+	for ok && !empty {
+		var key []byte
+		if key, ok = s.key(); !ok {
+			return false
+		}
+		switch {
+		case keyIs(key, "name"):
+			ok = s.stringInto(&f.Name, nil, nil, "")
+		case keyIs(key, "arguments"):
+			ok = s.stringInto(&f.Arguments, nil, nil, "")
+		default:
+			ok = s.skip()
+		}
+		if !ok {
+			return false
+		}
+		var more bool
+		if more, ok = s.next('}'); !more {
+			break
+		}
+	}
+	return ok
 }
 
 // chatPrompt gathers what a chat template needs from a chat body. Tools or
 // kwargs of the wrong shape are left out (the engine rejects such a body).
-func chatPrompt(msgs []tokenize.Message, raw *rawRequest) *ChatPrompt {
-	c := &ChatPrompt{Messages: msgs, AddGenerationPrompt: true}
-	if bytes.Equal(bytes.TrimSpace(raw.AddGenerationPrompt), []byte("false")) {
-		c.AddGenerationPrompt = false
+// Their JSON is copied out of the body.
+func chatPrompt(msgs []tokenize.Message, raw *reqBody) *ChatPrompt {
+	c := &ChatPrompt{Messages: msgs, AddGenerationPrompt: string(raw.addGen) != "false"}
+	if t := raw.tools; len(t) > 0 && t[0] == '[' {
+		t = bytes.Clone(t)
+		items := listItems(t)
+		c.Tools = make([]json.RawMessage, len(items))
+		for i, it := range items {
+			c.Tools[i] = it
+		}
 	}
-	if t := bytes.TrimSpace(raw.Tools); len(t) > 0 && t[0] == '[' {
-		_ = json.Unmarshal(t, &c.Tools)
-	}
-	if k := bytes.TrimSpace(raw.ChatTemplateKwargs); len(k) > 0 && k[0] == '{' {
-		_ = json.Unmarshal(k, &c.Kwargs)
+	if k := raw.kwarg; len(k) > 0 && k[0] == '{' {
+		k = bytes.Clone(k)
+		c.Kwargs = map[string]json.RawMessage{}
+		s := jsonScan{b: k}
+		empty, ok := s.open('}')
+		for ok && !empty {
+			var key, v []byte
+			if key, ok = s.key(); !ok {
+				break
+			}
+			if v, ok = s.span(); !ok {
+				break
+			}
+			c.Kwargs[string(key)] = v
+			var more bool
+			if more, ok = s.next('}'); !more {
+				break
+			}
+		}
 	}
 	return c
-}
-
-// describeJSONError turns a decoding error into a message for the client.
-func describeJSONError(err error) string {
-	var te *json.UnmarshalTypeError
-	var se *json.SyntaxError
-	switch {
-	case errors.As(err, &te):
-		if te.Field == "" {
-			return fmt.Sprintf("request body must be a JSON object, got %s", te.Value)
-		}
-		return fmt.Sprintf("field %s: expected %s, got %s", te.Field, jsonTypeName(te.Type.Kind().String()), te.Value)
-	case errors.As(err, &se):
-		return fmt.Sprintf("malformed JSON at byte %d: %v", se.Offset, se)
-	}
-	return "malformed JSON: " + err.Error()
-}
-
-// jsonTypeName names a Go kind the way a JSON user would.
-func jsonTypeName(kind string) string {
-	switch kind {
-	case "bool":
-		return "a boolean"
-	case "string":
-		return "a string"
-	case "int", "int64", "int32", "uint32", "uint64", "float64":
-		return "a number"
-	case "slice":
-		return "a list"
-	case "struct", "map":
-		return "an object"
-	}
-	return kind
 }
 
 // Keyer turns a parsed request into the router's block keys and an estimate

@@ -4,7 +4,10 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"math/rand/v2"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -320,4 +323,81 @@ func FuzzSSEFramer(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestKeyMemo checks that the keyer's memo of recent prompts returns
+// exactly blocks.Keys for prompts that share prefixes of every length with
+// earlier ones, including while it evicts.
+func TestKeyMemo(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	m := newKeyMemo(16)
+	var prompts [][]uint32
+	base := make([]uint32, 40000)
+	for i := range base {
+		base[i] = rng.Uint32() % 1000
+	}
+	for i := range 300 {
+		var ids []uint32
+		switch {
+		case i%3 == 0 || len(prompts) == 0: // a prefix of the base and a new tail
+			ids = append(ids, base[:rng.IntN(len(base))]...)
+		default: // an earlier prompt, cut, and extended
+			p := prompts[rng.IntN(len(prompts))]
+			ids = append(ids, p[:rng.IntN(len(p)+1)]...)
+		}
+		for range rng.IntN(3000) {
+			ids = append(ids, rng.Uint32()%1000)
+		}
+		prompts = append(prompts, ids)
+		got, want := m.keys(ids), blocks.Keys(nil, ids, 16)
+		if !slices.Equal(got, want) {
+			t.Fatalf("prompt %d (%d ids): keys differ from blocks.Keys", i, len(ids))
+		}
+		if m.held > memoMaxKeys {
+			t.Fatalf("memo holds %d keys, over its bound", m.held)
+		}
+	}
+	// Eviction keeps the bound and the map consistent.
+	for i := range 2*memoMaxKeys/(len(base)/16) + 4 {
+		ids := append([]uint32{uint32(i) + 5000}, base...)
+		if got := m.keys(ids); !slices.Equal(got, blocks.Keys(nil, ids, 16)) {
+			t.Fatal("keys differ after eviction")
+		}
+	}
+	if m.held > memoMaxKeys {
+		t.Fatalf("memo holds %d keys, over its bound", m.held)
+	}
+	for p, e := range m.byPrint {
+		if e.prev == nil || !slices.Contains(e.prints, p) {
+			t.Fatal("the fingerprint map points to an evicted or foreign entry")
+		}
+	}
+}
+
+// TestKeyMemoConcurrent keys prompts that share prefixes from several
+// goroutines at once (run it with -race).
+func TestKeyMemoConcurrent(t *testing.T) {
+	m := newKeyMemo(16)
+	base := make([]uint32, 8000)
+	for i := range base {
+		base[i] = uint32(i * 7919 % 1000)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan string, 4)
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 30 {
+				ids := append(base[:len(base)-i*100:len(base)-i*100], uint32(g), uint32(i))
+				if !slices.Equal(m.keys(ids), blocks.Keys(nil, ids, 16)) {
+					errs <- "keys differ from blocks.Keys"
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Fatal(e)
+	}
 }

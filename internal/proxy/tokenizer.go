@@ -6,11 +6,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"io"
 	"net/http"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
@@ -37,7 +39,9 @@ func LoadTokenizer(spec string) (*tokenize.Tokenizer, error) {
 // model's chat template (tools, add_generation_prompt and
 // chat_template_kwargs from the body) and encoded, exactly as vLLM renders
 // and tokenizes them; token-id prompts are keyed as they are. Encoding goes
-// through a tokenize.PrefixCache, so a long shared prefix is tokenized once.
+// through a tokenize.PrefixCache, so a long shared prefix is tokenized once,
+// and block keys through a memo of recent prompts' keys (keyMemo), so it is
+// hashed into keys once.
 //
 // Set to fall back (SetFallback, done by the Proxy when a replica's
 // /tokenize disagrees), it keys text and chats as ChunkKeyer does. A chat
@@ -47,14 +51,16 @@ type TokenizerKeyer struct {
 	cache       *tokenize.PrefixCache
 	blockTokens int
 	fallback    atomic.Bool
+	memo        *keyMemo
 }
 
 var _ Keyer = (*TokenizerKeyer)(nil)
 
 // NewTokenizerKeyer returns a keyer over tok with keys of blockTokens
-// tokens and a PrefixCache of the default size.
+// tokens, a PrefixCache of the default size and a key memo of at most
+// memoMaxKeys keys.
 func NewTokenizerKeyer(tok *tokenize.Tokenizer, blockTokens int) *TokenizerKeyer {
-	return &TokenizerKeyer{cache: tokenize.NewPrefixCache(tok, 0), blockTokens: blockTokens}
+	return &TokenizerKeyer{cache: tokenize.NewPrefixCache(tok, 0), blockTokens: blockTokens, memo: newKeyMemo(blockTokens)}
 }
 
 // Tokenizer returns the keyer's tokenizer.
@@ -74,7 +80,8 @@ func (k *TokenizerKeyer) SetFallback(on bool) { k.fallback.Store(on) }
 func (k *TokenizerKeyer) Fallback() bool { return k.fallback.Load() }
 
 // Keys implements Keyer. A batch is keyed by its first prompt; its prompt
-// tokens count every prompt.
+// tokens count every prompt. A chat's ids go to a pooled buffer, and its
+// block keys through the keyer's memo of recent prompts (keyMemo).
 func (k *TokenizerKeyer) Keys(r *Request) ([]blocks.Key, int, error) {
 	chunk := ChunkKeyer{BlockTokens: k.blockTokens}
 	if k.fallback.Load() {
@@ -84,34 +91,179 @@ func (k *TokenizerKeyer) Keys(r *Request) ([]blocks.Key, int, error) {
 	total := 0
 	switch {
 	case r.Chat != nil:
-		ids, err := k.EncodeChat(r.Chat)
+		buf := idsPool.Get().(*[]uint32)
+		ids, err := k.cache.AppendEncodeChat((*buf)[:0], r.Chat.Messages, chatOptions(r.Chat))
 		if err != nil {
+			idsPool.Put(buf)
 			return chunk.Keys(r)
 		}
-		keys = blocks.Keys(nil, ids, k.blockTokens)
+		keys = k.memo.keys(ids)
 		total = len(ids)
+		if cap(ids) <= maxPooledIDs {
+			*buf = ids[:0]
+			idsPool.Put(buf)
+		}
 	default:
 		for i, text := range r.Texts {
 			ids := k.cache.Encode(text)
 			if i == 0 {
-				keys = blocks.Keys(nil, ids, k.blockTokens)
+				keys = k.memo.keys(ids)
 			}
 			total += len(ids)
 		}
 	}
 	for i, ids := range r.TokenIDs {
 		if i == 0 && len(keys) == 0 {
-			keys = blocks.Keys(nil, ids, k.blockTokens)
+			keys = k.memo.keys(ids)
 		}
 		total += len(ids)
 	}
 	return keys, max(total, len(keys)*k.blockTokens, 1), nil
 }
 
+// keyMemo remembers the block keys of recent prompts, so that a prompt
+// that shares a long prefix with one of them is hashed by blocks.Keys
+// (about 60 ns a block) only from about where they part: the keys of a
+// 58k-token chat whose first 57k tokens were keyed before cost one quick
+// fingerprinting pass over its ids and the hashing of its last blocks.
+//
+// A prompt's ids are fingerprinted at every checkpoint of memoStride
+// blocks: the fingerprint is a seeded maphash of the checkpoint's ids
+// chained onto the previous one, so it stands for all the ids before it,
+// as a block key does. The memo maps each fingerprint of a recent prompt
+// to that prompt's keys, and a new prompt takes the keys up to its last
+// checkpoint found there. Equal fingerprints are taken for equal ids: a
+// false match (a collision of two 64-bit hashes under a random seed, about
+// 2⁻⁶⁴ a lookup) would only route one request as if it shared a prefix
+// it does not have. Memory is bounded: least recently used prompts are
+// forgotten once the keys held exceed memoMaxKeys. A keyMemo is safe for
+// concurrent use; its lock is held for map lookups and inserts only.
+type keyMemo struct {
+	blockTokens int
+	seed        maphash.Seed
+
+	mu      sync.Mutex // guards byPrint, lru and held
+	byPrint map[uint64]*memoEntry
+	lru     memoEntry // sentinel: lru.next is the most recently used
+	held    int       // keys held by the entries
+}
+
+// memoEntry is one prompt's keys and checkpoint fingerprints.
+type memoEntry struct {
+	keys       []blocks.Key // shared with the router, which never changes them
+	prints     []uint64
+	prev, next *memoEntry
+}
+
+const (
+	// memoStride is the blocks between checkpoints: with 16-token blocks,
+	// at most 1023 tokens of a shared prefix are hashed again.
+	memoStride = 64
+	// memoMaxKeys bounds the keys a keyMemo holds (8 MiB).
+	memoMaxKeys = 1 << 20
+)
+
+func newKeyMemo(blockTokens int) *keyMemo {
+	m := &keyMemo{blockTokens: blockTokens, seed: maphash.MakeSeed(), byPrint: make(map[uint64]*memoEntry)}
+	m.lru.next, m.lru.prev = &m.lru, &m.lru
+	return m
+}
+
+// keys returns blocks.Keys(nil, ids, blockTokens), reusing the keys of
+// a recent prompt that shares a prefix with ids.
+func (m *keyMemo) keys(ids []uint32) []blocks.Key {
+	bs := m.blockTokens
+	n := len(ids) / bs
+	checks := n / memoStride
+	if checks == 0 {
+		return blocks.Keys(nil, ids, bs)
+	}
+	prints := make([]uint64, checks)
+	prev := uint64(0x9E3779B97F4A7C15)
+	step := memoStride * bs
+	for c := range prints {
+		seg := ids[c*step : (c+1)*step]
+		// The ids' bytes as they lie in memory: the fingerprints only
+		// meet other fingerprints of this process.
+		raw := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(seg))), 4*len(seg))
+		prev = chainPrint(prev, maphash.Bytes(m.seed, raw))
+		prints[c] = prev
+	}
+	out := make([]blocks.Key, 0, n)
+	found := -1 // the last checkpoint found
+	m.mu.Lock()
+	for c := checks - 1; c >= 0; c-- {
+		if e := m.byPrint[prints[c]]; e != nil && len(e.keys) >= (c+1)*memoStride {
+			out = append(out, e.keys[:(c+1)*memoStride]...)
+			m.unlink(e)
+			m.pushFront(e)
+			found = c
+			break
+		}
+	}
+	m.mu.Unlock()
+	out = blocks.Keys(out, ids[len(out)*bs:], bs)
+	if found == checks-1 {
+		return out // every checkpoint is known already
+	}
+	e := &memoEntry{keys: out, prints: prints}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, p := range prints {
+		m.byPrint[p] = e
+	}
+	m.pushFront(e)
+	m.held += len(out)
+	for m.held > memoMaxKeys {
+		old := m.lru.prev
+		m.unlink(old)
+		m.held -= len(old.keys)
+		for _, p := range old.prints {
+			if m.byPrint[p] == old {
+				delete(m.byPrint, p)
+			}
+		}
+	}
+	return out
+}
+
+func (m *keyMemo) unlink(e *memoEntry) {
+	e.prev.next, e.next.prev = e.next, e.prev
+	e.prev, e.next = nil, nil
+}
+
+func (m *keyMemo) pushFront(e *memoEntry) {
+	e.prev, e.next = &m.lru, m.lru.next
+	m.lru.next.prev = e
+	m.lru.next = e
+}
+
+// chainPrint chains a checkpoint's hash onto the previous fingerprint
+// (SplitMix64's finaliser over their combination).
+func chainPrint(prev, h uint64) uint64 {
+	x := prev*0xBF58476D1CE4E5B9 ^ h
+	x ^= x >> 30
+	x *= 0xBF58476D1CE4E5B9
+	x ^= x >> 27
+	x *= 0x94D049BB133111EB
+	return x ^ x>>31
+}
+
+// idsPool recycles the token ids of the chats Keys encodes (a 60k-token
+// chat's are 240 KB).
+var idsPool = sync.Pool{New: func() any { return new([]uint32) }}
+
+// maxPooledIDs bounds the buffers idsPool keeps (4 MiB of ids).
+const maxPooledIDs = 1 << 20
+
 // EncodeChat renders c with the chat template and encodes it.
 func (k *TokenizerKeyer) EncodeChat(c *ChatPrompt) ([]uint32, error) {
-	return k.cache.EncodeChat(c.Messages, tokenize.ChatOptions{
-		AddGenerationPrompt: c.AddGenerationPrompt, Tools: c.Tools, Kwargs: c.Kwargs})
+	return k.cache.EncodeChat(c.Messages, chatOptions(c))
+}
+
+// chatOptions are the template options of c.
+func chatOptions(c *ChatPrompt) tokenize.ChatOptions {
+	return tokenize.ChatOptions{AddGenerationPrompt: c.AddGenerationPrompt, Tools: c.Tools, Kwargs: c.Kwargs}
 }
 
 // The probe's inputs: text and a chat that exercise what tokenizers

@@ -99,6 +99,9 @@ type ChatOptions struct {
 type chatTemplate struct {
 	tmpl *jinja.Template
 	src  string
+	// native renders the conversations it covers in place of tmpl (nil if
+	// the template has no native renderer; see nativeRenderer).
+	native nativeRenderer
 }
 
 func compileChatTemplate(src string) (*chatTemplate, error) {
@@ -106,7 +109,7 @@ func compileChatTemplate(src string) (*chatTemplate, error) {
 	if err != nil {
 		return nil, fmt.Errorf("compile chat template: %w", err)
 	}
-	return &chatTemplate{tmpl: t, src: src}, nil
+	return &chatTemplate{tmpl: t, src: src, native: nativeFor(src)}, nil
 }
 
 // loadConfig reads tokenizer_config.json: the chat template (a string, or a
@@ -187,10 +190,15 @@ func (t *Tokenizer) SetChatTemplate(src string) error {
 // Hugging Face transformers' apply_chat_template (and so vLLM) does: Jinja
 // with trim_blocks and lstrip_blocks, the messages, tools (absent when
 // empty), add_generation_prompt, the special-token strings of
-// tokenizer_config.json and opts.Kwargs as variables.
+// tokenizer_config.json and opts.Kwargs as variables. A template with a
+// native renderer (the Qwen3 template) renders the conversations that
+// renderer covers without Jinja, to the same text.
 func (t *Tokenizer) ApplyChatTemplate(msgs []Message, opts ChatOptions) (string, error) {
 	if t.chat == nil {
 		return "", ErrNoChatTemplate
+	}
+	if b, ok := t.appendChat(nil, msgs, opts); ok {
+		return bytesString(b), nil // b is new, and no one else holds it
 	}
 	vars := make(map[string]jinja.Value, 8+len(opts.Kwargs))
 	for k, v := range t.specialMap {

@@ -2,6 +2,7 @@ package tokenize
 
 import (
 	"hash/maphash"
+	"slices"
 	"strings"
 	"sync"
 )
@@ -29,18 +30,28 @@ const minChunk = 512
 // like the block keys of a prefix cache, and maps to the chunk's ids. Text
 // with no safe boundary (a megabyte of base64) is one chunk.
 //
-// Memory is bounded: least-recently-used chunks are evicted once the cached
-// ids exceed the budget. A PrefixCache is safe for concurrent use: one mutex
-// guards the table and is held only for lookups and inserts, never while
-// tokenising.
+// Memory is bounded: once the cached ids exceed the budget, chunks are
+// evicted oldest first, but a chunk hit since it was inserted or last
+// passed over is moved to the front instead (the second-chance, or CLOCK,
+// approximation of least-recently-used), so that a hit costs one store
+// rather than a list move. A PrefixCache is safe for concurrent use: one
+// mutex guards the table and is held only for lookups and inserts, never
+// while tokenising.
+//
+// The work Encode does on the text of chunks it has seen, however long, is
+// a scan for added tokens (vectorised) and for chunk boundaries (the bytes
+// from minChunk to the next safe boundary of each chunk), one hash pass,
+// one comparison of each chunk with its entry's text (so the ids are
+// exactly Encode's, not just equal with overwhelming probability), and
+// the copy of the ids.
 type PrefixCache struct {
 	tok       *Tokenizer
 	seed      maphash.Seed
 	maxTokens int
 
-	mu      sync.Mutex // guards entries, the LRU list, tokens and the counters
+	mu      sync.Mutex // guards entries (and their used flags), the list, tokens and the counters
 	entries map[uint64]*chunkEntry
-	lru     chunkEntry // sentinel: lru.next is the most recently used
+	lru     chunkEntry // sentinel: lru.next is the newest (or last spared)
 	tokens  int
 	stats   PrefixCacheStats
 }
@@ -54,9 +65,13 @@ type PrefixCacheStats struct {
 }
 
 type chunkEntry struct {
-	key        uint64
-	text       string
-	ids        []uint32
+	key  uint64
+	text string
+	ids  []uint32
+	// used is set by a hit; eviction gives a used entry a second chance
+	// (moves it to the front, clearing used) rather than moving every
+	// chunk of a long prompt on every hit.
+	used       bool
 	prev, next *chunkEntry
 }
 
@@ -93,9 +108,35 @@ type piece struct {
 	encoded []uint32
 }
 
+// piecePool recycles Encode's list of pieces (one per chunk: ~500 for a
+// 240 KB prompt).
+var piecePool = sync.Pool{New: func() any { return new([]piece) }}
+
 // Encode returns exactly the ids Tokenizer.Encode returns for text.
 func (c *PrefixCache) Encode(text string) []uint32 {
-	pieces := make([]piece, 0, len(text)/minChunk+4)
+	return c.encode(nil, text, true)
+}
+
+// AppendEncode appends the ids Encode returns for text to dst and returns
+// the extended slice: a caller that reuses dst saves allocating the ids.
+func (c *PrefixCache) AppendEncode(dst []uint32, text string) []uint32 {
+	return c.encode(dst, text, false)
+}
+
+// encode is AppendEncode; exact sizes a new result to its length (Encode's
+// result is kept by its caller) rather than growing dst as append does. It
+// keeps no reference to text (the cache's entries hold copies), so text
+// may be a view of a buffer the caller reuses.
+func (c *PrefixCache) encode(dst []uint32, text string, exact bool) []uint32 {
+	pp := piecePool.Get().(*[]piece)
+	pieces := (*pp)[:0]
+	defer func() {
+		clear(pieces) // drop the references to text, entries and ids
+		if cap(pieces) <= 1<<16 {
+			*pp = pieces[:0]
+			piecePool.Put(pp)
+		}
+	}()
 	c.tok.added.split(text, func(seg string, id uint32, isAdded bool) {
 		if isAdded {
 			pieces = append(pieces, piece{added: true, id: id})
@@ -128,7 +169,7 @@ func (c *PrefixCache) Encode(text string) []uint32 {
 		}
 		if e, ok := c.entries[p.key]; ok && e.text == p.text {
 			p.entry = e
-			c.moveToFront(e)
+			e.used = true
 		}
 	}
 	c.mu.Unlock()
@@ -143,12 +184,17 @@ func (c *PrefixCache) Encode(text string) []uint32 {
 			n += len(p.entry.ids)
 			hit += len(p.entry.ids)
 		default:
-			p.encoded = c.tok.encodeOrdinary(nil, p.text)
+			p.encoded = c.tok.encodeOrdinary(make([]uint32, 0, len(p.text)/3+4), p.text)
 			n += len(p.encoded)
 			miss += len(p.encoded)
 		}
 	}
-	out := make([]uint32, 0, n)
+	var out []uint32
+	if exact && dst == nil {
+		out = make([]uint32, 0, n)
+	} else {
+		out = slices.Grow(dst, n)
+	}
 	for i := range pieces {
 		p := &pieces[i]
 		switch {
@@ -181,6 +227,11 @@ func (c *PrefixCache) Encode(text string) []uint32 {
 	}
 	for c.tokens > c.maxTokens {
 		e := c.lru.prev
+		if e.used { // a second chance
+			e.used = false
+			c.moveToFront(e)
+			continue
+		}
 		c.unlink(e)
 		delete(c.entries, e.key)
 		c.tokens -= len(e.ids)
@@ -192,11 +243,28 @@ func (c *PrefixCache) Encode(text string) []uint32 {
 // EncodeChat renders msgs with the tokenizer's chat template and encodes the
 // result through the cache.
 func (c *PrefixCache) EncodeChat(msgs []Message, opts ChatOptions) ([]uint32, error) {
+	return c.AppendEncodeChat(nil, msgs, opts)
+}
+
+// AppendEncodeChat appends the ids EncodeChat returns to dst. A template
+// with a native renderer renders into a pooled buffer.
+func (c *PrefixCache) AppendEncodeChat(dst []uint32, msgs []Message, opts ChatOptions) ([]uint32, error) {
+	bp := renderPool.Get().(*[]byte)
+	if b, ok := c.tok.appendChat((*bp)[:0], msgs, opts); ok {
+		// encode does not keep its text: the buffer can go back after it.
+		out := c.encode(dst, bytesString(b), dst == nil)
+		if cap(b) <= maxPooledRender {
+			*bp = b[:0]
+			renderPool.Put(bp)
+		}
+		return out, nil
+	}
+	renderPool.Put(bp)
 	s, err := c.tok.ApplyChatTemplate(msgs, opts)
 	if err != nil {
-		return nil, err
+		return dst, err
 	}
-	return c.Encode(s), nil
+	return c.encode(dst, s, dst == nil), nil
 }
 
 func (c *PrefixCache) unlink(e *chunkEntry) {
