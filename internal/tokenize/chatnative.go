@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"unicode"
 	"unsafe"
 )
 
@@ -23,8 +24,9 @@ import (
 // the native output against Python's Jinja2, and the proxy package's
 // FuzzNativeChatTemplate against Jinja on arbitrary conversations.
 //
-// A native renderer appends the text to dst.
-type nativeRenderer func(dst []byte, msgs []Message, opts ChatOptions) ([]byte, bool)
+// A native renderer appends the text to dst; special holds the special-token
+// strings of tokenizer_config.json (bos_token, ...) that templates read.
+type nativeRenderer func(dst []byte, msgs []Message, opts ChatOptions, special map[string]string) ([]byte, bool)
 
 // nativeRenderers maps the hex SHA-256 of a template's source to its
 // native renderer.
@@ -32,6 +34,8 @@ var nativeRenderers = map[string]nativeRenderer{
 	// The chat template of the Qwen3 models (Qwen3-0.6B ... Qwen3-235B-A22B,
 	// tokenizer_config.json), as internal/tokenize/qwen3 bundles it.
 	"87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": renderQwen3,
+	// The chat template of Meta-Llama-3-8B-Instruct and -70B-Instruct.
+	"b48c47f6443892716176eb200bf4ef108f64e06ca26ed0fa8ebc0a4b3992fcb2": renderLlama3,
 }
 
 // nativeFor returns the native renderer of template source src, or nil.
@@ -58,7 +62,7 @@ func nativeFor(src string) nativeRenderer {
 //   - consecutive tool messages share one user turn of <tool_response>s;
 //   - other roles render nothing; the generation prompt, with an empty
 //     think block when enable_thinking is false, ends the text.
-func renderQwen3(b []byte, msgs []Message, opts ChatOptions) ([]byte, bool) {
+func renderQwen3(b []byte, msgs []Message, opts ChatOptions, _ map[string]string) ([]byte, bool) {
 	if len(msgs) == 0 || len(opts.Tools) > 0 {
 		return b, false
 	}
@@ -150,6 +154,45 @@ func renderQwen3(b []byte, msgs []Message, opts ChatOptions) ([]byte, bool) {
 	return b, true
 }
 
+// renderLlama3 renders the Llama-3 Instruct template for conversations
+// without chat_template_kwargs (which could rebind bos_token):
+//
+//	{% for message in messages %}{% set content = '<|start_header_id|>' +
+//	message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim +
+//	'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token +
+//	content %}{% endif %}{{ content }}{% endfor %}
+//	{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+//
+// The generation prompt is written whatever add_generation_prompt says, as
+// the template does. Jinja2's trim is Python's str.strip(), which also
+// strips U+001C..U+001F; the Jinja library prefixlb uses strips only
+// unicode.IsSpace, so for this template the native rendering is the exact
+// one (TestLlama3Chat) and Jinja's is not.
+func renderLlama3(b []byte, msgs []Message, opts ChatOptions, special map[string]string) ([]byte, bool) {
+	if len(msgs) == 0 || len(opts.Kwargs) > 0 || len(opts.Tools) > 0 {
+		return b, false
+	}
+	size := 64 + len(special["bos_token"])
+	for i := range msgs {
+		size += len(msgs[i].Role) + len(msgs[i].Content) + 48
+	}
+	b = slices.Grow(b, size)
+	b = append(b, special["bos_token"]...)
+	for i := range msgs {
+		b = append(b, "<|start_header_id|>"...)
+		b = append(b, msgs[i].Role...)
+		b = append(b, "<|end_header_id|>\n\n"...)
+		b = append(b, strings.TrimFunc(msgs[i].Content, isPySpace)...)
+		b = append(b, "<|eot_id|>"...)
+	}
+	return append(b, "<|start_header_id|>assistant<|end_header_id|>\n\n"...), true
+}
+
+// isPySpace reports whether Python's str.isspace() holds for r: Unicode
+// White_Space (unicode.IsSpace) and the separators U+001C..U+001F, which
+// Python counts as whitespace by their bidirectional class.
+func isPySpace(r rune) bool { return unicode.IsSpace(r) || 0x1c <= r && r <= 0x1f }
+
 // afterLast is what follows the last sep in s (Python's s.split(sep)[-1]).
 func afterLast(s, sep string) string {
 	if i := strings.LastIndex(s, sep); i >= 0 {
@@ -165,7 +208,7 @@ func (t *Tokenizer) appendChat(dst []byte, msgs []Message, opts ChatOptions) ([]
 	if t.chat == nil || t.chat.native == nil {
 		return dst, false
 	}
-	return t.chat.native(dst, msgs, opts)
+	return t.chat.native(dst, msgs, opts, t.specialMap)
 }
 
 // renderPool recycles the buffers PrefixCache.AppendEncodeChat renders

@@ -53,7 +53,9 @@ var asciiClass = func() (t [utf8.RuneSelf]uint8) {
 
 // classAt returns the class bits and the width of the rune at s[i].
 // \s is Unicode White_Space, which is what unicode.IsSpace implements;
-// \p{L} and \p{N} are the general categories L and N.
+// \p{L} and \p{N} are the general categories L and N of Unicode 16.0, the
+// version Hugging Face tokenizers classifies with: Go's tables (15.0) plus
+// letters16 and numbers16.
 func classAt(s string, i int) (uint8, int) {
 	c := s[i]
 	if c < utf8.RuneSelf {
@@ -67,6 +69,10 @@ func classAt(s string, i int) (uint8, int) {
 		return clsNumber, w
 	case unicode.IsSpace(r):
 		return clsSpace, w
+	case unicode.Is(letters16, r): // Unicode 16 letters Go's 15.0 tables lack (unicode16.go)
+		return clsLetter, w
+	case unicode.Is(numbers16, r):
+		return clsNumber, w
 	}
 	return 0, w
 }
