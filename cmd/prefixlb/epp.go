@@ -62,7 +62,10 @@ through Redis (--state redis://host:6379/0).
 
 --tokenizer (qwen3, a tokenizer.json or a model directory) keys prompts by the
 replicas' token ids, so that they match the blocks vLLM's KV events report;
-without it prompts are keyed by text chunks. --metrics-listen (:9090) serves
+without it prompts are keyed by text chunks. Each replica's /tokenize is
+compared with it when the replica joins and whenever it is ready again: while
+one differs, prompts are keyed by text chunks (prefixlb_tokenizer_match,
+prefixlb_tokenizer_fallback). --metrics-listen (:9090) serves
 the picker's Prometheus metrics at /metrics. See docs/kubernetes.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runEPP(cmd.Context(), cmd, f) },
@@ -71,7 +74,7 @@ the picker's Prometheus metrics at /metrics. See docs/kubernetes.md.`,
 	fs.StringVar(&f.grpcListen, "grpc-listen", ":9002", "ext_proc gRPC address (health is served here too)")
 	fs.StringVar(&f.healthListen, "health-listen", ":9003", "gRPC health address for probes (\"\": none)")
 	fs.StringVar(&f.metricsListen, "metrics-listen", ":9090", "HTTP address of the picker's Prometheus /metrics (\"\": none)")
-	fs.StringVar(&f.tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys that match vLLM's KV events: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
+	fs.StringVar(&f.tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys that match vLLM's KV events, checked against each replica's /tokenize: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
 	fs.IntVar(&f.treeMaxBlocks, "tree-max-blocks", 0, "bound of the router's prefix tree in blocks (0: 2M, about 160 MiB)")
 	fs.StringVar(&f.backends, "backend", "", "static replicas ip:port[,ip:port..] (instead of --discovery)")
 	fs.StringVar(&f.discovery, "discovery", "", "service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME")

@@ -16,8 +16,9 @@ import (
 // that two pickers in one process never collide). Names are prefixlb
 // serve's (internal/proxy) where they mean the same; the ext_proc-only ones
 // are prefixlb_epp_*. Gauges of the router's state (in flight, readiness,
-// tree size) are read under the picker's lock at scrape time, so they never
-// drift from it.
+// tree size, the tokenizer checks' results) are read under the picker's
+// lock at scrape time, so they never drift from it and a replica's series
+// leave with it.
 type metrics struct {
 	reg       *prometheus.Registry
 	decisions *prometheus.CounterVec // policy, branch, replica
@@ -182,6 +183,14 @@ var (
 		"1 if the replica takes requests (its pod is ready), 0 if not.", []string{"replica"}, nil)
 	descTree = prometheus.NewDesc("prefixlb_tree_blocks",
 		"Blocks held by the router's global prefix tree (bounded by tree_max_blocks).", nil, nil)
+	// The tokenizer check's (tokenizer.go), with a tokenizer keyer only;
+	// names and help are prefixlb serve's.
+	descTokMatch = prometheus.NewDesc("prefixlb_tokenizer_match",
+		"Whether the router's tokenizer gives the replica's /tokenize ids on the probe prompt and chat: 1 yes, 0 no, -1 unknown (not probed yet, or /tokenize failed).",
+		[]string{"replica"}, nil)
+	descTokFallback = prometheus.NewDesc("prefixlb_tokenizer_fallback",
+		"1 while some replica's tokenizer differs from the router's, so text and chat prompts are keyed by text chunks instead of token ids.",
+		nil, nil)
 )
 
 // stateCollector reads the router's state under the picker's lock.
@@ -193,6 +202,10 @@ func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descShared
 	ch <- descUp
 	ch <- descTree
+	if c.p.tok != nil {
+		ch <- descTokMatch
+		ch <- descTokFallback
+	}
 }
 
 // Collect implements prometheus.Collector.
@@ -213,8 +226,18 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(st.InFlight-ext), r.Name)
 		ch <- prometheus.MustNewConstMetric(descShared, prometheus.GaugeValue, float64(ext), r.Name)
 		ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, up, r.Name)
+		if p.tok != nil {
+			ch <- prometheus.MustNewConstMetric(descTokMatch, prometheus.GaugeValue, float64(r.tokState), r.Name)
+		}
 	}
 	ch <- prometheus.MustNewConstMetric(descTree, prometheus.GaugeValue, float64(p.rt.Tree().Blocks()))
+	if p.tok != nil {
+		fallback := 0.0
+		if p.tok.keyer.Fallback() {
+			fallback = 1
+		}
+		ch <- prometheus.MustNewConstMetric(descTokFallback, prometheus.GaugeValue, fallback)
+	}
 }
 
 // MetricsHandler serves the picker's Prometheus metrics (the text

@@ -93,7 +93,15 @@ type Config struct {
 	// SpeculativeTTL: router.Config's (0: its default).
 	SpeculativeTTL time.Duration
 	// Keyer keys prompts (nil: Tokenizer's keys if set, else
-	// proxy.ChunkKeyer{BlockTokens}).
+	// proxy.ChunkKeyer{BlockTokens}). A *proxy.TokenizerKeyer (the one
+	// Tokenizer makes too) is checked against every replica: the probe prompt and chat of
+	// proxy.TokenizerCheck go to the replica's vLLM /tokenize at
+	// "http://"+Address when it joins and whenever it is ready again, off
+	// the request path, and while any replica in the pool mismatches the
+	// keyer falls back to text chunks (TokenizerKeyer.SetFallback), as
+	// prefixlb serve does. A replica that does not answer is checked again
+	// every ScrapeInterval (5s without one); one whose /tokenize answers an
+	// HTTP error stays unknown and does not stop token keys.
 	Keyer proxy.Keyer
 	// Tokenizer, when Keyer is nil, is the replicas' tokenizer
 	// (proxy.LoadTokenizer: "qwen3" for the bundled one, a tokenizer.json
@@ -108,8 +116,8 @@ type Config struct {
 	// Shared, when set, shares in-flight load with other routers.
 	Shared Shared
 	// ScrapeInterval is how often each replica's MetricsURL is read for its
-	// queue and KV usage (0: never); each read is bounded by ScrapeTimeout
-	// (default 2s).
+	// queue and KV usage (0: never); each read, and each /tokenize request
+	// of a tokenizer check, is bounded by ScrapeTimeout (default 2s).
 	ScrapeInterval, ScrapeTimeout time.Duration
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
@@ -165,6 +173,12 @@ type replica struct {
 	id     int
 	stop   context.CancelFunc // ends its feeds (nil: not started)
 	loaded bool               // the last scrape succeeded
+	// The tokenizer check (tokenizer.go), when on: tokDue says a check is
+	// due (it joined, was ready again, or did not answer), tokState is
+	// what the last answered one found, and tokWake wakes its loop.
+	tokDue   bool
+	tokState proxy.TokenizerState
+	tokWake  chan struct{}
 }
 
 // flight is a request routed and not finished: what it added to the
@@ -197,6 +211,10 @@ type Picker struct {
 	flights map[uint64]*flight
 	others  map[string]router.ExternalLoad // last good Shared.Others
 	runCtx  context.Context                // set while Run runs
+	tok     *tokenizerChecks               // nil unless the keyer is a *proxy.TokenizerKeyer; its state is in the replicas
+	// onTokenizer, when set (by tests), is called after each tokenizer
+	// check, without p.mu, once its result is recorded.
+	onTokenizer func(name string, state proxy.TokenizerState, err error)
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
 	// onKV, when set (by tests), is called with p.mu held after each KV
@@ -246,6 +264,9 @@ func NewPicker(cfg Config) (*Picker, error) {
 		byAddr:  make(map[string]*replica),
 		flights: make(map[uint64]*flight),
 	}
+	if tk, ok := cfg.Keyer.(*proxy.TokenizerKeyer); ok {
+		p.tok = newTokenizerChecks(tk, &cfg)
+	}
 	p.m = newMetrics(p)
 	return p, nil
 }
@@ -272,7 +293,8 @@ func (p *Picker) Add(r Replica) {
 		p.remove(old)
 	}
 	now := time.Now()
-	rep := &replica{Replica: r, id: -1}
+	rep := &replica{Replica: r, id: -1, tokState: proxy.TokenizerUnknown, tokWake: make(chan struct{}, 1)}
+	p.markTokenizerDue(rep)
 	// Reuse a free slot with nothing left in flight, else add one.
 	for id, s := range p.slots {
 		if s != nil {
@@ -329,6 +351,7 @@ func (p *Picker) remove(r *replica) {
 	if p.byAddr[r.Address] == r {
 		delete(p.byAddr, r.Address)
 	}
+	p.setTokenizerFallback() // it may have been the one that mismatched
 }
 
 // SetReady marks replica name ready or not (a pod's readiness).
@@ -346,6 +369,9 @@ func (p *Picker) setReady(r *replica, ready bool) {
 	}
 	r.Ready = ready
 	_ = p.rt.SetUp(r.id, ready, time.Now())
+	if ready {
+		p.markTokenizerDue(r) // a pod that is ready again may run another build
+	}
 	p.log.Info("epp: replica readiness", "replica", r.Name, "ready", ready)
 }
 
@@ -651,9 +677,10 @@ func (p *Picker) Replicas() []ReplicaState {
 	return out
 }
 
-// Run follows every replica's KV events and load until ctx ends; replicas
-// added meanwhile get their feeds at once, removed ones lose them. It
-// returns when ctx ends and every feed has stopped.
+// Run follows every replica's KV events and load, and checks its tokenizer
+// (Config.Keyer), until ctx ends; replicas added meanwhile get their feeds
+// at once, removed ones lose them. It returns when ctx ends and every feed
+// has stopped.
 func (p *Picker) Run(ctx context.Context) error {
 	p.mu.Lock()
 	if p.runCtx != nil {
@@ -707,6 +734,13 @@ func (p *Picker) start(r *replica) {
 		go func() {
 			defer p.wg.Done()
 			p.scrapeLoop(ctx, r)
+		}()
+	}
+	if p.tok != nil {
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			p.tokenizerLoop(ctx, r)
 		}()
 	}
 }

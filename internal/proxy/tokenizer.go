@@ -9,9 +9,11 @@ import (
 	"hash/maphash"
 	"io"
 	"net/http"
+	"net/url"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -277,39 +279,174 @@ var probeMessages = []tokenize.Message{
 	{Role: "user", Content: "prefixlb probe: what is 12+30?\nAnswer in one word."},
 }
 
-// Tokenizer match states (prefixlb_tokenizer_match).
+// TokenizerState is what a tokenizer check found for one replica, as the
+// value of the gauge prefixlb_tokenizer_match.
+type TokenizerState int
+
+// Tokenizer check results.
 const (
-	tokUnknown  = -1 // not probed yet, or the replica cannot tokenize (no /tokenize)
-	tokMismatch = 0
-	tokMatch    = 1
+	// TokenizerUnknown: not checked yet, or the replica cannot tokenize
+	// (its /tokenize answered an HTTP error status, or an answer that is
+	// not vLLM's).
+	TokenizerUnknown TokenizerState = -1
+	// TokenizerMismatch: the replica's ids differ from the local
+	// tokenizer's, so token keys would never match its KV blocks.
+	TokenizerMismatch TokenizerState = 0
+	// TokenizerMatch: the replica's ids are the local tokenizer's on the
+	// probe prompt and chat.
+	TokenizerMatch TokenizerState = 1
 )
 
-// errProbeTransport marks a probe that got no HTTP answer: it is retried
-// after the replica's next good health check.
-var errProbeTransport = errors.New("no answer")
+// String returns "unknown", "mismatch" or "match".
+func (s TokenizerState) String() string {
+	switch s {
+	case TokenizerMatch:
+		return "match"
+	case TokenizerMismatch:
+		return "mismatch"
+	case TokenizerUnknown:
+		return "unknown"
+	}
+	return fmt.Sprintf("TokenizerState(%d)", int(s))
+}
 
-// tokenizerProbe is the state of the tokenizer checks: which replicas are
-// due a probe, and what each last probe found.
-type tokenizerProbe struct {
-	keyer *TokenizerKeyer
+// tokUnknown is TokenizerUnknown as a gauge value.
+const tokUnknown = -1
+
+// ErrNoAnswer wraps the error of a tokenizer check that got no HTTP answer
+// (the connection failed, or the request timed out): the check says
+// nothing about the replica's tokenizer and is worth retrying later.
+var ErrNoAnswer = errors.New("no answer")
+
+// TokenizerCheck compares a local tokenizer with a replica's: it posts a
+// probe prompt and a probe chat to the replica's vLLM /tokenize and
+// compares the ids with the local ones. The probes exercise what
+// tokenizers disagree on (digits, runs of spaces, newlines, code,
+// non-ASCII, the chat template's special tokens). A TokenizerCheck is safe
+// for concurrent use.
+type TokenizerCheck struct {
+	// Timeout bounds each /tokenize request of a Compare (0: only ctx
+	// bounds them).
+	Timeout time.Duration
+
 	// want are the local tokenizer's ids of the probe prompt and chat
 	// (wantChat nil when the tokenizer has no chat template).
 	want, wantChat []uint32
+}
+
+// NewTokenizerCheck encodes the probe prompt and chat with tok, once.
+func NewTokenizerCheck(tok *tokenize.Tokenizer) *TokenizerCheck {
+	c := &TokenizerCheck{want: tok.Encode(probePrompt)}
+	if ids, err := tok.EncodeChat(probeMessages, tokenize.ChatOptions{AddGenerationPrompt: true}); err == nil {
+		c.wantChat = ids
+	}
+	return c
+}
+
+// Compare posts the probe prompt and, if the local tokenizer has a chat
+// template, the probe chat to baseURL's /tokenize (baseURL is the replica's
+// OpenAI server, "http://10.0.0.1:8000") with client (nil:
+// http.DefaultClient), and compares the ids. It returns TokenizerMatch
+// with a nil error; TokenizerMismatch with an error saying where the ids
+// part; TokenizerUnknown with an error for an HTTP error status or an
+// answer it cannot read, or, wrapping ErrNoAnswer, for no answer at all.
+func (c *TokenizerCheck) Compare(ctx context.Context, client *http.Client, baseURL string) (TokenizerState, error) {
+	if client == nil {
+		client = http.DefaultClient
+	}
+	u, err := url.Parse(baseURL)
+	if err != nil {
+		return TokenizerUnknown, fmt.Errorf("proxy: tokenizer check: replica URL: %w", err)
+	}
+	u.Path = trimSlash(u.Path) + "/tokenize"
+	endpoint := u.String()
+	got, err := c.tokenize(ctx, client, endpoint, map[string]any{"prompt": probePrompt})
+	if err != nil {
+		return TokenizerUnknown, err
+	}
+	if !slices.Equal(got, c.want) {
+		return TokenizerMismatch, fmt.Errorf("probe prompt: replica %d ids, local %d ids (first difference at %d)",
+			len(got), len(c.want), firstDiff(got, c.want))
+	}
+	if c.wantChat == nil {
+		return TokenizerMatch, nil
+	}
+	got, err = c.tokenize(ctx, client, endpoint, map[string]any{"messages": probeMessages, "add_generation_prompt": true})
+	if err != nil {
+		return TokenizerUnknown, err
+	}
+	if !slices.Equal(got, c.wantChat) {
+		return TokenizerMismatch, fmt.Errorf("probe chat: replica %d ids, local %d ids (first difference at %d)",
+			len(got), len(c.wantChat), firstDiff(got, c.wantChat))
+	}
+	return TokenizerMatch, nil
+}
+
+// tokenize POSTs body to endpoint (a /tokenize URL), bounded by c.Timeout,
+// and returns the ids it answers (vLLM: {"tokens":[...],"count":N}).
+func (c *TokenizerCheck) tokenize(ctx context.Context, client *http.Client, endpoint string, body any) ([]uint32, error) {
+	if c.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.Timeout)
+		defer cancel()
+	}
+	js, err := json.Marshal(body)
+	if err != nil {
+		return nil, fmt.Errorf("proxy: tokenize on %s: %w", endpoint, err)
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, endpoint, bytes.NewReader(js))
+	if err != nil {
+		return nil, fmt.Errorf("proxy: tokenize on %s: %w", endpoint, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("proxy: tokenize on %s: %w: %w", endpoint, ErrNoAnswer, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, fmt.Errorf("proxy: tokenize on %s: %w: %w", endpoint, ErrNoAnswer, err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return nil, fmt.Errorf("proxy: tokenize on %s: status %d", endpoint, resp.StatusCode)
+	}
+	var out struct {
+		Tokens []uint32 `json:"tokens"`
+	}
+	if err := json.Unmarshal(data, &out); err != nil {
+		return nil, fmt.Errorf("proxy: tokenize on %s: decode answer: %w", endpoint, err)
+	}
+	return out.Tokens, nil
+}
+
+// firstDiff is the first index where a and b differ.
+func firstDiff(a, b []uint32) int {
+	n := min(len(a), len(b))
+	for i := range n {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return n
+}
+
+// tokenizerProbe is the state of the proxy's tokenizer checks: which
+// replicas are due a probe, and what each last probe found.
+type tokenizerProbe struct {
+	keyer *TokenizerKeyer
+	check *TokenizerCheck
 
 	mu    sync.Mutex // guards due and state
 	due   []bool
-	state []int
+	state []TokenizerState
 }
 
 // newTokenizerProbe prepares the probe for n replicas, all due.
 func newTokenizerProbe(k *TokenizerKeyer, n int) *tokenizerProbe {
-	tp := &tokenizerProbe{keyer: k, due: make([]bool, n), state: make([]int, n)}
-	tp.want = k.Tokenizer().Encode(probePrompt)
-	if ids, err := k.Tokenizer().EncodeChat(probeMessages, tokenize.ChatOptions{AddGenerationPrompt: true}); err == nil {
-		tp.wantChat = ids
-	}
+	tp := &tokenizerProbe{keyer: k, check: NewTokenizerCheck(k.Tokenizer()), due: make([]bool, n), state: make([]TokenizerState, n)}
 	for i := range n {
-		tp.due[i], tp.state[i] = true, tokUnknown
+		tp.due[i], tp.state[i] = true, TokenizerUnknown
 	}
 	return tp
 }
@@ -330,38 +467,40 @@ func (tp *tokenizerProbe) isDue(id int) bool {
 
 // set records replica id's state and returns whether any replica
 // mismatches now.
-func (tp *tokenizerProbe) set(id, state int) (anyMismatch bool) {
+func (tp *tokenizerProbe) set(id int, state TokenizerState) (anyMismatch bool) {
 	tp.mu.Lock()
 	defer tp.mu.Unlock()
 	tp.due[id] = false
 	tp.state[id] = state
-	return slices.Contains(tp.state, tokMismatch)
+	return slices.Contains(tp.state, TokenizerMismatch)
 }
 
-// probeTokenizer compares the local tokenizer with replica b's /tokenize on
-// the probe prompt and chat, if b is due a probe, and sets the keyer's
-// fallback: on while any replica mismatches. A replica without /tokenize
-// (an HTTP error) is "unknown" and does not stop token keying; one that
-// did not answer stays due.
+// probeTokenizer compares the local tokenizer with replica b's /tokenize
+// (TokenizerCheck), if b is due a probe, and sets the keyer's fallback: on
+// while any replica mismatches. A replica without /tokenize (an HTTP
+// error) is "unknown" and does not stop token keying; one that did not
+// answer stays due.
 func (p *Proxy) probeTokenizer(ctx context.Context, b *backend) {
 	tp := p.tokProbe
 	if tp == nil || !tp.isDue(b.id) {
 		return
 	}
-	state, err := p.compareTokenizer(ctx, b)
+	check := *tp.check
+	check.Timeout = p.cfg.HealthTimeout // each request, as a health check
+	state, err := check.Compare(ctx, p.checks, b.url.String())
 	if ctx.Err() != nil {
 		return
 	}
-	if errors.Is(err, errProbeTransport) {
+	if errors.Is(err, ErrNoAnswer) {
 		p.log.Debug("tokenizer probe: no answer; retrying after the next health check", "replica", b.name, "err", err)
 		return
 	}
 	anyMismatch := tp.set(b.id, state)
 	p.m.tokMatch.WithLabelValues(b.name).Set(float64(state))
 	switch state {
-	case tokMatch:
+	case TokenizerMatch:
 		p.log.Info("tokenizer matches the replica's", "replica", b.name)
-	case tokMismatch:
+	case TokenizerMismatch:
 		p.log.Warn("tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
 			"replica", b.name, "err", err)
 	default:
@@ -375,7 +514,7 @@ func (p *Proxy) probeTokenizer(ctx context.Context, b *backend) {
 	}
 	p.m.tokFallback.Set(boolFloat(anyMismatch))
 	if p.hookProbe != nil {
-		p.hookProbe(b.name, state)
+		p.hookProbe(b.name, int(state))
 	}
 }
 
@@ -384,79 +523,4 @@ func boolFloat(b bool) float64 {
 		return 1
 	}
 	return 0
-}
-
-// compareTokenizer posts the probe prompt and chat to b's /tokenize and
-// compares the ids with the local tokenizer's. An HTTP error status makes
-// the state unknown; no answer at all wraps errProbeTransport.
-func (p *Proxy) compareTokenizer(ctx context.Context, b *backend) (int, error) {
-	tp := p.tokProbe
-	got, err := p.tokenizeOn(ctx, b, map[string]any{"prompt": probePrompt})
-	if err != nil {
-		return tokUnknown, err
-	}
-	if !slices.Equal(got, tp.want) {
-		return tokMismatch, fmt.Errorf("probe prompt: replica %d ids, local %d ids (first difference at %d)",
-			len(got), len(tp.want), firstDiff(got, tp.want))
-	}
-	if tp.wantChat == nil {
-		return tokMatch, nil
-	}
-	got, err = p.tokenizeOn(ctx, b, map[string]any{"messages": probeMessages, "add_generation_prompt": true})
-	if err != nil {
-		return tokUnknown, err
-	}
-	if !slices.Equal(got, tp.wantChat) {
-		return tokMismatch, fmt.Errorf("probe chat: replica %d ids, local %d ids (first difference at %d)",
-			len(got), len(tp.wantChat), firstDiff(got, tp.wantChat))
-	}
-	return tokMatch, nil
-}
-
-// firstDiff is the first index where a and b differ.
-func firstDiff(a, b []uint32) int {
-	n := min(len(a), len(b))
-	for i := range n {
-		if a[i] != b[i] {
-			return i
-		}
-	}
-	return n
-}
-
-// tokenizeOn POSTs body to b's /tokenize (bounded by HealthTimeout) and
-// returns the ids it answers (vLLM: {"tokens":[...],"count":N}).
-func (p *Proxy) tokenizeOn(ctx context.Context, b *backend, body any) ([]uint32, error) {
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.HealthTimeout)
-	defer cancel()
-	js, err := json.Marshal(body)
-	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w", b.name, err)
-	}
-	u := *b.url
-	u.Path = trimSlash(b.url.Path) + "/tokenize"
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), bytes.NewReader(js))
-	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w", b.name, err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := p.checks.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w: %w", b.name, errProbeTransport, err)
-	}
-	defer resp.Body.Close()
-	data, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w: %w", b.name, errProbeTransport, err)
-	}
-	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return nil, fmt.Errorf("proxy: tokenize on %s: status %d", b.name, resp.StatusCode)
-	}
-	var out struct {
-		Tokens []uint32 `json:"tokens"`
-	}
-	if err := json.Unmarshal(data, &out); err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: decode answer: %w", b.name, err)
-	}
-	return out.Tokens, nil
 }

@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -374,4 +375,80 @@ func TestEndToEndTokenizerChat(t *testing.T) {
 			t.Errorf("follow-up %d went to %s, not to the prefix's replica %s", i, r, r1)
 		}
 	}
+}
+
+// TestTokenizerCheckCompare runs the exported check against fake replicas
+// on loopback: one that tokenizes as the local tokenizer, one whose chat
+// template differs, one without /tokenize, one that answers garbage, one
+// that closes the connection, one that is not listening, and one whose
+// URL has a path prefix.
+func TestTokenizerCheckCompare(t *testing.T) {
+	tok := testTokenizer(t)
+	c := NewTokenizerCheck(tok)
+	c.Timeout = 5 * time.Second
+	urlOf := func(b Backend) string { return b.URL }
+	hangUp := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		conn, _, err := w.(http.Hijacker).Hijack()
+		if err == nil {
+			conn.Close()
+		}
+	}))
+	t.Cleanup(hangUp.Close)
+	down := httptest.NewServer(http.NotFoundHandler())
+	down.Close()
+	garbage := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "<html>") }))
+	t.Cleanup(garbage.Close)
+	prefixed := http.NewServeMux()
+	prefixed.Handle("POST /v1/tokenize", http.StripPrefix("/v1", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]json.RawMessage
+		_ = json.NewDecoder(r.Body).Decode(&body)
+		_ = json.NewEncoder(w).Encode(map[string]any{"tokens": exactTokenize(tok)(body)})
+	})))
+	prefixedSrv := httptest.NewServer(prefixed)
+	t.Cleanup(prefixedSrv.Close)
+	tests := []struct {
+		name       string
+		url        string
+		want       TokenizerState
+		wantErr    bool
+		wantNoAnsw bool
+	}{
+		{"match", urlOf(tokenizeReplica(t, "m", exactTokenize(tok))), TokenizerMatch, false, false},
+		{"match behind a path and a slash", prefixedSrv.URL + "/v1/", TokenizerMatch, false, false},
+		{"chat differs", urlOf(tokenizeReplica(t, "d", func(b map[string]json.RawMessage) []uint32 {
+			ids := exactTokenize(tok)(b)
+			if _, chat := b["messages"]; chat {
+				ids = ids[1:] // no BOS-like first token, say
+			}
+			return ids
+		})), TokenizerMismatch, true, false},
+		{"404", urlOf(tokenizeReplica(t, "n", func(map[string]json.RawMessage) []uint32 { return nil })), TokenizerUnknown, true, false},
+		{"not vLLM's answer", garbage.URL, TokenizerUnknown, true, false},
+		{"connection closed", hangUp.URL, TokenizerUnknown, true, true},
+		{"not listening", down.URL, TokenizerUnknown, true, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := c.Compare(context.Background(), nil, tt.url)
+			if got != tt.want || (err != nil) != tt.wantErr || errors.Is(err, ErrNoAnswer) != tt.wantNoAnsw {
+				t.Errorf("Compare = %v, %v; want %v, error %v, ErrNoAnswer %v", got, err, tt.want, tt.wantErr, tt.wantNoAnsw)
+			}
+		})
+	}
+	t.Run("timeout", func(t *testing.T) {
+		release := make(chan struct{})
+		slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			select {
+			case <-r.Context().Done():
+			case <-release:
+			}
+		}))
+		defer slow.Close()
+		defer close(release)
+		c := NewTokenizerCheck(tok)
+		c.Timeout = 50 * time.Millisecond
+		if got, err := c.Compare(context.Background(), nil, slow.URL); got != TokenizerUnknown || !errors.Is(err, ErrNoAnswer) {
+			t.Errorf("Compare = %v, %v; want unknown and ErrNoAnswer", got, err)
+		}
+	})
 }

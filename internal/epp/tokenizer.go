@@ -1,0 +1,138 @@
+package epp
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/proxy"
+)
+
+// tokenizerRetry is how soon a replica whose /tokenize did not answer is
+// checked again when there is no ScrapeInterval to follow.
+const tokenizerRetry = 5 * time.Second
+
+// tokenizerChecks are the picker's tokenizer checks, on when the keyer is
+// a *proxy.TokenizerKeyer: as prefixlb serve does, each replica's vLLM
+// /tokenize is compared with the keyer's tokenizer (proxy.TokenizerCheck)
+// when it joins and whenever it is ready again, and prompts are keyed by
+// text chunks (TokenizerKeyer.SetFallback) while any replica in the pool
+// mismatches, rather than by token keys that match none of its blocks.
+type tokenizerChecks struct {
+	keyer  *proxy.TokenizerKeyer
+	check  *proxy.TokenizerCheck // Timeout: Config.ScrapeTimeout
+	client *http.Client
+	retry  time.Duration // between checks of a replica that did not answer
+}
+
+func newTokenizerChecks(k *proxy.TokenizerKeyer, cfg *Config) *tokenizerChecks {
+	tc := &tokenizerChecks{keyer: k, check: proxy.NewTokenizerCheck(k.Tokenizer()), client: &http.Client{},
+		retry: cfg.ScrapeInterval}
+	tc.check.Timeout = cfg.ScrapeTimeout
+	if tc.retry <= 0 {
+		tc.retry = tokenizerRetry
+	}
+	return tc
+}
+
+// markTokenizerDue makes r due a tokenizer check and wakes its loop
+// (p.mu held).
+func (p *Picker) markTokenizerDue(r *replica) {
+	if p.tok == nil {
+		return
+	}
+	r.tokDue = true
+	select {
+	case r.tokWake <- struct{}{}:
+	default:
+	}
+}
+
+// tokenizerLoop checks r's tokenizer whenever it is due and ready: at
+// once, when SetReady wakes it, and at every retry tick (the scrape
+// interval) while a check got no answer. It is one of r's feeds.
+func (p *Picker) tokenizerLoop(ctx context.Context, r *replica) {
+	t := time.NewTicker(p.tok.retry)
+	defer t.Stop()
+	for {
+		p.checkTokenizer(ctx, r)
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.tokWake:
+		case <-t.C:
+		}
+	}
+}
+
+// checkTokenizer runs the check on r if it is due and ready, records what
+// it found and sets the keyer's fallback: on while any replica in the pool
+// mismatches. A replica without /tokenize (an HTTP error) is "unknown" and
+// does not stop token keying; one that did not answer stays due.
+func (p *Picker) checkTokenizer(ctx context.Context, r *replica) {
+	p.mu.Lock()
+	if p.byName[r.Name] != r || !r.tokDue || !r.Ready {
+		p.mu.Unlock()
+		return
+	}
+	r.tokDue = false // SetReady may make it due again meanwhile
+	p.mu.Unlock()
+
+	state, err := p.tok.check.Compare(ctx, p.tok.client, "http://"+r.Address)
+
+	p.mu.Lock()
+	if ctx.Err() != nil || p.byName[r.Name] != r { // stopping, or r left the pool
+		r.tokDue = true
+		p.mu.Unlock()
+		return
+	}
+	if errors.Is(err, proxy.ErrNoAnswer) {
+		r.tokDue = true
+		hook := p.onTokenizer
+		p.mu.Unlock()
+		p.log.Debug("epp: tokenizer check: no answer; checking again later", "replica", r.Name, "retry_in", p.tok.retry, "err", err)
+		if hook != nil {
+			hook(r.Name, state, err)
+		}
+		return
+	}
+	r.tokState = state
+	p.setTokenizerFallback()
+	hook := p.onTokenizer
+	p.mu.Unlock()
+	switch state {
+	case proxy.TokenizerMatch:
+		p.log.Info("epp: tokenizer matches the replica's", "replica", r.Name)
+	case proxy.TokenizerMismatch:
+		p.log.Warn("epp: tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
+			"replica", r.Name, "err", err)
+	default:
+		p.log.Warn("epp: cannot verify the tokenizer: the replica's /tokenize failed; keeping token keys", "replica", r.Name, "err", err)
+	}
+	if hook != nil {
+		hook(r.Name, state, err)
+	}
+}
+
+// setTokenizerFallback turns the keyer's fallback on while a replica in
+// the pool mismatches, off otherwise (p.mu held).
+func (p *Picker) setTokenizerFallback() {
+	if p.tok == nil {
+		return
+	}
+	mismatch := false
+	for _, r := range p.slots {
+		if r != nil && r.tokState == proxy.TokenizerMismatch {
+			mismatch = true
+			break
+		}
+	}
+	if p.tok.keyer.Fallback() == mismatch {
+		return
+	}
+	p.tok.keyer.SetFallback(mismatch)
+	if !mismatch {
+		p.log.Info("epp: every checked replica's tokenizer matches again: keying text and chats by token ids")
+	}
+}
