@@ -118,7 +118,7 @@ is re-admitted; while one disagrees, text and chats are keyed by text chunks
 	fs.StringVar(&d.Listen, "listen", d.Listen, "address to listen on")
 	fs.StringVar(&f.backends, "backend", "", "replica base URLs, comma-separated (replaces the config file's backends)")
 	fs.StringVar(&f.kvEvents, "kv-events", "", "replicas' KV-event endpoints (tcp://HOST:PORT), comma-separated, matched to the backends by position; replay on port+1")
-	fs.IntVar(&d.TreeMaxBlocks, "tree-max-blocks", 0, "bound of the router's prefix tree in blocks (0: 2M, about 160 MiB)")
+	fs.IntVar(&d.TreeMaxBlocks, "tree-max-blocks", 0, "bound of the router's prefix tree in blocks (0: 2M, about 420 MiB of heap, ~200 bytes a block; RSS about twice the heap)")
 	fs.DurationVar(&d.SpeculativeTTL, "speculative-ttl", 0, "how long a routed prompt counts as cached on a KV-event replica before its events confirm it (0: 2s; negative: off)")
 	fs.StringVar(&d.Policy, "policy", d.Policy, "routing policy: "+strings.Join(policy.Names(), ", ")+" (e2 settings: 'e2:mixing=false')")
 	fs.StringVar(&f.config, "config", "", "YAML config file; flags given override its values")

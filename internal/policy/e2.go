@@ -224,32 +224,36 @@ func (c E2Config) Validate() error {
 	return nil
 }
 
-// e2Entry is one routed request inside the window.
+// e2Entry is one routed request inside the window. The window holds
+// rate × Window of them (1,800 at 10 requests/s over 3 min), so the counts
+// are 32-bit: 64 bytes an entry.
 type e2Entry struct {
 	id      uint64
 	at      int64 // ns
 	node    *prefixtree.Node
-	replica int
-	prompt  int
-	hit     int
-	out     int
 	prefill float64 // predicted prefill seconds on the chosen replica
 	ttft    float64 // seconds; < 0 until observed
-	live    bool    // in flight
-	queued  bool    // still in the window queue
+	replica int32
+	prompt  int32 // tokens
+	hit     int32 // tokens
+	out     int32 // tokens
+	live    bool  // in flight
+	queued  bool  // still in the window queue
 }
 
-// e2Node is E2's windowed statistics of one prefix unit (Node.Ext).
+// e2Node is E2's windowed statistics of one prefix unit (Node.Ext). Every
+// prefix unit the tree holds may have one, so once the window holds none of
+// its requests it keeps no slices, and it is dropped altogether unless a move
+// cooldown still runs (forget).
 type e2Node struct {
-	count        int
-	prompt, hit  int
-	out          int
-	per          []e2NodeReplica
-	entries      []*e2Entry // in window, oldest first
-	active       int        // index in E2.active, -1 if absent
-	lastMove     int64
-	everMoved    bool
-	assignedSeen bool
+	count       int
+	prompt, hit int
+	out         int
+	per         []e2NodeReplica
+	entries     []*e2Entry // in window, oldest first
+	lastMove    int64
+	active      int32 // index in E2.active, -1 if absent
+	everMoved   bool
 }
 
 type e2NodeReplica struct {
@@ -672,8 +676,8 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	node := prefixtree.ImportantAncestor(last)
 	e := p.newEntry()
 	*e = e2Entry{
-		id: req.ID, at: ns, node: node, replica: r,
-		prompt: req.PromptTokens, hit: d.MatchedTokens, out: req.OutputTokens,
+		id: req.ID, at: ns, node: node, replica: int32(r),
+		prompt: sat32(req.PromptTokens), hit: sat32(d.MatchedTokens), out: sat32(req.OutputTokens),
 		prefill: p.prefillMemo(v, req.PromptTokens-d.MatchedTokens, req.PromptTokens),
 		ttft:    -1, live: true, queued: true,
 	}
@@ -684,19 +688,19 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	p.live[req.ID] = e
 	rs := p.rep(r)
 	rs.hist += e.prefill
-	rs.mixPrompt += e.prompt
-	rs.mixHit += e.hit
+	rs.mixPrompt += int(e.prompt)
+	rs.mixHit += int(e.hit)
 	if s := stats(node); s != nil {
 		s.count++
-		s.prompt += e.prompt
-		s.hit += e.hit
-		s.out += e.out
+		s.prompt += int(e.prompt)
+		s.hit += int(e.hit)
+		s.out += int(e.out)
 		pr := s.at(r)
 		pr.count++
 		pr.load += e.prefill
 		s.entries = append(s.entries, e)
 		if s.active < 0 {
-			s.active = len(p.active)
+			s.active = int32(len(p.active))
 			p.active = append(p.active, node)
 		}
 		node.Assigned.Add(r)
@@ -708,6 +712,10 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 		p.rebalance(v, ns)
 	}
 }
+
+// sat32 is n as an int32, saturated: a request's token counts fit in 31
+// bits; one that does not (an absurd max_tokens) must not wrap around.
+func sat32(n int) int32 { return int32(min(max(n, math.MinInt32), math.MaxInt32)) }
 
 func (p *E2) newEntry() *e2Entry {
 	if n := len(p.free); n > 0 {
@@ -744,7 +752,7 @@ func (p *E2) Finished(id uint64, replica int, outputTokens int, ok bool, now tim
 	if ok && e.ttft >= 0 && outputTokens > 1 {
 		lat := float64(now.UnixNano()-e.at) / 1e9
 		if tp := (lat - e.ttft) / float64(outputTokens-1); tp > 0 && finite(tp) {
-			rs := p.rep(e.replica)
+			rs := p.rep(int(e.replica))
 			if len(rs.tpot) < p.cfg.TPOTSamples {
 				rs.tpot = append(rs.tpot, tp)
 			} else {
@@ -775,9 +783,9 @@ func (p *E2) expire(ns int64) {
 	mixCut := ns - int64(p.cfg.MixWindow)
 	for p.mixHead < len(p.queue) && p.queue[p.mixHead].at < mixCut {
 		e := p.queue[p.mixHead]
-		rs := p.rep(e.replica)
-		rs.mixPrompt -= e.prompt
-		rs.mixHit -= e.hit
+		rs := p.rep(int(e.replica))
+		rs.mixPrompt -= int(e.prompt)
+		rs.mixHit -= int(e.hit)
 		p.mixHead++
 	}
 	cut := ns - int64(p.cfg.Window)
@@ -785,7 +793,7 @@ func (p *E2) expire(ns int64) {
 		e := p.queue[p.head]
 		p.queue[p.head] = nil
 		p.head++
-		rs := p.rep(e.replica)
+		rs := p.rep(int(e.replica))
 		rs.hist -= e.prefill
 		if rs.hist < 1e-12 {
 			rs.hist = 0
@@ -793,26 +801,27 @@ func (p *E2) expire(ns int64) {
 		if n := e.node; n != nil && !n.Evicted() {
 			s := stats(n)
 			s.count--
-			s.prompt -= e.prompt
-			s.hit -= e.hit
-			s.out -= e.out
+			s.prompt -= int(e.prompt)
+			s.hit -= int(e.hit)
+			s.out -= int(e.out)
 			if len(s.entries) > 0 && s.entries[0] == e {
 				s.entries[0] = nil
 				s.entries = s.entries[1:]
 			}
-			pr := s.at(e.replica)
+			pr := s.at(int(e.replica))
 			pr.count--
 			pr.load -= e.prefill
 			if pr.count <= 0 {
 				*pr = e2NodeReplica{}
-				if n.Assigned.Len() > 1 && n.Assigned.Has(e.replica) {
-					n.Assigned.Remove(e.replica)
+				if r := int(e.replica); n.Assigned.Len() > 1 && n.Assigned.Has(r) {
+					n.Assigned.Remove(r)
 					p.Shrinks++
 				}
 			}
 			if s.count <= 0 {
 				n.Assigned.Clear()
 				p.deactivate(n, s)
+				p.forget(n, s, ns)
 			}
 		}
 		e.queued = false
@@ -844,6 +853,18 @@ func (p *E2) deactivate(n *prefixtree.Node, s *e2Node) {
 	s.entries = s.entries[:0]
 }
 
+// forget releases the memory of a prefix unit with no request left in the
+// window (s.count == 0): its per-replica figures are all zero and its entry
+// list empty, which nil slices say as well. The statistics themselves go
+// (stats recreates them on the next request) unless a move cooldown still
+// runs, the one thing they remember past the window.
+func (p *E2) forget(n *prefixtree.Node, s *e2Node, ns int64) {
+	s.per, s.entries = nil, nil
+	if !s.everMoved || ns-s.lastMove >= int64(p.cfg.MoveCooldown) {
+		n.Ext = nil
+	}
+}
+
 // rebalance is Preble's load rebalancing (§3.2 "Load rebalancing" and
 // "Prefix autoscaling"): pair the heaviest replica with the lightest; while
 // the heavy one carries at least Thbal times the light one's load, move its
@@ -862,7 +883,7 @@ func (p *E2) rebalance(v *View, ns int64) {
 			last := len(p.active) - 1
 			p.active[i] = p.active[last]
 			if ms, ok := p.active[i].Ext.(*e2Node); ok {
-				ms.active = i
+				ms.active = int32(i)
 			}
 			p.active = p.active[:last]
 			continue

@@ -28,7 +28,7 @@ func TestKeyIndexAgainstMap(t *testing.T) {
 			k := key()
 			switch rng.IntN(3) {
 			case 0, 1:
-				v := keyEntry{depth: int32(op)}
+				v := keyEntry{node: uint32(op % 7), depth: uint32(op)}
 				ix.put(k, v)
 				ref[k] = v
 			case 2:

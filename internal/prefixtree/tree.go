@@ -3,11 +3,12 @@
 // nodes (Preble, Srivatsa et al., ICLR 2025, §3.1 "global radix tree").
 //
 // A node holds a run of consecutive block keys. For each replica it records
-// whether the replica caches the node's blocks, how many in-flight requests on
-// the replica pass through it, and when the replica last used it; replicas that
-// cache a node are linked into a per-replica LRU list so that eviction (real, in
-// the router's mirror of a replica's cache, or pretended, for E2's eviction cost)
-// costs time proportional to what it evicts.
+// whether the replica caches the node's blocks and how many in-flight
+// requests on the replica pass through it; replicas that cache a node are
+// linked into a per-replica LRU list (which is how recently the replica used
+// it) so that eviction (real, in the router's mirror of a replica's cache, or
+// pretended, for E2's eviction cost) costs time proportional to what it
+// evicts.
 //
 // Keys are chained (internal/blocks): key i stands for the whole prefix of i+1
 // blocks. The tree is prefix-closed (a key is present only if every key before
@@ -42,8 +43,11 @@ type Config struct {
 	MaxBlocks int
 }
 
-// DefaultMaxBlocks bounds a tree at about 2M blocks: 32M tokens at B=16, a
-// few hundred bytes per node and ~60 bytes per key.
+// DefaultMaxBlocks bounds a tree at about 2M blocks: 32M tokens at B=16.
+// What a block costs depends on how many blocks share a node (a node costs
+// ~250 bytes with its per-replica state, a key 16–32 bytes in the key index):
+// BenchmarkTreeMemory in internal/router measures it on realistic workloads
+// (docs/performance.md, "Memory").
 const DefaultMaxBlocks = 2 << 20
 
 // Validate reports the first invalid field.
@@ -57,27 +61,38 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// repState is one replica's view of one node.
+// repState is one replica's view of one node. Whether the replica caches
+// the node is Node.cachedBy's bit, not a field here: 24 bytes a replica.
 type repState struct {
-	cached     bool
-	ref        int32
-	lastAccess int64 // ns on the injected clock
+	ref int32 // in-flight requests on the replica through the node
+	// cachedKids counts the node's children the replica caches, so that an
+	// LRU eviction can check "no cached child" without walking the children.
+	cachedKids int32
 	prev, next *Node // links in the replica's LRU list while cached
 }
 
 // Node is a run of consecutive block keys shared by every prompt that passes
 // through it. Its fields are read by policies; only the Tree changes them.
+//
+// Memory: a tree holds up to millions of nodes, so a Node is kept to 160
+// bytes (a size class of Go's allocator) and allocates nothing else but its
+// keys and, while a replica refers to it, its per-replica state. Children are
+// a linked list, not a map: the key index finds nodes by key, so children are
+// only added, removed and walked, and most nodes have one or two.
 type Node struct {
-	parent   *Node
-	children map[blocks.Key]*Node // by the first key of the child's run
-	keys     []blocks.Key
-	depth    int // blocks above this node
+	parent *Node
+	// kid is the first child; prevSib and nextSib link the children of
+	// parent, in no particular order.
+	kid, prevSib, nextSib *Node
+	keys                  []blocks.Key
+	depth                 int32  // blocks above this node
+	id                    uint32 // slot in Tree.nodes; 0: the root, or evicted
+	// rs[r] is replica r's view of the node. It is nil while no replica
+	// caches the node, has a request through it or caches one of its
+	// children (most nodes of a churning tree), else as long as the tree's
+	// replica count when it was allocated.
 	rs       []repState
-	cachedBy Set // replicas r with rs[r].cached, for one-word tests
-	// cachedKids[r] counts the children replica r caches, so that an LRU
-	// eviction can check "no cached child" without walking the children.
-	cachedKids []int32
-	evicted    bool
+	cachedBy Set // replicas that cache the node, for one-word tests
 
 	lastAccess   int64
 	gprev, gnext *Node // links in the tree's global LRU list
@@ -101,21 +116,21 @@ func (n *Node) Parent() *Node { return n.parent }
 func (n *Node) Own() int { return len(n.keys) }
 
 // Depth is the number of blocks above n (ALGORITHMS §1 contextBefore, in blocks).
-func (n *Node) Depth() int { return n.depth }
+func (n *Node) Depth() int { return int(n.depth) }
 
 // Keys is n's run of keys. Do not modify it.
 func (n *Node) Keys() []blocks.Key { return n.keys }
 
 // Evicted reports whether the tree has dropped n. Policies holding node
 // pointers across calls check it.
-func (n *Node) Evicted() bool { return n.evicted }
+func (n *Node) Evicted() bool { return n.id == 0 && n.parent != nil }
 
 // IsRoot reports whether n is the tree's root (holds no keys).
 func (n *Node) IsRoot() bool { return n.parent == nil }
 
 // Important reports Preble's "prefix unit" rule: a node whose own run is longer
 // than everything above it (own > contextBefore).
-func (n *Node) Important() bool { return n.parent != nil && len(n.keys) > n.depth }
+func (n *Node) Important() bool { return n.parent != nil && len(n.keys) > int(n.depth) }
 
 // Cached reports whether replica r caches all of n's blocks.
 func (n *Node) Cached(r int) bool { return n.cachedBy.Has(r) }
@@ -140,8 +155,14 @@ func (n *Node) RefTotal() int {
 // LastAccess is when any request last passed through n (ns on the tree's clock).
 func (n *Node) LastAccess() int64 { return n.lastAccess }
 
-// ChildCount is the number of children of n.
-func (n *Node) ChildCount() int { return len(n.children) }
+// ChildCount is the number of children of n. It walks them: O(children).
+func (n *Node) ChildCount() int {
+	c := 0
+	for k := n.kid; k != nil; k = k.nextSib {
+		c++
+	}
+	return c
+}
 
 // Important returns the prefix unit a request ending at n belongs to: the
 // nearest node at or above n that is Important, or nil if none is.
@@ -154,11 +175,6 @@ func ImportantAncestor(n *Node) *Node {
 	return nil
 }
 
-type keyEntry struct {
-	node  *Node
-	depth int32 // the key's block position in its prompt
-}
-
 type replicaInfo struct {
 	head, tail   *Node // LRU list of nodes this replica caches: head = MRU
 	cachedBlocks int
@@ -166,14 +182,20 @@ type replicaInfo struct {
 
 // Tree is the global prefix tree. See the package comment for ownership.
 type Tree struct {
-	cfg       Config
-	root      *Node
-	index     keyIndex
-	reps      []replicaInfo
-	nodes     int
+	cfg   Config
+	root  *Node
+	index keyIndex
+	reps  []replicaInfo
+	// nodes[id] is the node with that id (nodes[0] is unused: id 0 marks the
+	// root and evicted nodes), so that the key index can name a node in 4
+	// bytes; freeIDs are the ids of evicted nodes, for reuse.
+	nodes   []*Node
+	freeIDs []uint32
+	// spare holds released per-replica states (each as long as reps), for
+	// rep to reuse.
+	spare     [][]repState
 	ghead     *Node // global LRU: head = MRU
 	gtail     *Node
-	path      []*Node // scratch
 	evictions int
 }
 
@@ -194,6 +216,7 @@ func New(cfg Config, replicas int) (*Tree, error) {
 		root:  &Node{},
 		index: newKeyIndex(),
 		reps:  make([]replicaInfo, replicas),
+		nodes: make([]*Node, 1, 64),
 	}
 	return t, nil
 }
@@ -217,7 +240,7 @@ func (t *Tree) AddReplica() int {
 func (t *Tree) Blocks() int { return t.index.len() }
 
 // Nodes is the number of nodes, root excluded.
-func (t *Tree) Nodes() int { return t.nodes }
+func (t *Tree) Nodes() int { return len(t.nodes) - 1 - len(t.freeIDs) }
 
 // Evictions is the number of nodes the size bound has evicted so far.
 func (t *Tree) Evictions() int { return t.evictions }
@@ -230,11 +253,61 @@ func (t *Tree) CachedBlocks(r int) int {
 	return t.reps[r].cachedBlocks
 }
 
-func (n *Node) rep(r int) *repState {
-	for len(n.rs) <= r {
-		n.rs = append(n.rs, repState{})
+// rep returns replica r's state on n, allocating n's per-replica state (for
+// every replica the tree has) if it has none. The pointer is valid until the
+// next call of rep or release on n.
+func (t *Tree) rep(n *Node, r int) *repState {
+	if len(n.rs) <= r {
+		if k := len(t.spare); k > 0 && len(t.spare[k-1]) != len(t.reps) {
+			clear(t.spare) // sized before AddReplica: let them go
+			t.spare = t.spare[:0]
+		}
+		var rs []repState
+		if k := len(t.spare); k > 0 && n.rs == nil && r < len(t.reps) {
+			rs, t.spare[k-1] = t.spare[k-1], nil
+			t.spare = t.spare[:k-1]
+		} else {
+			rs = make([]repState, max(len(t.reps), r+1))
+			copy(rs, n.rs)
+		}
+		n.rs = rs
 	}
 	return &n.rs[r]
+}
+
+// maxSpare bounds the per-replica states kept for reuse: enough to absorb
+// the release and reallocation a routing decision causes (a mirror's LRU
+// eviction uncaches nodes that the next decision caches again) without
+// allocating, a few hundred KiB at most.
+const maxSpare = 256
+
+// release drops n's per-replica state once it says nothing: no replica
+// caches n or one of its children, and no request passes through it. Most
+// nodes of a tree that churns are in that state, waiting for the bound to
+// evict them.
+func (t *Tree) release(n *Node) {
+	if n.rs == nil || !n.cachedBy.Empty() {
+		return
+	}
+	for i := range n.rs {
+		if n.rs[i].ref != 0 || n.rs[i].cachedKids != 0 {
+			return
+		}
+	}
+	if len(t.spare) < maxSpare && len(n.rs) == len(t.reps) {
+		clear(n.rs) // the LRU links are nil already; drop nothing stale
+		t.spare = append(t.spare, n.rs)
+	}
+	n.rs = nil
+}
+
+// node returns the node with id (the key index's reference).
+func (t *Tree) node(id uint32) *Node { return t.nodes[id] }
+
+// keyEntry is what the key index holds for a key: its node and its block
+// position in its prompt.
+func (t *Tree) entry(n *Node, i int) keyEntry {
+	return keyEntry{node: n.id, depth: uint32(int(n.depth) + i)}
 }
 
 // Match is the result of looking a prompt up in the tree. The zero value is
@@ -284,9 +357,10 @@ func (t *Tree) Lookup(keys []blocks.Key, m *Match) {
 		return
 	}
 	m.Blocks = lo
-	last, _ := t.index.get(keys[lo-1])
-	m.LastBlocks = lo - last.node.depth
-	for n := last.node; n.parent != nil; n = n.parent {
+	e, _ := t.index.get(keys[lo-1])
+	last := t.node(e.node)
+	m.LastBlocks = lo - int(last.depth)
+	for n := last; n.parent != nil; n = n.parent {
 		m.Path = append(m.Path, n)
 	}
 	for i, j := 0, len(m.Path)-1; i < j; i, j = i+1, j-1 {
@@ -363,11 +437,11 @@ func (t *Tree) InsertBelow(parent blocks.Key, hasParent bool, keys []blocks.Key,
 	if !ok {
 		return ErrUnknownParent
 	}
-	pn := e.node
-	if off := int(e.depth) + 1 - pn.depth; off < len(pn.keys) {
+	pn := t.node(e.node)
+	if off := int(e.depth) + 1 - int(pn.depth); off < len(pn.keys) {
 		t.split(pn, off)
 	}
-	base := pn.depth + len(pn.keys)
+	base := int(pn.depth) + len(pn.keys)
 	lo, hi := 0, len(keys)
 	for lo < hi {
 		mid := int(uint(lo+hi) >> 1)
@@ -390,8 +464,8 @@ func (t *Tree) insertFrom(anchor *Node, keys []blocks.Key, present int, now time
 	}
 	if present > 0 {
 		e, _ := t.index.get(keys[present-1])
-		n := e.node
-		if off := int(e.depth) + 1 - n.depth; off < len(n.keys) {
+		n := t.node(e.node)
+		if off := int(e.depth) + 1 - int(n.depth); off < len(n.keys) {
 			t.split(n, off)
 		}
 		parent = n
@@ -405,7 +479,7 @@ func (t *Tree) insertFrom(anchor *Node, keys []blocks.Key, present int, now time
 		m.Path = append(m.Path, n)
 	}
 	slices.Reverse(m.Path)
-	m.Blocks = last.depth + len(last.keys)
+	m.Blocks = int(last.depth) + len(last.keys)
 	m.LastBlocks = len(last.keys)
 	t.touchGlobal(m.Path, now.UnixNano())
 	t.enforceBound()
@@ -416,19 +490,49 @@ func (t *Tree) newNode(parent *Node, keys []blocks.Key) *Node {
 	n := &Node{
 		parent: parent,
 		keys:   append([]blocks.Key(nil), keys...),
-		depth:  parent.depth + len(parent.keys),
-		rs:     make([]repState, len(t.reps)),
+		depth:  parent.depth + int32(len(parent.keys)),
 	}
-	if parent.children == nil {
-		parent.children = make(map[blocks.Key]*Node, 2)
-	}
-	parent.children[n.keys[0]] = n
+	t.assignID(n)
+	addKid(parent, n)
 	for i, k := range n.keys {
-		t.index.put(k, keyEntry{node: n, depth: int32(n.depth + i)})
+		t.index.put(k, t.entry(n, i))
 	}
-	t.nodes++
 	t.gpushFront(n)
 	return n
+}
+
+// assignID gives n a slot in t.nodes, reusing an evicted node's.
+func (t *Tree) assignID(n *Node) {
+	if k := len(t.freeIDs); k > 0 {
+		n.id = t.freeIDs[k-1]
+		t.freeIDs = t.freeIDs[:k-1]
+		t.nodes[n.id] = n
+		return
+	}
+	n.id = uint32(len(t.nodes))
+	t.nodes = append(t.nodes, n)
+}
+
+// addKid links c into p's children.
+func addKid(p, c *Node) {
+	c.prevSib, c.nextSib = nil, p.kid
+	if p.kid != nil {
+		p.kid.prevSib = c
+	}
+	p.kid = c
+}
+
+// removeKid unlinks c from its parent's children.
+func removeKid(c *Node) {
+	if c.prevSib != nil {
+		c.prevSib.nextSib = c.nextSib
+	} else {
+		c.parent.kid = c.nextSib
+	}
+	if c.nextSib != nil {
+		c.nextSib.prevSib = c.prevSib
+	}
+	c.prevSib, c.nextSib = nil, nil
 }
 
 // split cuts n after its first at keys; n keeps the upper part (and its
@@ -437,33 +541,37 @@ func (t *Tree) newNode(parent *Node, keys []blocks.Key) *Node {
 func (t *Tree) split(n *Node, at int) *Node {
 	low := &Node{
 		parent:     n,
-		children:   n.children,
+		kid:        n.kid,
 		keys:       n.keys[at:],
-		depth:      n.depth + at,
-		rs:         make([]repState, len(n.rs)),
+		depth:      n.depth + int32(at),
 		lastAccess: n.lastAccess,
 	}
+	t.assignID(low)
 	n.keys = n.keys[:at:at]
-	for _, c := range low.children {
+	for c := low.kid; c != nil; c = c.nextSib {
 		c.parent = low
 	}
-	n.children = map[blocks.Key]*Node{low.keys[0]: low}
+	n.kid = low
 	for i, k := range low.keys {
-		t.index.put(k, keyEntry{node: low, depth: int32(low.depth + i)})
-	}
-	for r := range n.rs {
-		s := &n.rs[r]
-		low.rs[r] = repState{cached: s.cached, ref: s.ref, lastAccess: s.lastAccess}
-		if s.cached {
-			t.linkAfter(r, n, low)
-		}
+		t.index.put(k, t.entry(low, i))
 	}
 	low.cachedBy = n.cachedBy.Clone()
-	// low takes n's children (and their counts); n's only child is low,
-	// cached wherever n is.
-	low.cachedKids, n.cachedKids = n.cachedKids, nil
-	n.cachedBy.Each(func(r int) { n.addCachedKid(r, 1) })
-	t.nodes++
+	if n.rs != nil {
+		// low takes n's refs and its children (with their counts); n's only
+		// child is low, cached wherever n is.
+		low.rs = make([]repState, len(n.rs))
+		for r := range n.rs {
+			s := &n.rs[r]
+			low.rs[r] = repState{ref: s.ref, cachedKids: s.cachedKids}
+			s.cachedKids = 0
+			if n.cachedBy.Has(r) {
+				s.cachedKids = 1
+				t.linkAfter(r, n, low)
+			}
+		}
+		t.release(n)
+		t.release(low)
+	}
 	t.ginsertAfter(n, low)
 	return low
 }
@@ -471,57 +579,54 @@ func (t *Tree) split(n *Node, at int) *Node {
 // AddRef adds delta to replica r's in-flight count on every node of path.
 func (t *Tree) AddRef(path []*Node, r int, delta int) {
 	for _, n := range path {
-		if n.evicted {
+		if n.Evicted() {
 			continue
 		}
-		s := n.rep(r)
+		if delta < 0 && r >= len(n.rs) {
+			continue // no count to take from
+		}
+		s := t.rep(n, r)
 		s.ref += int32(delta)
-		if s.ref < 0 {
+		if s.ref <= 0 {
 			s.ref = 0
+			t.release(n)
 		}
 	}
 }
 
-// Touch records that replica r used path at now: the nodes it caches move to
-// the front of its LRU list, deepest first, so that a parent is never evicted
-// before its children.
+// Touch records that replica r used path: the nodes it caches move to the
+// front of its LRU list, deepest first, so that a parent is never evicted
+// before its children. The list's order is all the tree keeps of when a
+// replica used a node; now is not stored.
 func (t *Tree) Touch(path []*Node, r int, now time.Time) {
-	ns := now.UnixNano()
 	for i := len(path) - 1; i >= 0; i-- {
 		n := path[i]
-		if n.evicted {
+		if n.Evicted() || !n.cachedBy.Has(r) {
 			continue
 		}
-		s := n.rep(r)
-		s.lastAccess = ns
-		if s.cached {
-			t.unlink(r, n)
-			t.pushFront(r, n)
-		}
+		t.unlink(r, n)
+		t.pushFront(r, n)
 	}
 }
 
 // SetCached marks whether replica r holds all of n's blocks. A newly cached
 // node goes to the front of r's LRU list.
 func (t *Tree) SetCached(n *Node, r int, cached bool) {
-	if n.evicted || n.parent == nil {
+	if n.Evicted() || n.parent == nil || r < 0 || n.cachedBy.Has(r) == cached {
 		return
 	}
-	s := n.rep(r)
-	if s.cached == cached {
-		return
-	}
-	s.cached = cached
 	if cached {
-		n.parent.addCachedKid(r, 1)
+		t.addCachedKid(n.parent, r, 1)
+		t.rep(n, r)
 		n.cachedBy.Add(r)
 		t.pushFront(r, n)
 		t.reps[r].cachedBlocks += len(n.keys)
 	} else {
-		n.parent.addCachedKid(r, -1)
-		n.cachedBy.Remove(r)
 		t.unlink(r, n)
+		n.cachedBy.Remove(r)
 		t.reps[r].cachedBlocks -= len(n.keys)
+		t.release(n)
+		t.addCachedKid(n.parent, r, -1)
 	}
 }
 
@@ -539,7 +644,8 @@ func (t *Tree) Find(key blocks.Key) (*Node, int, bool) {
 	if !ok {
 		return nil, 0, false
 	}
-	return e.node, int(e.depth) - e.node.depth, true
+	n := t.node(e.node)
+	return n, int(e.depth) - int(n.depth), true
 }
 
 // Isolate splits the tree so that the block key is a node of its own (its
@@ -595,15 +701,20 @@ func (t *Tree) EvictLRU(r int, blocks int, now time.Time) int {
 }
 
 func (t *Tree) hasCachedChild(n *Node, r int) bool {
-	return r < len(n.cachedKids) && n.cachedKids[r] > 0
+	return r < len(n.rs) && n.rs[r].cachedKids > 0
 }
 
 // addCachedKid adjusts n's count of children cached on r.
-func (n *Node) addCachedKid(r int, d int32) {
-	for len(n.cachedKids) <= r {
-		n.cachedKids = append(n.cachedKids, 0)
+func (t *Tree) addCachedKid(n *Node, r int, d int32) {
+	if d < 0 && r >= len(n.rs) {
+		return // unreachable: a cached child was counted
 	}
-	n.cachedKids[r] += d
+	s := t.rep(n, r)
+	s.cachedKids += d
+	if s.cachedKids <= 0 {
+		s.cachedKids = 0
+		t.release(n)
+	}
 }
 
 // ClearReplica forgets everything replica r caches, in time proportional to
@@ -613,10 +724,12 @@ func (t *Tree) ClearReplica(r int) {
 		return
 	}
 	for n := t.reps[r].head; n != nil; {
-		next := n.rs[r].next
-		n.rs[r] = repState{lastAccess: n.rs[r].lastAccess, ref: n.rs[r].ref}
+		s := &n.rs[r]
+		next := s.next
+		s.prev, s.next = nil, nil
 		n.cachedBy.Remove(r)
-		n.parent.addCachedKid(r, -1)
+		t.release(n)
+		t.addCachedKid(n.parent, r, -1)
 		n = next
 	}
 	t.reps[r].head, t.reps[r].tail, t.reps[r].cachedBlocks = nil, nil, 0
@@ -625,7 +738,7 @@ func (t *Tree) ClearReplica(r int) {
 // --- per-replica LRU list ---
 
 func (t *Tree) pushFront(r int, n *Node) {
-	s := n.rep(r)
+	s := &n.rs[r]
 	ri := &t.reps[r]
 	s.prev, s.next = nil, ri.head
 	if ri.head != nil {
@@ -638,7 +751,7 @@ func (t *Tree) pushFront(r int, n *Node) {
 }
 
 func (t *Tree) unlink(r int, n *Node) {
-	s := n.rep(r)
+	s := &n.rs[r]
 	ri := &t.reps[r]
 	if s.prev != nil {
 		s.prev.rs[r].next = s.next
@@ -655,8 +768,8 @@ func (t *Tree) unlink(r int, n *Node) {
 
 // linkAfter puts low right after n (towards the LRU end) in r's list.
 func (t *Tree) linkAfter(r int, n, low *Node) {
-	ls := low.rep(r)
-	ns := n.rep(r)
+	ls := &low.rs[r]
+	ns := &n.rs[r]
 	ls.prev, ls.next = n, ns.next
 	if ns.next != nil {
 		ns.next.rs[r].prev = low
@@ -733,25 +846,20 @@ func (t *Tree) enforceBound() {
 }
 
 func (t *Tree) evictable(n *Node) bool {
-	if len(n.children) > 0 || n.parent == nil {
-		return false
-	}
-	for i := range n.rs {
-		if n.rs[i].cached || n.rs[i].ref > 0 {
-			return false
-		}
-	}
-	return true
+	// A node with per-replica state is cached, referenced or has a cached
+	// child (release drops it otherwise).
+	return n.kid == nil && n.parent != nil && n.rs == nil
 }
 
 func (t *Tree) remove(n *Node) {
-	delete(n.parent.children, n.keys[0])
+	removeKid(n)
 	for _, k := range n.keys {
 		t.index.del(k)
 	}
 	t.gunlink(n)
-	n.evicted = true
+	t.nodes[n.id] = nil
+	t.freeIDs = append(t.freeIDs, n.id)
+	n.id = 0 // with parent set: evicted
 	n.Ext = nil
-	t.nodes--
 	t.evictions++
 }

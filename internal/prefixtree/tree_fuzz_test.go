@@ -354,29 +354,55 @@ func FuzzTreeBounded(f *testing.F) {
 }
 
 // checkCachedKids verifies every node's count of cached children against
-// its children.
+// its children, the links between them, that a node keeps per-replica state
+// only while it says something (else the bound could not evict the node), and
+// the node table against the nodes reached from the root.
 func checkCachedKids(t *testing.T, tr *Tree) {
 	t.Helper()
+	seen := 0
 	var walk func(n *Node)
 	walk = func(n *Node) {
+		if n != tr.root {
+			seen++
+			if n.id == 0 || int(n.id) >= len(tr.nodes) || tr.nodes[n.id] != n {
+				t.Fatalf("node at depth %d: id %d does not name it in the node table", n.depth, n.id)
+			}
+		}
 		for r := 0; r < tr.Replicas(); r++ {
 			want := 0
-			for _, c := range n.children {
+			for c := n.kid; c != nil; c = c.nextSib {
 				if c.Cached(r) {
 					want++
 				}
 			}
 			got := 0
-			if r < len(n.cachedKids) {
-				got = int(n.cachedKids[r])
+			if r < len(n.rs) {
+				got = int(n.rs[r].cachedKids)
 			}
 			if got != want {
 				t.Fatalf("node at depth %d: cachedKids[%d] = %d, want %d", n.depth, r, got, want)
 			}
 		}
-		for _, c := range n.children {
+		if n.rs != nil && n.cachedBy.Empty() {
+			idle := true
+			for _, s := range n.rs {
+				idle = idle && s.ref == 0 && s.cachedKids == 0
+			}
+			if idle {
+				t.Fatalf("node at depth %d keeps per-replica state that says nothing", n.depth)
+			}
+		}
+		var prev *Node
+		for c := n.kid; c != nil; c = c.nextSib {
+			if c.parent != n || c.prevSib != prev || c.Evicted() {
+				t.Fatalf("node at depth %d: child links broken", n.depth)
+			}
+			prev = c
 			walk(c)
 		}
 	}
 	walk(tr.root)
+	if seen != tr.Nodes() {
+		t.Fatalf("%d nodes reachable from the root, Nodes() = %d", seen, tr.Nodes())
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"slices"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 )
@@ -281,5 +282,66 @@ func TestSet(t *testing.T) {
 	s.Clear()
 	if !s.Empty() || s.Has(64) {
 		t.Fatal("Clear left members")
+	}
+}
+
+// TestNodeLayout pins the sizes BenchmarkTreeMemory's figures rest on: a
+// field added to Node, repState or the index's slot costs every block of a
+// tree of millions, so it should be a decision (docs/performance.md,
+// "Memory").
+func TestNodeLayout(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		got, want uintptr
+	}{
+		{"Node", unsafe.Sizeof(Node{}), 160},
+		{"repState", unsafe.Sizeof(repState{}), 24},
+		{"Set", unsafe.Sizeof(Set{}), 16},
+		{"indexSlot", unsafe.Sizeof(indexSlot{}), 16},
+	} {
+		if tt.got != tt.want {
+			t.Errorf("unsafe.Sizeof(%s) = %d, want %d", tt.name, tt.got, tt.want)
+		}
+	}
+}
+
+// TestPerReplicaStateReleased checks that a node keeps per-replica state
+// only while a replica caches it (or a child) or a request passes through
+// it, so that once both are gone the bound evicts it; with more than 64
+// replicas, so that the spilled words of Set are exercised too.
+func TestPerReplicaStateReleased(t *testing.T) {
+	const reps = 70
+	tr := newTree(t, reps, 3)
+	var m Match
+	at := func(s int) time.Time { return time.Unix(int64(s), 0) }
+	tr.Insert(ks(1, 2, 3), at(1), &m)
+	path := slices.Clone(m.Path)
+	if len(path) != 1 || path[0].rs != nil {
+		t.Fatalf("a new node has per-replica state %v (path %d nodes)", path[0].rs, len(path))
+	}
+	tr.SetPathCached(path, 65, at(2))
+	tr.AddRef(path, 2, 1)
+	if n := path[0]; len(n.rs) != reps || !n.Cached(65) || n.Ref(2) != 1 {
+		t.Fatalf("cached and referenced node: %d states, cached %v, ref %d", len(n.rs), n.Cached(65), n.Ref(2))
+	}
+	// Over the bound, but held: it stays.
+	tr.Insert(ks(7, 8), at(3), &m)
+	if path[0].Evicted() {
+		t.Fatal("the bound evicted a cached, referenced node")
+	}
+	tr.SetCached(path[0], 65, false)
+	if path[0].rs == nil {
+		t.Fatal("per-replica state dropped while a request holds the node")
+	}
+	tr.AddRef(path, 2, -1)
+	if path[0].rs != nil || tr.CachedBlocks(65) != 0 {
+		t.Fatalf("per-replica state kept after the last reference: %v", path[0].rs)
+	}
+	tr.Insert(ks(9), at(4), &m)
+	if !path[0].Evicted() || tr.Blocks() > 3 {
+		t.Fatalf("idle node not evicted: evicted %v, tree holds %d blocks", path[0].Evicted(), tr.Blocks())
+	}
+	if got := tr.Nodes(); got != len(tr.nodes)-1-len(tr.freeIDs) || got < 1 {
+		t.Fatalf("Nodes() = %d", got)
 	}
 }
