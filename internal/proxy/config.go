@@ -124,8 +124,9 @@ type Config struct {
 	SpeculativeTTL time.Duration
 	// TreeMaxBlocks bounds the router's global prefix tree in blocks (0:
 	// prefixtree.DefaultMaxBlocks, 2M); unheld prefixes beyond it are
-	// evicted least recently used first. The tree's memory (about 80 bytes
-	// a block) grows until it reaches the bound.
+	// evicted least recently used first. The tree's memory (about 200 bytes
+	// of heap a block with KV events, RSS about twice that; docs/performance.md,
+	// Memory) grows until it reaches the bound.
 	TreeMaxBlocks int
 
 	// Logger receives the proxy's logs (nil: slog.Default()).
