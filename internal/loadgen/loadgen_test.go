@@ -523,7 +523,22 @@ func TestOpenLoop(t *testing.T) {
 }
 
 func TestMaxInFlight(t *testing.T) {
-	srv := newBlockingServer(t, 3)
+	// Each request is held until the test lets it go, one at a time: the
+	// next request must not arrive while one is held, and it finds the
+	// limit full (delayed) because the one before it is still held when
+	// the sender, which moves on at once, tries to send it.
+	arrived, gate := make(chan struct{}, 3), make(chan struct{}, 3)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		arrived <- struct{}{}
+		startStream(w, "")
+		select {
+		case <-gate:
+		case <-r.Context().Done():
+			return
+		}
+		sse(w, textChunk("a"))
+		sse(w, "[DONE]")
+	}))
 	defer srv.Close()
 	reqs := slices.Repeat([]workload.Request{{Tokens: tokens(2, 0), OutputTokens: 1}}, 3)
 	cfg := DefaultConfig()
@@ -536,13 +551,15 @@ func TestMaxInFlight(t *testing.T) {
 		}
 		done <- out
 	}()
-	<-srv.arrived
-	select {
-	case <-srv.arrived:
-		t.Fatal("a second request was sent past MaxInFlight 1")
-	default:
+	for i := range 3 {
+		<-arrived
+		select {
+		case <-arrived:
+			t.Fatalf("request %d was sent while request %d was held, past MaxInFlight 1", i+1, i)
+		case <-time.After(50 * time.Millisecond):
+		}
+		gate <- struct{}{}
 	}
-	close(srv.release)
 	out := <-done
 	if out.Result.Delayed != 2 || out.Result.Completed != 3 {
 		t.Errorf("delayed %d completed %d, want 2 3", out.Result.Delayed, out.Result.Completed)
