@@ -692,19 +692,7 @@ func (p *Picker) Run(ctx context.Context) error {
 		p.start(r)
 	}
 	p.mu.Unlock()
-	t := time.NewTicker(500 * time.Millisecond)
-	defer t.Stop()
-loop:
-	for {
-		select {
-		case <-ctx.Done():
-			break loop
-		case now := <-t.C:
-			p.mu.Lock()
-			p.rt.ExpireSpeculative(now)
-			p.mu.Unlock()
-		}
-	}
+	p.rt.ExpireSpeculativeEvery(ctx, 500*time.Millisecond, &p.mu)
 	p.mu.Lock()
 	p.runCtx = nil
 	p.mu.Unlock()

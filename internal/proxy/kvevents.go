@@ -94,19 +94,7 @@ func (p *Proxy) runKV(ctx context.Context) {
 	if haveKV {
 		// Route and CacheStored expire speculative entries too; this keeps an
 		// idle router's view honest.
-		t := time.NewTicker(500 * time.Millisecond)
-		defer t.Stop()
-	loop:
-		for {
-			select {
-			case <-ctx.Done():
-				break loop
-			case now := <-t.C:
-				p.mu.Lock()
-				p.rt.ExpireSpeculative(now)
-				p.mu.Unlock()
-			}
-		}
+		p.rt.ExpireSpeculativeEvery(ctx, 500*time.Millisecond, &p.mu)
 	}
 	wg.Wait()
 }
