@@ -414,6 +414,20 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 		return 0
 	}
 	bt := v.BlockTokens()
+	if v.Replicas[r].Slots > 0 {
+		// A slot cache overwrites one slot's prompt whole, whatever the
+		// replica's capacity: price the prefixes of that prompt that no
+		// other slot and not this request keep.
+		if v.Victims == nil {
+			return 0
+		}
+		cost := 0.0
+		v.Victims(r, func(n *prefixtree.Node) bool {
+			cost += p.evictionCost(n, v, bt)
+			return true
+		})
+		return p.cfg.EvictionWeight * cost
+	}
 	capBlocks := v.Profile.KVCapacity() / bt
 	need := v.Tree.CachedBlocks(r) + (missedTokens+bt-1)/bt - capBlocks
 	if need <= 0 {
@@ -426,18 +440,26 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 			return true
 		}
 		freed += n.Own()
-		if s, ok := n.Ext.(*e2Node); ok && n.Important() && s.count > 0 {
-			t := secs(v.Profile.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
-			if p.cfg.EvictionRecompute {
-				cost += t
-			} else {
-				miss := 1 - float64(s.hit)/float64(max(s.prompt, 1))
-				cost += miss * float64(s.count) * t
-			}
-		}
+		cost += p.evictionCost(n, v, bt)
 		return freed < need
 	})
 	return p.cfg.EvictionWeight * cost
+}
+
+// evictionCost is what evicting node n costs in M: for an important prefix
+// used in the window, one recompute of it (EvictionRecompute) or the paper's
+// missRate·count·T_prefill; nothing for other nodes.
+func (p *E2) evictionCost(n *prefixtree.Node, v *View, bt int) float64 {
+	s, ok := n.Ext.(*e2Node)
+	if !ok || !n.Important() || s.count <= 0 {
+		return 0
+	}
+	t := secs(v.Profile.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
+	if p.cfg.EvictionRecompute {
+		return t
+	}
+	miss := 1 - float64(s.hit)/float64(max(s.prompt, 1))
+	return miss * float64(s.count) * t
 }
 
 // cost fills c with replica r's L, M and P terms for req.

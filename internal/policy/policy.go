@@ -73,6 +73,9 @@ type Replica struct {
 	KVUsage float64
 	// TPOT is the replica's recent median time per output token (0 unknown).
 	TPOT time.Duration
+	// Slots is the number of prompt slots of a slot cache (llama.cpp's
+	// -np: one cached prompt per slot); 0 for a block cache (vLLM, SGLang).
+	Slots int
 }
 
 // Queue is the queue length the scorers use: the engine's waiting count when
@@ -100,6 +103,10 @@ type View struct {
 	Profile costmodel.Profile
 	// Rand is the decision's source of randomness (seeded by the caller).
 	Rand *rand.Rand
+	// Victims, when set, calls fn for the nodes replica r would stop
+	// caching if it took this request, for replicas whose cache is not a
+	// block LRU (Replica.Slots > 0: a llama.cpp slot is overwritten whole).
+	Victims func(r int, fn func(n *prefixtree.Node) bool)
 }
 
 // BlockTokens is the number of tokens per block key.

@@ -863,3 +863,43 @@ func (t *Tree) remove(n *Node) {
 	n.Ext = nil
 	t.evictions++
 }
+
+// UncacheFrom marks the blocks keys[from:] of one prompt's path not cached
+// on replica r, splitting the node that holds keys[from] so that the blocks
+// before it keep their state. Keys the tree no longer holds are skipped. It
+// is how the router drops the tail of a prompt that a slot cache (llama.cpp)
+// overwrote: the caller must make sure no other prompt cached on r passes
+// through keys[from:].
+func (t *Tree) UncacheFrom(keys []blocks.Key, from int, r int) {
+	if from < 0 {
+		from = 0
+	}
+	if from >= len(keys) || r < 0 || r >= len(t.reps) {
+		return
+	}
+	n, off, ok := t.Find(keys[from])
+	if !ok {
+		return // the tree is prefix-closed: nothing deeper is held either
+	}
+	if off > 0 {
+		n = t.split(n, off)
+	}
+	// Walk down from n along the path of keys, then uncache deepest first
+	// so that a node never loses its cached bit before its children do.
+	var path []*Node
+	for i := from; n != nil; {
+		path = append(path, n)
+		i += len(n.keys)
+		if i >= len(keys) {
+			break
+		}
+		next, noff, ok := t.Find(keys[i])
+		if !ok || noff != 0 || next.parent != n {
+			break
+		}
+		n = next
+	}
+	for i := len(path) - 1; i >= 0; i-- {
+		t.SetCached(path[i], r, false)
+	}
+}

@@ -56,6 +56,13 @@ type Config struct {
 	// covers the lag between routing and the engine's BlockStored. Only
 	// policies that implement policy.Speculator and say so get them.
 	SpeculativeTTL time.Duration
+	// SlotSimilarity is the share of a slot's cached tokens a prompt must
+	// share to be placed on it, for replicas with a slot cache (llama.cpp's
+	// --slot-prompt-similarity; 0: DefaultSlotSimilarity).
+	SlotSimilarity float64
+	// NoFeedback turns off the correction of mirrored caches by the cached
+	// tokens replicas report (cacheview.go); the reports are still measured.
+	NoFeedback bool
 }
 
 // DefaultSpeculativeTTL is Config.SpeculativeTTL's default: comfortably
@@ -77,6 +84,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("router: mirror_capacity_tokens must be ≥ 0, got %d", c.MirrorCapacityTokens)
 	case c.DefaultOutputTokens < 0:
 		return fmt.Errorf("router: default_output_tokens must be ≥ 0, got %d", c.DefaultOutputTokens)
+	case math.IsNaN(c.SlotSimilarity) || c.SlotSimilarity < 0 || c.SlotSimilarity >= 1:
+		return fmt.Errorf("router: slot_similarity must be in [0,1), got %v", c.SlotSimilarity)
 	}
 	return nil
 }
@@ -92,6 +101,15 @@ type flight struct {
 	out            int
 	routedAt       time.Time
 	prefilled      bool
+	// contended: when routed, another request in flight on the replica
+	// used the matched prefix, so a report of fewer cached tokens may be
+	// concurrency (blocks still being computed), not eviction.
+	contended bool
+	// slot is the slot the request holds on a slot-cache replica (noSlot
+	// otherwise), and prevKeys/prevTokens what that slot held before.
+	slot       int
+	prevKeys   []blocks.Key
+	prevTokens int
 }
 
 // Router is the routing core. See the package comment for its concurrency.
@@ -109,6 +127,8 @@ type Router struct {
 	rng         *rand.Rand
 	match       prefixtree.Match
 	scratch     prefixtree.Match
+	victims     prefixtree.Match // slotVictims' lookups, during a decision
+	cache       []replicaCache   // per replica: slot model, feedback (cacheview.go)
 	view        policy.View
 	stats       Stats
 	spec        speculation
@@ -139,6 +159,9 @@ func New(cfg Config) (*Router, error) {
 	}
 	if cfg.SpeculativeTTL == 0 {
 		cfg.SpeculativeTTL = DefaultSpeculativeTTL
+	}
+	if cfg.SlotSimilarity == 0 {
+		cfg.SlotSimilarity = DefaultSlotSimilarity
 	}
 	t, err := prefixtree.New(prefixtree.Config{BlockTokens: cfg.BlockTokens, MaxBlocks: cfg.TreeMaxBlocks}, 0)
 	if err != nil {
@@ -175,6 +198,7 @@ func (r *Router) AddReplica(name string, events bool) int {
 	id := r.tree.AddReplica()
 	r.reps = append(r.reps, policy.Replica{ID: id, Name: name, Up: true, Waiting: -1, Running: -1, KVUsage: -1})
 	r.events = append(r.events, events)
+	r.grow(id)
 	return id
 }
 
@@ -259,7 +283,7 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 	}
 	r.expireSpeculative(now)
 	r.tree.Insert(req.Keys, now, &r.match)
-	r.view.Replicas = r.reps
+	r.prepareView(req.Keys)
 	d, err := r.pol.Route(&req, &r.view, now)
 	if err != nil {
 		return d, err
@@ -271,6 +295,28 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 	return d, nil
 }
 
+// prepareView readies the view for a decision on keys (already looked up
+// into r.match): the replicas' snapshot, and for slot-cache replicas what
+// the slot the request would land on holds.
+func (r *Router) prepareView(keys []blocks.Key) {
+	r.view.Replicas = r.reps
+	r.view.Victims = nil
+	if r.hasSlots() {
+		r.slotMatches(keys)
+		r.view.Victims = func(id int, fn func(n *prefixtree.Node) bool) { r.slotVictims(id, keys, fn) }
+	}
+}
+
+// hasSlots reports whether some replica has a modelled slot cache.
+func (r *Router) hasSlots() bool {
+	for id := range r.cache {
+		if r.slotted(id) != nil {
+			return true
+		}
+	}
+	return false
+}
+
 func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) {
 	id := d.Replica
 	f := r.newFlight()
@@ -279,7 +325,17 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	*f = flight{
 		keys: req.Keys, replica: id, prompt: req.PromptTokens, matched: matched,
 		pendingTokens: missed, pendingPrefill: r.cfg.Profile.Prefill(missed, req.PromptTokens),
-		out: req.OutputTokens, routedAt: now,
+		out: req.OutputTokens, routedAt: now, slot: noSlot,
+	}
+	if mb := r.match.PerReplica[id]; mb > 0 && !r.events[id] {
+		// The node holding the last matched block: another request on
+		// this replica through it makes the match contended.
+		for _, n := range r.match.Path {
+			if n.Depth() < mb && mb <= n.Depth()+n.Own() {
+				f.contended = n.Ref(id) > 0
+				break
+			}
+		}
 	}
 	r.inflight[req.ID] = f
 	rp := &r.reps[id]
@@ -290,11 +346,19 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	rp.DecodeTokens += f.out
 	path := r.match.Path
 	r.tree.AddRef(path, id, 1)
-	if !r.events[id] {
+	if c := r.slotted(id); c != nil {
+		// A slot cache: the request takes the slot llama.cpp would give it,
+		// or waits for one (requests_deferred).
+		if s, _ := c.choose(req.Keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity); s != noSlot {
+			r.occupy(id, c, s, f, path, now)
+		} else {
+			c.deferred = append(c.deferred, req.ID)
+		}
+	} else if !r.events[id] {
 		// Mirror: the replica will cache this prompt's blocks; evict its
 		// least recently used unreferenced blocks beyond its capacity.
 		r.tree.SetPathCached(path, id, now)
-		capBlocks := r.cfg.MirrorCapacityTokens / r.cfg.BlockTokens
+		capBlocks := r.mirrorCapacity(id) / r.cfg.BlockTokens
 		if over := r.tree.CachedBlocks(id) - capBlocks; over > 0 {
 			r.tree.EvictLRU(id, over, now)
 		}
@@ -377,6 +441,10 @@ func (r *Router) Finished(id uint64, outputTokens, cachedTokens int, ok bool, no
 		if d := f.matched - cachedTokens; d <= r.cfg.BlockTokens && d >= -r.cfg.BlockTokens {
 			r.stats.PredictionsExact++
 		}
+		r.feedback(f, cachedTokens, now)
+	}
+	if c := r.slotted(f.replica); c != nil {
+		r.releaseSlot(f.replica, c, id, f, outputTokens, now)
 	}
 	if r.obs != nil {
 		r.obs.Finished(id, f.replica, outputTokens, ok, now)
@@ -446,6 +514,9 @@ func (r *Router) CacheCleared(id int) error {
 	}
 	r.tree.ClearReplica(id)
 	r.spec.forget(id)
+	if id < len(r.cache) {
+		r.cache[id].slots.clear()
+	}
 	return nil
 }
 
@@ -461,7 +532,7 @@ func (r *Router) Predict(req policy.Request, now time.Time) (policy.Decision, er
 		req.OutputTokens = r.cfg.DefaultOutputTokens
 	}
 	r.tree.Lookup(req.Keys, &r.match)
-	r.view.Replicas = r.reps
+	r.prepareView(req.Keys)
 	return r.pol.Route(&req, &r.view, now)
 }
 

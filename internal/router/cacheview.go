@@ -1,0 +1,222 @@
+package router
+
+import (
+	"fmt"
+	"math"
+	"time"
+)
+
+// How a replica keeps its prefix cache, and how the router corrects its view
+// of it from what the replica reports.
+//
+// Two kinds of engine cache are modelled:
+//
+//   - a block cache (vLLM, SGLang, prefixlb engine): fixed-size KV blocks
+//     keyed by their prefix, evicted least recently used. The router learns
+//     it from KV events or, without them, mirrors it from its own decisions
+//     (an LRU of MirrorCapacityTokens);
+//   - a slot cache (llama.cpp's llama-server): -np slots, each keeping the
+//     tokens of the last prompt it served. A request goes to the idle slot
+//     whose cached tokens it resembles most (longest common subsequence over
+//     the slot's length, above --slot-prompt-similarity), else to the least
+//     recently used idle slot, and reuses only the common prefix with that
+//     slot; with every slot busy it waits. So the replica holds at most N
+//     prefixes, and a prefix held by a busy slot helps no one
+//     (llama.cpp examples/server/server.cpp, get_available_slot, at commit
+//     c392e50).
+//
+// Every response that reports its cached prompt tokens (vLLM's and SGLang's
+// usage.prompt_tokens_details.cached_tokens, llama.cpp's timings.prompt_n)
+// is a measurement of the replica's cache, and Finished compares it with the
+// router's prediction. For a replica whose cache the router mirrors (no KV
+// events), a report of fewer cached tokens than predicted means the mirror
+// held blocks the replica had evicted: the mirror's capacity estimate shrinks
+// (multiplicatively) and the least recently used blocks beyond it go; a
+// report of more than predicted lets it grow back (additively) towards the
+// configured capacity. With KV events the events stay the source of truth and
+// the report is only measured.
+
+// CacheView is what the router believes about one replica's cache, and how
+// well that belief has matched the replica's reports.
+type CacheView struct {
+	// Slots is the replica's number of cache slots (llama.cpp's -np); 0 for
+	// a block cache.
+	Slots int `json:"slots"`
+	// Events says whether KV events report the cache (else it is mirrored).
+	Events bool `json:"events"`
+	// CachedTokens is what the router's view holds for the replica.
+	CachedTokens int `json:"cached_tokens"`
+	// CapacityTokens is the mirror's current capacity estimate, and
+	// ConfiguredCapacityTokens what it started from (block caches).
+	CapacityTokens           int `json:"capacity_tokens"`
+	ConfiguredCapacityTokens int `json:"configured_capacity_tokens"`
+	// Checked counts finished requests whose replica reported cached
+	// tokens; Exact, Over and Under split them by whether the prediction
+	// was within one block, above or below the report.
+	Checked int `json:"checked"`
+	Exact   int `json:"exact"`
+	Over    int `json:"over"`
+	Under   int `json:"under"`
+	// ErrorTokens is a moving average (over about the last 32 reports) of
+	// the prediction minus the report, in tokens: positive when the router
+	// believes the replica caches more than it does.
+	ErrorTokens float64 `json:"prediction_error_tokens"`
+	// LastErrorTokens is the latest report's prediction minus report.
+	LastErrorTokens int `json:"last_prediction_error_tokens"`
+	// Corrections counts reports that changed the view (capacity shrunk or
+	// grown, slot contents corrected).
+	Corrections int `json:"corrections"`
+}
+
+// errorEWMA is the weight of the newest report in CacheView.ErrorTokens:
+// about the last 32 reports count.
+const errorEWMA = 1.0 / 32
+
+// SetCacheSlots says that replica id's engine keeps its cache in slots, one
+// prompt per slot (llama.cpp: /props total_slots, its -np), and how many;
+// 0 makes it a block cache again. Changing it drops the router's view of the
+// replica's cache (a slot cache is not a block LRU).
+func (r *Router) SetCacheSlots(id, slots int) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if slots < 0 || slots > maxSlots {
+		return fmt.Errorf("%w: %d cache slots for replica %d (want 0..%d)", ErrBadLoad, slots, id, maxSlots)
+	}
+	r.grow(id)
+	if r.cache[id].slots.n() == slots {
+		return nil
+	}
+	r.tree.ClearReplica(id)
+	r.spec.forget(id)
+	r.cache[id].slots = newSlotCache(slots)
+	r.reps[id].Slots = slots
+	// Requests in flight keep their accounting; they hold no slot in the
+	// new view.
+	for _, f := range r.inflight {
+		if f.replica == id {
+			f.slot = noSlot
+		}
+	}
+	return nil
+}
+
+// CacheView returns the router's view of replica id's cache.
+func (r *Router) CacheView(id int) (CacheView, error) {
+	if id < 0 || id >= len(r.reps) {
+		return CacheView{}, fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	r.grow(id)
+	c := &r.cache[id]
+	v := c.view
+	v.Slots = c.slots.n()
+	v.Events = r.events[id]
+	v.CachedTokens = r.tree.CachedBlocks(id) * r.cfg.BlockTokens
+	v.ConfiguredCapacityTokens = r.cfg.MirrorCapacityTokens
+	v.CapacityTokens = r.mirrorCapacity(id)
+	return v, nil
+}
+
+// replicaCache is the router's per-replica cache state beyond the tree.
+type replicaCache struct {
+	// capacityTokens is the mirror's learned capacity (0: configured).
+	capacityTokens int
+	slots          *slotCache // nil: a block cache
+	view           CacheView  // the counters of CacheView
+}
+
+// grow makes r.cache hold replica id.
+func (r *Router) grow(id int) {
+	for len(r.cache) <= id {
+		r.cache = append(r.cache, replicaCache{})
+	}
+}
+
+// mirrorCapacity is replica id's mirror capacity estimate, in tokens.
+func (r *Router) mirrorCapacity(id int) int {
+	if c := r.cache[id].capacityTokens; c > 0 {
+		return c
+	}
+	return r.cfg.MirrorCapacityTokens
+}
+
+// feedback compares a finished request's predicted cached tokens with the
+// replica's report and corrects the view: see the comment at the top of this
+// file.
+func (r *Router) feedback(f *flight, reported int, now time.Time) {
+	id := f.replica
+	r.grow(id)
+	c := &r.cache[id]
+	bt := r.cfg.BlockTokens
+	d := f.matched - reported
+	c.view.Checked++
+	c.view.LastErrorTokens = d
+	if c.view.Checked == 1 {
+		c.view.ErrorTokens = float64(d)
+	} else {
+		c.view.ErrorTokens += errorEWMA * (float64(d) - c.view.ErrorTokens)
+	}
+	if math.IsNaN(c.view.ErrorTokens) {
+		c.view.ErrorTokens = 0
+	}
+	switch {
+	case d > bt:
+		c.view.Over++
+	case d < -bt:
+		c.view.Under++
+	default:
+		c.view.Exact++
+	}
+	if r.events[id] || r.cfg.NoFeedback {
+		return // events are the truth; the report is only measured
+	}
+	if c.slots != nil {
+		if r.slotFeedback(id, c.slots, f, reported, now) {
+			c.view.Corrections++
+		}
+		return
+	}
+	if r.blockFeedback(id, f, reported, now) {
+		c.view.Corrections++
+	}
+}
+
+// Bounds of the learned mirror capacity: a shrink keeps this share of what
+// the mirror held, and never goes below minCapacityPrompts of the prompt that
+// reported the eviction (the replica held that prompt whole).
+const (
+	shrinkFactor       = 0.9
+	minCapacityPrompts = 2
+)
+
+// blockFeedback corrects the LRU mirror of block-cache replica id from one
+// report: see the comment at the top of this file. A report on a prefix that
+// another request in flight on the replica was using is left out: those
+// blocks may still have been being computed, which says nothing of capacity.
+func (r *Router) blockFeedback(id int, f *flight, reported int, now time.Time) bool {
+	bt := r.cfg.BlockTokens
+	c := &r.cache[id]
+	capTok := r.mirrorCapacity(id)
+	switch d := f.matched - reported; {
+	case d > bt && !f.contended:
+		held := r.tree.CachedBlocks(id) * bt
+		next := int(shrinkFactor * float64(min(capTok, held)))
+		next = max(next, minCapacityPrompts*f.prompt, bt)
+		if next >= capTok {
+			return false
+		}
+		c.capacityTokens = next
+		if over := r.tree.CachedBlocks(id) - next/bt; over > 0 {
+			r.tree.EvictLRU(id, over, now)
+		}
+		return true
+	case d < -bt:
+		next := min(r.cfg.MirrorCapacityTokens, capTok-d)
+		if next <= capTok {
+			return false
+		}
+		c.capacityTokens = next
+		return true
+	}
+	return false
+}
