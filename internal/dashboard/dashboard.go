@@ -80,6 +80,23 @@ type Replica struct {
 	// CachedBlocks is the number of prefix blocks the router believes the
 	// replica caches.
 	CachedBlocks int `json:"cached_blocks"`
+	// Kind is the replica's engine: "vllm", "sglang", "llamacpp" or
+	// "unknown" (detected from its endpoints, or configured).
+	Kind string `json:"kind"`
+	// Slots is its number of prompt slots for a slot cache (llama.cpp's
+	// -np); 0 for a block cache.
+	Slots int `json:"slots"`
+	// PredictionErrorTokens is the moving average of the router's
+	// predicted minus the replica's reported cached tokens (positive: the
+	// router believes the replica caches more than it does).
+	PredictionErrorTokens float64 `json:"prediction_error_tokens"`
+	// CapacityTokens is the router's current estimate of the replica's
+	// cache capacity, learned from those reports (block caches mirrored
+	// without KV events).
+	CapacityTokens int `json:"capacity_tokens"`
+	// Corrections counts reports that changed the router's view of the
+	// replica's cache.
+	Corrections int `json:"corrections"`
 }
 
 // Prefix is one prefix unit of the router's tree with its placement.
