@@ -345,3 +345,40 @@ func TestPerReplicaStateReleased(t *testing.T) {
 		t.Fatalf("Nodes() = %d", got)
 	}
 }
+
+// TestUncacheFrom: the tail of one prompt's path goes from a replica; what
+// comes before it, and other branches, stay.
+func TestUncacheFrom(t *testing.T) {
+	tr := newTree(t, 2, 0)
+	var m Match
+	now := time.Unix(1, 0)
+	a, b := ks(1, 2, 3, 4, 5, 6), ks(1, 2, 3, 7, 8)
+	tr.Insert(a, now, &m)
+	tr.SetPathCached(m.Path, 0, now)
+	tr.SetPathCached(m.Path, 1, now)
+	tr.Insert(b, now, &m)
+	tr.SetPathCached(m.Path, 0, now)
+	tr.UncacheFrom(a, 4, 0) // keep 1 2 3 4 of a on replica 0
+	tr.Lookup(a, &m)
+	if got := m.PerReplica; got[0] != 4 || got[1] != 6 {
+		t.Errorf("a after UncacheFrom(4): per replica %v, want [4 6]", got)
+	}
+	tr.Lookup(b, &m)
+	if m.PerReplica[0] != 5 {
+		t.Errorf("b: replica 0 caches %d, want 5 (another branch)", m.PerReplica[0])
+	}
+	if got := tr.CachedBlocks(0); got != 6 {
+		t.Errorf("replica 0 caches %d blocks, want 6", got)
+	}
+	tr.UncacheFrom(b, 0, 0)
+	tr.UncacheFrom(a, 0, 0)
+	tr.UncacheFrom(a, 9, 0)        // past the end: nothing
+	tr.UncacheFrom(ks(9, 9), 0, 0) // unknown: nothing
+	if got := tr.CachedBlocks(0); got != 0 {
+		t.Errorf("replica 0 caches %d blocks after uncaching all, want 0", got)
+	}
+	tr.Lookup(a, &m)
+	if m.PerReplica[1] != 6 {
+		t.Errorf("replica 1 lost blocks: %v", m.PerReplica)
+	}
+}
