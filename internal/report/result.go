@@ -97,6 +97,11 @@ type ReplicaResult struct {
 	PrefixHitRatio float64 `json:"prefix_hit_ratio"`
 	// OutputTokens is the number of tokens it generated.
 	OutputTokens int `json:"output_tokens"`
+	// PrefillSeconds and PrefillTokens are the prompt time and tokens the
+	// replica itself reported computing (llama.cpp's
+	// llamacpp:prompt_seconds_total and prompt_tokens_total), when read.
+	PrefillSeconds float64 `json:"prefill_s,omitempty"`
+	PrefillTokens  int     `json:"prefill_tokens,omitempty"`
 }
 
 // File is the --json results file: {"results":[...]}.

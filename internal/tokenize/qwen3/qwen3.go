@@ -5,7 +5,13 @@
 package qwen3
 
 import (
+	"bytes"
+	"compress/gzip"
 	_ "embed"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
 
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
@@ -20,4 +26,25 @@ var tokenizerConfigJSON []byte
 // should load once and share the result, which is safe for concurrent use.
 func Load() (*tokenize.Tokenizer, error) {
 	return tokenize.NewGzip(tokenizerJSONGz, tokenizerConfigJSON)
+}
+
+// WriteDir writes the tokenizer as a Hugging Face tokenizer directory
+// (tokenizer.json and tokenizer_config.json) into dir, for tools that read
+// one: llama.cpp's make_tiny_gguf.py builds a model around it.
+func WriteDir(dir string) error {
+	zr, err := gzip.NewReader(bytes.NewReader(tokenizerJSONGz))
+	if err != nil {
+		return fmt.Errorf("qwen3: %w", err)
+	}
+	tj, err := io.ReadAll(zr)
+	if err != nil {
+		return fmt.Errorf("qwen3: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer.json"), tj, 0o644); err != nil {
+		return fmt.Errorf("qwen3: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), tokenizerConfigJSON, 0o644); err != nil {
+		return fmt.Errorf("qwen3: %w", err)
+	}
+	return nil
 }
