@@ -39,11 +39,13 @@ func benchCmd() *cobra.Command {
 		Use:   "bench --target URL --workload NAME|--trace FILE --rate R --duration D [--json FILE] [--out DIR]",
 		Short: "Open-loop load generator for any OpenAI-compatible endpoint",
 		Long: `bench sends a generated workload or a trace to an OpenAI-compatible server
-(vLLM, SGLang, prefixlb serve, prefixlb engine) open-loop: each request leaves
-at its arrival time whether or not earlier ones have finished. It streams every
-response and reports TTFT, inter-token latency, TPOT and end-to-end latency
-percentiles, throughput, and the prefix-cache hit ratio the server reports in
-usage.prompt_tokens_details.cached_tokens.
+(vLLM, SGLang, llama.cpp's llama-server, prefixlb serve, prefixlb engine)
+open-loop: each request leaves at its arrival time whether or not earlier ones
+have finished. It streams every response and reports TTFT, inter-token
+latency, TPOT and end-to-end latency percentiles, throughput, and the
+prefix-cache hit ratio the server reports in
+usage.prompt_tokens_details.cached_tokens (vLLM, SGLang) or, from llama.cpp,
+usage.prompt_tokens - timings.prompt_n.
 
 By default prompts are sent as token ids to /v1/completions, so requests that
 share a prefix share it exactly on the server with no tokenizer involved

@@ -24,6 +24,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/epp"
+	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/sharedstate"
 )
 
@@ -45,6 +46,7 @@ type eppFlags struct {
 	scrape                   time.Duration
 	explain                  bool
 	logLevel                 string
+	backendKind              string
 }
 
 func newEPPCmd() *cobra.Command {
@@ -66,7 +68,14 @@ without it prompts are keyed by text chunks. Each replica's /tokenize is
 compared with it when the replica joins and whenever it is ready again: while
 one differs, prompts are keyed by text chunks (prefixlb_tokenizer_match,
 prefixlb_tokenizer_fallback). --metrics-listen (:9090) serves
-the picker's Prometheus metrics at /metrics. See docs/kubernetes.md.`,
+the picker's Prometheus metrics at /metrics, and the replicas as the picker
+sees them (backend kind, cache view) at /debug/replicas. See docs/kubernetes.md.
+
+--backend-kind (auto, vllm, sglang, llamacpp) is the replicas' engine; with
+auto each replica's is detected when it joins and whenever it is ready again
+(its /metrics names, llama.cpp's /props, /v1/models owned_by, the Server
+header). A llama.cpp replica's slot cache is modelled from its /props
+total_slots and its cached tokens read from the timings of its responses.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runEPP(cmd.Context(), cmd, f) },
 	}
@@ -95,6 +104,7 @@ the picker's Prometheus metrics at /metrics. See docs/kubernetes.md.`,
 	fs.IntVar(&f.ports.KVReplay, "kv-replay-port", 0, "replicas' KV-event replay port (0: kv-events-port+1; -1: none)")
 	fs.StringVar(&f.ports.KVTopic, "kv-topic", "", "KV-event topic prefix; {ip} and {port} are replaced (\"\": all)")
 	fs.DurationVar(&f.scrape, "scrape-interval", time.Second, "how often to read each replica's /metrics (0: never)")
+	fs.StringVar(&f.backendKind, "backend-kind", "auto", "replicas' engine: auto (detect each replica's when it joins and is ready again), vllm, sglang or llamacpp")
 	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) to upstream requests")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
@@ -126,9 +136,13 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	if (f.backends == "") == (f.discovery == "") {
 		return errors.New("epp: give exactly one of --backend and --discovery")
 	}
+	kind, err := proxy.ParseBackendKind(f.backendKind)
+	if err != nil {
+		return fmt.Errorf("epp: --backend-kind: %w", err)
+	}
 	cfg := epp.Config{Policy: f.policy, Profile: f.profile, BlockTokens: f.blockTokens, Seed: f.seed,
 		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, ScrapeInterval: f.scrape, Tokenizer: f.tokenizer,
-		TreeMaxBlocks: f.treeMaxBlocks, Logger: log}
+		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Logger: log}
 	if f.fallbacks == 0 {
 		cfg.Fallbacks = -1
 	}
@@ -262,11 +276,12 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		}
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", p.MetricsHandler())
+		mux.Handle("GET /debug/replicas", p.DebugHandler())
 		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	}
 	srv.SetServing(false)
 	log.Info("prefixlb epp", "grpc", ln.Addr().String(), "health", f.healthListen, "metrics", f.metricsListen,
-		"policy", f.policy, "profile", f.profile, "tokenizer", f.tokenizer, "discovery", f.discovery, "backends", f.backends)
+		"policy", f.policy, "profile", f.profile, "tokenizer", f.tokenizer, "backend_kind", kind, "discovery", f.discovery, "backends", f.backends)
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -23,11 +23,12 @@ import (
 // serveFlags binds `prefixlb serve`'s flags; fields a flag sets override
 // the config file.
 type serveFlags struct {
-	cfg      proxy.Config
-	backends string
-	kvEvents string
-	config   string
-	logLevel string
+	cfg         proxy.Config
+	backends    string
+	kvEvents    string
+	config      string
+	logLevel    string
+	backendKind string
 }
 
 // overrides copies, for every flag the user set, its value into c.
@@ -64,6 +65,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"speculative-ttl":         func() { c.SpeculativeTTL = f.cfg.SpeculativeTTL },
 		"tree-max-blocks":         func() { c.TreeMaxBlocks = f.cfg.TreeMaxBlocks },
 		"tokenizer":               func() { c.Tokenizer = f.cfg.Tokenizer },
+		"backend-kind":            func() { c.BackendKind = proxy.BackendKind(f.backendKind) },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -78,7 +80,7 @@ func newServeCmd() *cobra.Command {
 		Use:   "serve",
 		Short: "Route OpenAI-compatible requests to inference replicas (the router)",
 		Long: `serve is prefixlb's router: an OpenAI-compatible reverse proxy in front of
-vLLM, SGLang or prefixlb engine replicas. It routes /v1/completions and
+vLLM, SGLang, llama.cpp (llama-server) or prefixlb engine replicas. It routes /v1/completions and
 /v1/chat/completions by prompt prefix with the chosen policy (e2 by default),
 passes streams through as they arrive, retries requests that fail before any
 byte reached the client, checks the replicas' health and scrapes their load.
@@ -96,6 +98,15 @@ KV events: a replica that publishes vLLM's KV-cache events (vLLM
 a replica without events), or kv_events (and optionally kv_replay, default port
 + 1, and kv_topic) on a backend in the config file. GET /debug/cache shows each
 replica's stream and the router's view of its cache.
+
+Backend kind: --backend-kind (or backend_kind, and kind on a backend in the
+config file) is auto, vllm, sglang or llamacpp. With auto (the default) each
+replica's engine is detected at start and whenever it is re-admitted: from its
+/metrics names, llama.cpp's GET /props, the owned_by of GET /v1/models, or its
+Server: llama.cpp header. A llama.cpp replica (llama-server) keeps one prompt
+per slot (-np): the router models its slots (read from /props total_slots),
+reads its cached tokens from the timings of its responses and its load from
+llamacpp:requests_processing, requests_deferred and kv_cache_usage_ratio.
 
 Tokenizer: --tokenizer qwen3 (bundled), a tokenizer.json or a model directory
 keys text and chat prompts by the replicas' token ids (chats rendered with the
@@ -147,6 +158,7 @@ is re-admitted; while one disagrees, text and chats are keyed by text chunks
 	fs.Int64Var(&d.MaxResponseBytes, "max-response-bytes", d.MaxResponseBytes, "largest non-streamed response checked (larger ones pass unchecked)")
 	fs.IntVar(&d.MaxRetries, "max-retries", d.MaxRetries, "other replicas to try when one fails before any byte reached the client")
 	fs.DurationVar(&d.DrainTimeout, "drain-timeout", d.DrainTimeout, "how long shutdown waits for in-flight requests")
+	fs.StringVar(&f.backendKind, "backend-kind", string(proxy.BackendAuto), "replicas' engine: auto (detect each replica's at start and on re-admission), vllm, sglang or llamacpp; a backend's kind in --config wins")
 	fs.StringVar(&d.Tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
@@ -160,6 +172,9 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
 		return fmt.Errorf("serve: --log-level: %w", err)
+	}
+	if _, err := proxy.ParseBackendKind(f.backendKind); err != nil {
+		return fmt.Errorf("serve: --backend-kind: %w", err)
 	}
 	log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
 
@@ -195,12 +210,15 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	names := make([]string, len(cfg.Backends))
 	for i, b := range cfg.Backends {
 		names[i] = b.URL
+		if b.Kind != "" {
+			names[i] += " (" + string(b.Kind) + ")"
+		}
 		if b.KVEvents != "" {
 			names[i] += " (kv events " + b.KVEvents + ")"
 		}
 	}
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
-		"backends", strings.Join(names, ","), "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
+		"backends", strings.Join(names, ","), "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
 
 	runCtx, stopRun := context.WithCancel(context.Background())
 	var wg sync.WaitGroup

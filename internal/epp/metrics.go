@@ -18,7 +18,8 @@ import (
 // are prefixlb_epp_*. Gauges of the router's state (in flight, readiness,
 // tree size, the tokenizer checks' results) are read under the picker's
 // lock at scrape time, so they never drift from it and a replica's series
-// leave with it.
+// leave with it; so are the router's cache views (updated by every finished
+// request) and the replicas' backend kinds.
 type metrics struct {
 	reg       *prometheus.Registry
 	decisions *prometheus.CounterVec // policy, branch, replica
@@ -80,7 +81,7 @@ func newMetrics(p *Picker) *metrics {
 		}),
 		reported: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "prefixlb_cached_tokens_reported_total",
-			Help: "Prompt tokens the replicas reported cached (usage.prompt_tokens_details.cached_tokens).",
+			Help: "Prompt tokens the replicas reported cached (usage.prompt_tokens_details.cached_tokens, or llama.cpp's usage.prompt_tokens - timings.prompt_n).",
 		}),
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "prefixlb_cache_predictions_total",
@@ -191,6 +192,20 @@ var (
 	descTokFallback = prometheus.NewDesc("prefixlb_tokenizer_fallback",
 		"1 while some replica's tokenizer differs from the router's, so text and chat prompts are keyed by text chunks instead of token ids.",
 		nil, nil)
+	// The router's view of each replica's cache (router.CacheView) and its
+	// backend kind; names and help are prefixlb serve's.
+	descPredictionError = prometheus.NewDesc("prefixlb_cache_prediction_error_tokens",
+		"Moving average (about the last 32 reports) of the cached prompt tokens the router predicted minus those the replica reported; positive: the router believes the replica caches more than it does.",
+		[]string{"replica"}, nil)
+	descCapacity = prometheus.NewDesc("prefixlb_cache_capacity_tokens",
+		"The router's current estimate of the replica's cache capacity in tokens, learned from the cached tokens it reports (mirrored block caches; the configured capacity otherwise).",
+		[]string{"replica"}, nil)
+	descCorrections = prometheus.NewDesc("prefixlb_cache_corrections_total",
+		"Reports of cached tokens that changed the router's view of the replica's cache (capacity shrunk or grown, slot contents corrected).",
+		[]string{"replica"}, nil)
+	descReplicaInfo = prometheus.NewDesc("prefixlb_replica_info",
+		"1 for each replica, labelled with its backend kind: vllm, sglang, llamacpp, or unknown (not detected yet, or nothing said).",
+		[]string{"replica", "kind"}, nil)
 )
 
 // stateCollector reads the router's state under the picker's lock.
@@ -202,6 +217,10 @@ func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descShared
 	ch <- descUp
 	ch <- descTree
+	ch <- descPredictionError
+	ch <- descCapacity
+	ch <- descCorrections
+	ch <- descReplicaInfo
 	if c.p.tok != nil {
 		ch <- descTokMatch
 		ch <- descTokFallback
@@ -226,6 +245,11 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(st.InFlight-ext), r.Name)
 		ch <- prometheus.MustNewConstMetric(descShared, prometheus.GaugeValue, float64(ext), r.Name)
 		ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, up, r.Name)
+		v, _ := p.rt.CacheView(r.id)
+		ch <- prometheus.MustNewConstMetric(descPredictionError, prometheus.GaugeValue, v.ErrorTokens, r.Name)
+		ch <- prometheus.MustNewConstMetric(descCapacity, prometheus.GaugeValue, float64(v.CapacityTokens), r.Name)
+		ch <- prometheus.MustNewConstMetric(descCorrections, prometheus.CounterValue, float64(v.Corrections), r.Name)
+		ch <- prometheus.MustNewConstMetric(descReplicaInfo, prometheus.GaugeValue, 1, r.Name, string(r.kind))
 		if p.tok != nil {
 			ch <- prometheus.MustNewConstMetric(descTokMatch, prometheus.GaugeValue, float64(r.tokState), r.Name)
 		}

@@ -95,7 +95,8 @@ type Config struct {
 	// Keyer keys prompts (nil: Tokenizer's keys if set, else
 	// proxy.ChunkKeyer{BlockTokens}). A *proxy.TokenizerKeyer (the one
 	// Tokenizer makes too) is checked against every replica: the probe prompt and chat of
-	// proxy.TokenizerCheck go to the replica's vLLM /tokenize at
+	// proxy.TokenizerCheck go to the replica's /tokenize (vLLM's, or
+	// llama.cpp's once BackendKind says or detects it) at
 	// "http://"+Address when it joins and whenever it is ready again, off
 	// the request path, and while any replica in the pool mismatches the
 	// keyer falls back to text chunks (TokenizerKeyer.SetFallback), as
@@ -119,6 +120,15 @@ type Config struct {
 	// queue and KV usage (0: never); each read, and each /tokenize request
 	// of a tokenizer check, is bounded by ScrapeTimeout (default 2s).
 	ScrapeInterval, ScrapeTimeout time.Duration
+	// BackendKind is the replicas' engine (proxy.ParseBackendKind: "auto",
+	// the default, "vllm", "sglang" or "llamacpp"). With auto each
+	// replica's kind is detected (proxy.DetectBackend) when it joins and
+	// whenever it is ready again, off the request path (a replica that did
+	// not answer is tried again every ScrapeInterval, 5s without one);
+	// with llamacpp its slot count is read then. A llama.cpp replica's
+	// cache is modelled as its -np slots, its cached tokens read from its
+	// timings and its tokenizer checked through its own /tokenize.
+	BackendKind proxy.BackendKind
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -164,6 +174,9 @@ func (c *Config) Validate() error {
 	case c.TreeMaxBlocks < 0:
 		return fmt.Errorf("epp: tree_max_blocks must be ≥ 0, got %d", c.TreeMaxBlocks)
 	}
+	if _, err := proxy.ParseBackendKind(string(c.BackendKind)); err != nil {
+		return fmt.Errorf("epp: backend kind: %w", err)
+	}
 	return nil
 }
 
@@ -179,6 +192,15 @@ type replica struct {
 	tokDue   bool
 	tokState proxy.TokenizerState
 	tokWake  chan struct{}
+	// The backend kind (backendkind.go): kind is the one in effect
+	// (proxy.BackendUnknown until detected), slots a slot cache's slot
+	// count, kindDue says a detection is due, kindWake wakes its loop;
+	// kvTokens is the last scraped llamacpp:kv_cache_tokens (-1 unknown).
+	kind     proxy.BackendKind
+	slots    int
+	kindDue  bool
+	kindWake chan struct{}
+	kvTokens int
 }
 
 // flight is a request routed and not finished: what it added to the
@@ -212,6 +234,10 @@ type Picker struct {
 	others  map[string]router.ExternalLoad // last good Shared.Others
 	runCtx  context.Context                // set while Run runs
 	tok     *tokenizerChecks               // nil unless the keyer is a *proxy.TokenizerKeyer; its state is in the replicas
+	kind    proxy.BackendKind              // Config.BackendKind, parsed; each replica's own is in the replica
+	// onDetect, when set (by tests), is called after each backend-kind
+	// detection, without p.mu, once its result is recorded.
+	onDetect func(name string, d proxy.Detection)
 	// onTokenizer, when set (by tests), is called after each tokenizer
 	// check, without p.mu, once its result is recorded.
 	onTokenizer func(name string, state proxy.TokenizerState, err error)
@@ -257,9 +283,10 @@ func NewPicker(cfg Config) (*Picker, error) {
 	if cfg.Keyer == nil {
 		cfg.Keyer = proxy.ChunkKeyer{BlockTokens: cfg.BlockTokens}
 	}
+	kind, _ := proxy.ParseBackendKind(string(cfg.BackendKind)) // validated
 	p := &Picker{
 		cfg: cfg, log: cfg.Logger, prof: prof, policy: pol.Name(), kvIndex: kvevents.NewIndex(),
-		rt: rt, cons: cons,
+		rt: rt, cons: cons, kind: kind,
 		byName:  make(map[string]*replica),
 		byAddr:  make(map[string]*replica),
 		flights: make(map[uint64]*flight),
@@ -293,7 +320,8 @@ func (p *Picker) Add(r Replica) {
 		p.remove(old)
 	}
 	now := time.Now()
-	rep := &replica{Replica: r, id: -1, tokState: proxy.TokenizerUnknown, tokWake: make(chan struct{}, 1)}
+	rep := &replica{Replica: r, id: -1, tokState: proxy.TokenizerUnknown, tokWake: make(chan struct{}, 1),
+		kindWake: make(chan struct{}, 1)}
 	p.markTokenizerDue(rep)
 	// Reuse a free slot with nothing left in flight, else add one.
 	for id, s := range p.slots {
@@ -314,6 +342,7 @@ func (p *Picker) Add(r Replica) {
 		_ = p.rt.ReplicaLoad(rep.id, -1, -1, -1)
 	}
 	_ = p.rt.SetUp(rep.id, r.Ready, now)
+	p.initKind(rep)
 	p.slots[rep.id] = rep
 	p.byName[r.Name] = rep
 	p.byAddr[r.Address] = rep
@@ -371,6 +400,7 @@ func (p *Picker) setReady(r *replica, ready bool) {
 	_ = p.rt.SetUp(r.id, ready, time.Now())
 	if ready {
 		p.markTokenizerDue(r) // a pod that is ready again may run another build
+		p.markKindDue(r)      // or another engine
 	}
 	p.log.Info("epp: replica readiness", "replica", r.Name, "ready", ready)
 }
@@ -729,6 +759,13 @@ func (p *Picker) start(r *replica) {
 		go func() {
 			defer p.wg.Done()
 			p.tokenizerLoop(ctx, r)
+		}()
+	}
+	if p.kind == proxy.BackendAuto || p.kind == proxy.BackendLlamaCpp {
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			p.detectLoop(ctx, r)
 		}()
 	}
 }

@@ -29,43 +29,50 @@ func (p *Picker) scrapeLoop(ctx context.Context, r *replica) {
 }
 
 // scrape reads r's queue and KV usage once; a failure makes them unknown.
+// Metric names of another engine than r's detected one make r due a new
+// detection (Config.BackendKind auto).
 func (p *Picker) scrape(ctx context.Context, client *http.Client, r *replica) {
-	waiting, running, kv, err := fetchLoad(ctx, client, r.MetricsURL)
+	l, err := fetchLoad(ctx, client, r.MetricsURL)
 	if ctx.Err() != nil {
 		return
 	}
 	if err != nil {
 		p.log.Debug("epp: metrics scrape failed", "replica", r.Name, "err", err)
 		p.m.scrapeErr.WithLabelValues(r.Name).Inc()
-		waiting, running, kv = -1, -1, -1
+		l = proxy.Load{Waiting: -1, Running: -1, KVUsage: -1, KVTokens: -1}
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.byName[r.Name] == r {
-		_ = p.rt.ReplicaLoad(r.id, waiting, running, kv)
+	if p.byName[r.Name] != r {
+		return
+	}
+	_ = p.rt.ReplicaLoad(r.id, l.Waiting, l.Running, l.KVUsage)
+	r.kvTokens = l.KVTokens
+	if p.kind == proxy.BackendAuto && l.Kind != "" && l.Kind != r.kind && !r.kindDue {
+		p.markKindDue(r) // another engine answers there now
 	}
 }
 
-// fetchLoad GETs url and reads vLLM's or SGLang's gauges with the proxy's
-// parser (proxy.ParseLoad): counts summed over series, KV usage averaged;
-// -1 for what it does not find.
-func fetchLoad(ctx context.Context, client *http.Client, url string) (waiting, running int, kv float64, err error) {
+// fetchLoad GETs url and reads vLLM's, SGLang's or llama.cpp's gauges with
+// the proxy's parser (proxy.ParseLoad): counts summed over series, KV usage
+// averaged; -1 for what it does not find.
+func fetchLoad(ctx context.Context, client *http.Client, url string) (proxy.Load, error) {
+	unknown := proxy.Load{Waiting: -1, Running: -1, KVUsage: -1, KVTokens: -1}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return -1, -1, -1, err
+		return unknown, err
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return -1, -1, -1, err
+		return unknown, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
-		return -1, -1, -1, fmt.Errorf("epp: scrape %s: status %d", url, resp.StatusCode)
+		return unknown, fmt.Errorf("epp: scrape %s: status %d", url, resp.StatusCode)
 	}
 	l, err := proxy.ParseLoad(io.LimitReader(resp.Body, maxScrapeBytes))
 	if err != nil {
-		return -1, -1, -1, fmt.Errorf("epp: scrape %s: %w", url, err)
+		return unknown, fmt.Errorf("epp: scrape %s: %w", url, err)
 	}
-	waiting, running, kv = l.Waiting, l.Running, l.KVUsage
-	return waiting, running, kv, nil
+	return l, nil
 }

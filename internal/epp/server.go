@@ -399,7 +399,8 @@ type watcher struct {
 	line    []byte // SSE: the unfinished line
 	body    []byte // JSON: the body so far (up to max)
 	tokens  int
-	usage   *proxy.Chunk // the last chunk that reported usage
+	usage   *proxy.Chunk   // the last chunk that reported usage
+	timings *proxy.Timings // the last llama.cpp timings seen (the final chunk's)
 	overrun bool
 }
 
@@ -444,6 +445,9 @@ func (w *watcher) event(data []byte) bool {
 	if c.HasUsage {
 		w.usage = &c
 	}
+	if c.Timings != nil {
+		w.timings = c.Timings
+	}
 	if c.Output {
 		w.tokens++
 	}
@@ -451,7 +455,9 @@ func (w *watcher) event(data []byte) bool {
 }
 
 // result returns the output tokens and the cached prompt tokens reported
-// (-1 unknown).
+// (-1 unknown): usage.prompt_tokens_details.cached_tokens (vLLM, SGLang),
+// else usage.prompt_tokens − timings.prompt_n (llama.cpp, whose timings
+// ride on the usage chunk, or on every chunk with timings_per_token).
 func (w *watcher) result() (out, cached int) {
 	if !w.sse && !w.overrun && len(w.body) > 0 {
 		if c, ok := proxy.ReadChunk(w.body); ok && c.HasUsage {
@@ -461,6 +467,9 @@ func (w *watcher) result() (out, cached int) {
 	out, cached = w.tokens, -1
 	if w.usage != nil {
 		out, cached = w.usage.CompletionTokens, w.usage.CachedTokens
+		if cached < 0 && w.timings != nil {
+			cached = proxy.CachedFromTimings(w.usage.PromptTokens, w.timings)
+		}
 	}
 	return out, cached
 }

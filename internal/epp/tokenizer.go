@@ -14,8 +14,9 @@ import (
 const tokenizerRetry = 5 * time.Second
 
 // tokenizerChecks are the picker's tokenizer checks, on when the keyer is
-// a *proxy.TokenizerKeyer: as prefixlb serve does, each replica's vLLM
-// /tokenize is compared with the keyer's tokenizer (proxy.TokenizerCheck)
+// a *proxy.TokenizerKeyer: as prefixlb serve does, each replica's /tokenize
+// (vLLM's, or llama.cpp's for a llama.cpp replica, once its kind is known)
+// is compared with the keyer's tokenizer (proxy.TokenizerCheck)
 // when it joins and whenever it is ready again, and prompts are keyed by
 // text chunks (TokenizerKeyer.SetFallback) while any replica in the pool
 // mismatches, rather than by token keys that match none of its blocks.
@@ -72,14 +73,17 @@ func (p *Picker) tokenizerLoop(ctx context.Context, r *replica) {
 // does not stop token keying; one that did not answer stays due.
 func (p *Picker) checkTokenizer(ctx context.Context, r *replica) {
 	p.mu.Lock()
-	if p.byName[r.Name] != r || !r.tokDue || !r.Ready {
+	if p.byName[r.Name] != r || !r.tokDue || !r.Ready || r.kindDue {
+		// r.kindDue: the check waits for the replica's kind, which says
+		// which /tokenize it speaks; the detection wakes it.
 		p.mu.Unlock()
 		return
 	}
 	r.tokDue = false // SetReady may make it due again meanwhile
+	kind := r.kind
 	p.mu.Unlock()
 
-	state, err := p.tok.check.Compare(ctx, p.tok.client, "http://"+r.Address)
+	state, err := p.tok.check.CompareKind(ctx, p.tok.client, "http://"+r.Address, kind)
 
 	p.mu.Lock()
 	if ctx.Err() != nil || p.byName[r.Name] != r { // stopping, or r left the pool

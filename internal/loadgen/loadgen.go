@@ -3,7 +3,9 @@
 // prefixlb engine). It sends each workload request at its arrival time,
 // whether or not earlier ones have finished, streams the response and
 // measures TTFT, inter-token latency, TPOT, end-to-end latency and the prefix
-// cache hit the server reports, and hands the records to package report.
+// cache hit the server reports (usage.prompt_tokens_details.cached_tokens, or
+// llama.cpp's usage.prompt_tokens − timings.prompt_n), and hands the records
+// to package report.
 package loadgen
 
 import (
@@ -146,6 +148,11 @@ type Output struct {
 	// Result summarises Records (report.Build over the run's elapsed time),
 	// with ITL, Delayed, SendLag, Workload and Target filled in.
 	Result report.Result
+	// Timings holds, index for index with Records, the timings llama.cpp's
+	// llama-server reported for each request (prefill time prompt_ms,
+	// prompt tokens computed, decode time per token); nil where the
+	// server sent none (vLLM, SGLang).
+	Timings []*Timings
 	// Model is the model name the requests carried.
 	Model string
 	// Elapsed is the time from the start of the run to the end of the last
@@ -192,6 +199,7 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (Output, erro
 
 	st := newStats(len(order), lastArrival(reqs, order, cfg.MaxDuration))
 	records := make([]report.RequestRecord, len(order))
+	timings := make([]*Timings, len(order))
 	var sendLag report.Samples
 	delayed := 0
 
@@ -253,7 +261,7 @@ send:
 			}
 			cancel()
 			rec := record(cfg, r, start, sentAt, o)
-			records[k] = rec
+			records[k], timings[k] = rec, o.timings
 			st.done(rec)
 		}()
 	}
@@ -261,14 +269,14 @@ send:
 	elapsed := time.Since(start)
 	stopProgress()
 
-	records = records[:sent]
+	records, timings = records[:sent], timings[:sent]
 	res := report.Build(cfg.Policy, cfg.Rate, records, elapsed)
 	res.Workload, res.Target, res.Delayed = cfg.Workload, cfg.Target, delayed
 	if sendLag.Len() > 0 {
 		s := sendLag.Summary()
 		res.SendLag = &s
 	}
-	out := Output{Records: records, Result: res, Model: model, Elapsed: elapsed}
+	out := Output{Records: records, Timings: timings, Result: res, Model: model, Elapsed: elapsed}
 	if err := ctx.Err(); err != nil {
 		return out, fmt.Errorf("loadgen: run interrupted after %d of %d requests: %w", sent, len(order), err)
 	}

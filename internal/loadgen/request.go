@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"mime"
 	"net/http"
 	"strconv"
@@ -53,8 +54,44 @@ type usage struct {
 	PromptTokens        int `json:"prompt_tokens"`
 	CompletionTokens    int `json:"completion_tokens"`
 	PromptTokensDetails *struct {
-		CachedTokens int `json:"cached_tokens"`
+		CachedTokens *int `json:"cached_tokens"`
 	} `json:"prompt_tokens_details"`
+}
+
+// Timings is what llama.cpp's llama-server reports of a request's cost in
+// its timings object (on a non-streamed response, and on a stream's final
+// chunk, with the usage): PromptN is the prompt tokens it computed, so
+// usage.prompt_tokens − PromptN were served from its prefix cache.
+type Timings struct {
+	// PromptN is the prompt tokens computed; PromptMs the prefill's wall
+	// time in ms.
+	PromptN  int     `json:"prompt_n"`
+	PromptMs float64 `json:"prompt_ms"`
+	// PredictedN is the tokens generated; PredictedPerTokenMs the decode's
+	// time per token in ms.
+	PredictedN          int     `json:"predicted_n"`
+	PredictedPerTokenMs float64 `json:"predicted_per_token_ms"`
+}
+
+// parseTimings reads a timings object leniently: nil when raw is absent,
+// not an object of numbers, or has no non-negative prompt_n (a server
+// whose "timings" means something else must not fail the request).
+func parseTimings(raw json.RawMessage) *Timings {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil
+	}
+	var t struct {
+		PromptN             *float64 `json:"prompt_n"`
+		PromptMs            float64  `json:"prompt_ms"`
+		PredictedN          float64  `json:"predicted_n"`
+		PredictedPerTokenMs float64  `json:"predicted_per_token_ms"`
+	}
+	if json.Unmarshal(raw, &t) != nil || t.PromptN == nil || *t.PromptN < 0 {
+		return nil
+	}
+	count := func(v float64) int { return int(math.Round(min(max(v, 0), 1<<31))) }
+	return &Timings{PromptN: count(*t.PromptN), PromptMs: max(t.PromptMs, 0),
+		PredictedN: count(t.PredictedN), PredictedPerTokenMs: max(t.PredictedPerTokenMs, 0)}
 }
 
 // apiError is the OpenAI error object, {"error":{...}}. vLLM's older
@@ -81,6 +118,8 @@ type chunk struct {
 	} `json:"choices"`
 	Usage *usage          `json:"usage"`
 	Error json.RawMessage `json:"error"`
+	// Timings is llama.cpp's timings object, kept raw (parseTimings).
+	Timings json.RawMessage `json:"timings"`
 }
 
 // hasContent reports whether the chunk carries generated text.
@@ -171,6 +210,7 @@ type outcome struct {
 	promptTokens int       // from usage; 0 if not reported
 	cachedTokens int
 	outputTokens int
+	timings      *Timings // llama.cpp's, when the server sent them
 	err          error
 }
 
@@ -276,6 +316,9 @@ func (o *outcome) readStream(body io.Reader, start time.Time, maxLine int) {
 		if c.Usage != nil {
 			u = c.Usage
 		}
+		if t := parseTimings(c.Timings); t != nil {
+			o.timings = t
+		}
 		if !c.hasContent() {
 			continue
 		}
@@ -308,11 +351,15 @@ func (o *outcome) readJSON(body io.Reader, start time.Time) {
 	if c.hasContent() {
 		o.outputTokens = 1
 	}
+	o.timings = parseTimings(c.Timings)
 	o.applyUsage(c.Usage)
 }
 
 // applyUsage takes token counts from the server's usage object when it sent
-// one; the server's count of output tokens beats the number of chunks.
+// one; the server's count of output tokens beats the number of chunks. The
+// cached prompt tokens are usage.prompt_tokens_details.cached_tokens (vLLM,
+// SGLang) when present, else usage.prompt_tokens − timings.prompt_n when the
+// server sent llama.cpp's timings (o.timings, read before).
 func (o *outcome) applyUsage(u *usage) {
 	if u == nil {
 		return
@@ -321,7 +368,10 @@ func (o *outcome) applyUsage(u *usage) {
 	if u.CompletionTokens > 0 {
 		o.outputTokens = u.CompletionTokens
 	}
-	if u.PromptTokensDetails != nil {
-		o.cachedTokens = u.PromptTokensDetails.CachedTokens
+	switch {
+	case u.PromptTokensDetails != nil && u.PromptTokensDetails.CachedTokens != nil:
+		o.cachedTokens = *u.PromptTokensDetails.CachedTokens
+	case o.timings != nil && u.PromptTokens > 0:
+		o.cachedTokens = max(u.PromptTokens-o.timings.PromptN, 0)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/router"
 )
 
 // writeJSON answers v as JSON with status.
@@ -197,6 +198,16 @@ type ReplicaStatus struct {
 	Waiting  int     `json:"waiting"`
 	Running  int     `json:"running"`
 	KVUsage  float64 `json:"kv_usage"`
+	// KVTokens is the engine's KV-cache tokens as last scraped (llama.cpp;
+	// -1 unknown).
+	KVTokens int `json:"kv_cache_tokens"`
+	// Kind is the replica's backend kind (BackendUnknown until detected);
+	// Slots a slot cache's slot count (0: a block cache).
+	Kind  BackendKind `json:"kind"`
+	Slots int         `json:"slots"`
+	// Cache is the router's view of the replica's cache and how well it
+	// has matched the replica's reports.
+	Cache router.CacheView `json:"cache"`
 }
 
 // serveDebugReplicas answers the replicas' state as the router sees it.
@@ -209,12 +220,18 @@ func (p *Proxy) Replicas() []ReplicaStatus {
 	p.mu.Lock()
 	reps := p.rt.Replicas()
 	state := append([]health(nil), p.state...)
+	engines := append([]engineState(nil), p.engines...)
+	views := make([]router.CacheView, len(reps))
+	for i := range reps {
+		views[i], _ = p.rt.CacheView(i)
+	}
 	p.mu.Unlock()
 	out := make([]ReplicaStatus, len(reps))
 	for i, rp := range reps {
 		b := p.backends[i]
 		out[i] = ReplicaStatus{Name: b.name, URL: b.url.String(), Up: state[i].up, InFlight: rp.InFlight,
-			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage}
+			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage, KVTokens: engines[i].kvTokens,
+			Kind: engines[i].kind, Slots: engines[i].slots, Cache: views[i]}
 	}
 	return out
 }

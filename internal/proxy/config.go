@@ -37,6 +37,10 @@ type Backend struct {
 	KVReplay string `json:"kv_replay,omitempty"`
 	// KVTopic is the subscription prefix ("": every topic).
 	KVTopic string `json:"kv_topic,omitempty"`
+	// Kind is the replica's engine: "auto" (detect it at start and on
+	// every re-admission), "vllm", "sglang" or "llamacpp" ("":
+	// Config.BackendKind). See BackendKind.
+	Kind BackendKind `json:"kind,omitempty"`
 }
 
 // Config configures a Proxy. DefaultConfig gives every default; a zero
@@ -58,6 +62,12 @@ type Config struct {
 	BlockTokens int
 	// Seed seeds the router's random choices.
 	Seed uint64
+	// BackendKind is the engine of the backends that do not name one
+	// (Backend.Kind; "" or "auto": detected per replica, see
+	// DetectBackend). A llama.cpp replica's slot cache is modelled, its
+	// cached tokens read from its timings and its tokenizer probed through
+	// its own /tokenize.
+	BackendKind BackendKind
 
 	// ConnectTimeout bounds dialing a replica.
 	ConnectTimeout time.Duration
@@ -100,7 +110,8 @@ type Config struct {
 	// ReadmitAfter consecutive good ones bring it back (both ≥ 1).
 	EjectAfter, ReadmitAfter int
 	// MetricsPath is scraped every ScrapeInterval (0: never) for the
-	// replica's load (vLLM and SGLang gauges).
+	// replica's load (vLLM's, SGLang's and llama.cpp's gauges); its metric
+	// names also tell a replica's backend kind (DetectBackend).
 	MetricsPath    string
 	ScrapeInterval time.Duration
 
@@ -156,6 +167,7 @@ func DefaultConfig() Config {
 		Profile:               costmodel.Llama31_8BH100,
 		BlockTokens:           blocks.DefaultBlockSize,
 		Seed:                  1,
+		BackendKind:           BackendAuto,
 		ConnectTimeout:        5 * time.Second,
 		ResponseHeaderTimeout: 10 * time.Minute,
 		IdleTimeout:           5 * time.Minute,
@@ -214,11 +226,17 @@ func (c *Config) Validate() error {
 				return bad(fmt.Sprintf("backends[%d].kv_replay", i), "%v", err)
 			}
 		}
+		if _, err := ParseBackendKind(string(b.Kind)); err != nil {
+			return fmt.Errorf("proxy: config: backends[%d].kind: %w", i, err)
+		}
 		n := backendName(b)
 		if names[n] {
 			return bad(fmt.Sprintf("backends[%d].name", i), "duplicate backend name %q", n)
 		}
 		names[n] = true
+	}
+	if _, err := ParseBackendKind(string(c.BackendKind)); err != nil {
+		return fmt.Errorf("proxy: config: backend_kind: %w", err)
 	}
 	if c.BlockTokens < 1 {
 		return bad("block_tokens", "must be ≥ 1, got %d", c.BlockTokens)
@@ -380,6 +398,7 @@ type fileConfig struct {
 	Profile               *string    `json:"profile"`
 	BlockTokens           *int       `json:"block_tokens"`
 	Seed                  *uint64    `json:"seed"`
+	BackendKind           *string    `json:"backend_kind"`
 	ConnectTimeout        *duration  `json:"connect_timeout"`
 	ResponseHeaderTimeout *duration  `json:"response_header_timeout"`
 	IdleTimeout           *duration  `json:"idle_timeout"`
@@ -448,6 +467,9 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	if f.Seed != nil {
 		c.Seed = *f.Seed
 	}
+	if f.BackendKind != nil {
+		c.BackendKind = BackendKind(*f.BackendKind)
+	}
 	setD(&c.ConnectTimeout, f.ConnectTimeout)
 	setD(&c.ResponseHeaderTimeout, f.ResponseHeaderTimeout)
 	setD(&c.IdleTimeout, f.IdleTimeout)
@@ -499,4 +521,16 @@ func loadProfile(name string) (costmodel.Profile, error) {
 		return costmodel.Load(name)
 	}
 	return costmodel.Lookup(name)
+}
+
+// backendKind is backend b's configured kind: its own, else def (the
+// config's BackendKind), else auto. Both were validated.
+func backendKind(b Backend, def BackendKind) BackendKind {
+	if k, err := ParseBackendKind(string(b.Kind)); err == nil && b.Kind != "" {
+		return k
+	}
+	if k, err := ParseBackendKind(string(def)); err == nil {
+		return k
+	}
+	return BackendAuto
 }

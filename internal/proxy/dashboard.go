@@ -11,6 +11,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/dashboard"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/prefixtree"
+	"github.com/prefixlb/prefixlb/internal/router"
 )
 
 // Sizes of what the proxy keeps for the dashboard (/ui).
@@ -105,8 +106,14 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	tree := p.rt.Tree()
 	bt := tree.BlockTokens()
 	cachedBlocks := make([]int, len(reps))
+	views := make([]router.CacheView, len(reps))
 	for i := range reps {
 		cachedBlocks[i] = tree.CachedBlocks(i)
+		views[i], _ = p.rt.CacheView(i)
+	}
+	kinds := make([]BackendKind, len(reps))
+	for i := range reps {
+		kinds[i] = p.engines[i].kind
 	}
 	e2, _ := p.excl.Inner.(*policy.E2)
 	window := make([][2]float64, len(reps)) // load, hit ratio
@@ -152,6 +159,8 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 			Name: names[i], Up: state[i].up, InFlight: rp.InFlight, Waiting: rp.Waiting, Running: rp.Running,
 			KVUsage: rp.KVUsage, LoadSeconds: window[i][0], HitRatio: window[i][1],
 			PendingPrefillS: rp.PendingPrefill.Seconds(), CachedBlocks: cachedBlocks[i],
+			Kind: string(kinds[i]), Slots: views[i].Slots, PredictionErrorTokens: views[i].ErrorTokens,
+			CapacityTokens: views[i].CapacityTokens, Corrections: views[i].Corrections,
 		}
 		if hits != nil && hits[i].prompt > 0 {
 			r.HitRatio = float64(hits[i].matched) / float64(hits[i].prompt)

@@ -33,8 +33,12 @@ type fakeReplica struct {
 	mode    atomic.Value // string
 	healthy atomic.Bool
 	cached  atomic.Int64 // cached_tokens reported in usage
-	served  atomic.Int64 // completion requests received
-	metrics string       // body of /metrics
+	// noCached leaves prompt_tokens_details out of usage: an engine that
+	// does not report its cache (the router then never corrects its
+	// mirror from a report).
+	noCached atomic.Bool
+	served   atomic.Int64 // completion requests received
+	metrics  string       // body of /metrics
 
 	mu       sync.Mutex // guards held, release, canceled
 	held     chan struct{}
@@ -121,6 +125,9 @@ func (f *fakeReplica) complete(w http.ResponseWriter, r *http.Request) {
 	}
 	cached := int(f.cached.Load())
 	usage := fmt.Sprintf(`{"prompt_tokens":100,"total_tokens":%d,"completion_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}`, 100+n, n, cached)
+	if f.noCached.Load() {
+		usage = fmt.Sprintf(`{"prompt_tokens":100,"total_tokens":%d,"completion_tokens":%d}`, 100+n, n)
+	}
 	if !b.Stream {
 		w.Header().Set("Content-Type", "application/json")
 		if mode == modeGarbage {

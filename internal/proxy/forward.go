@@ -393,7 +393,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 	}
 	out, cached := st.tokens, -1
 	if st.usage != nil {
-		out, cached = st.usage.CompletionTokens, st.usage.cached()
+		out, cached = st.usage.CompletionTokens, st.cached()
 	}
 	x.done(id, d, b, out, cached, !st.upstreamError)
 	return result{}
@@ -434,7 +434,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 			return result{err: readFailure(fmt.Errorf("%w: response is not JSON", errGarbage)), retry: true}
 		}
 		if c.Usage != nil {
-			out, cached = c.Usage.CompletionTokens, c.Usage.cached()
+			out, cached = c.Usage.CompletionTokens, c.Usage.cachedWith(ParseTimings(c.Timings))
 		}
 	}
 	x.writeHead(d, n, resp, len(buf))

@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/common/expfmt"
@@ -16,7 +17,9 @@ import (
 const maxScrapeBytes = 16 << 20
 
 // watch checks replica b's health every HealthInterval and scrapes its load
-// every ScrapeInterval until ctx ends. It is Run's per-replica goroutine.
+// every ScrapeInterval until ctx ends. After a good check it detects the
+// replica's backend kind and probes its tokenizer when they are due (at
+// start and on re-admission). It is Run's per-replica goroutine.
 func (p *Proxy) watch(ctx context.Context, b *backend) {
 	hc := time.NewTicker(p.cfg.HealthInterval)
 	defer hc.Stop()
@@ -28,6 +31,7 @@ func (p *Proxy) watch(ctx context.Context, b *backend) {
 		p.scrape(ctx, b)
 	}
 	if p.check(ctx, b) {
+		p.detect(ctx, b)
 		p.probeTokenizer(ctx, b)
 	}
 	for {
@@ -36,6 +40,7 @@ func (p *Proxy) watch(ctx context.Context, b *backend) {
 			return
 		case <-hc.C:
 			if p.check(ctx, b) {
+				p.detect(ctx, b) // the probe speaks the engine's /tokenize
 				p.probeTokenizer(ctx, b)
 			}
 		case <-scrapeC:
@@ -81,6 +86,11 @@ func (p *Proxy) scrape(ctx context.Context, b *backend) {
 	}
 	p.mu.Lock()
 	err = p.rt.ReplicaLoad(b.id, l.Waiting, l.Running, l.KVUsage)
+	e := &p.engines[b.id]
+	e.kvTokens = l.KVTokens
+	if e.configured == BackendAuto && l.Kind != "" && l.Kind != e.kind {
+		e.due = true // another engine answers there now: detect it again
+	}
 	p.mu.Unlock()
 	if err != nil {
 		p.log.Warn("router replica load", "replica", b.name, "err", err)
@@ -125,32 +135,44 @@ func trimSlash(s string) string {
 
 // Load is a replica's own load figures, as scraped; -1 is unknown.
 type Load struct {
-	// Waiting and Running are the engine's queued and running requests.
+	// Waiting and Running are the engine's queued and running requests
+	// (llama.cpp: requests deferred for want of a free slot, and requests
+	// processing).
 	Waiting, Running int
 	// KVUsage is the engine's KV-cache usage in [0,1].
 	KVUsage float64
+	// KVTokens is the tokens in the engine's KV cache (llama.cpp's
+	// llamacpp:kv_cache_tokens; -1 for engines that do not say).
+	KVTokens int
+	// Kind is the engine the page's metric names belong to (their prefix:
+	// llamacpp:, vllm:, sglang:), "" when none is recognised.
+	Kind BackendKind
 }
 
 // maxLoadCount caps the request counts read from a replica's metrics.
 const maxLoadCount = 1 << 30
 
 // unknownLoad is a Load with nothing known.
-var unknownLoad = Load{Waiting: -1, Running: -1, KVUsage: -1}
+var unknownLoad = Load{Waiting: -1, Running: -1, KVUsage: -1, KVTokens: -1}
 
-// Metric names of the engines' load gauges (INTERFACES.md §2).
+// Metric names of the engines' load gauges (INTERFACES.md §2; llama.cpp:
+// examples/server/server.cpp, handle_metrics, at commit c392e50).
 var (
-	runningNames = []string{"vllm:num_requests_running", "sglang:num_running_reqs"}
-	waitingNames = []string{"vllm:num_requests_waiting", "sglang:num_queue_reqs"}
-	kvNames      = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"}
+	runningNames = []string{"vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing"}
+	waitingNames = []string{"vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred"}
+	kvNames      = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage", "llamacpp:kv_cache_usage_ratio"}
+	kvTokenNames = []string{"llamacpp:kv_cache_tokens"}
 )
 
-// ParseLoad reads a replica's load from vLLM's or SGLang's Prometheus text
-// exposition (see parseLoad); the endpoint picker shares it.
+// ParseLoad reads a replica's load from vLLM's, SGLang's or llama.cpp's
+// Prometheus text exposition (see parseLoad); the endpoint picker shares
+// it.
 func ParseLoad(r io.Reader) (Load, error) { return parseLoad(r) }
 
-// parseLoad reads vLLM's or SGLang's Prometheus text exposition. Counts are
-// summed over series (engines of a data-parallel replica); KV usage is the
-// mean over series. Metrics it does not find stay unknown.
+// parseLoad reads vLLM's, SGLang's or llama.cpp's Prometheus text
+// exposition. Counts are summed over series (engines of a data-parallel
+// replica); KV usage is the mean over series. Metrics it does not find stay
+// unknown. The page's engine is the one most of its metric families name.
 func parseLoad(r io.Reader) (Load, error) {
 	parser := expfmt.NewTextParser(model.UTF8Validation)
 	fams, err := parser.TextToMetricFamilies(r)
@@ -207,5 +229,33 @@ func parseLoad(r io.Reader) (Load, error) {
 	if v, ok := firstFamily(kvNames, true); ok {
 		l.KVUsage = min(max(v, 0), 1)
 	}
+	if v, ok := firstFamily(kvTokenNames, false); ok {
+		l.KVTokens = int(math.Round(min(v, maxLoadCount)))
+	}
+	l.Kind = pageKind(fams)
 	return l, nil
+}
+
+// pageKind is the engine most of a metrics page's families are named for
+// ("" none; a tie goes to the first of llamacpp, vllm, sglang).
+func pageKind[V any](fams map[string]V) BackendKind {
+	counts := make([]int, len(metricPrefixes))
+	for name := range fams {
+		for i, p := range metricPrefixes {
+			if strings.HasPrefix(name, p.prefix) {
+				counts[i]++
+				break
+			}
+		}
+	}
+	best := -1
+	for i, n := range counts {
+		if n > 0 && (best < 0 || n > counts[best]) {
+			best = i
+		}
+	}
+	if best < 0 {
+		return ""
+	}
+	return metricPrefixes[best].kind
 }

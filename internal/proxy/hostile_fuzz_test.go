@@ -32,6 +32,7 @@ func FuzzParseConfig(f *testing.F) {
 		"- just\n- a list\n",
 		"admin_token: \"s3cret\"\ntokenizer: none\n",
 		"max_body_bytes: 1e400\n",
+		"backend_kind: llamacpp\nbackends:\n  - url: http://10.0.0.1:8080\n    kind: vllm\n  - url: http://10.0.0.2:8080\n    kind: bogus\n",
 	} {
 		f.Add([]byte(s))
 	}
@@ -139,6 +140,9 @@ func FuzzParseLoad(f *testing.F) {
 		"vllm:num_requests_running NaN\nvllm:num_requests_waiting -Inf\n",
 		"# TYPE vllm:num_requests_running counter\nvllm:num_requests_running 5\n",
 		"vllm:num_requests_running{a=\"\\\"} 1\n",
+		// llama.cpp's page (testdata/llamacpp/metrics.txt, abridged).
+		"# TYPE llamacpp:kv_cache_usage_ratio gauge\nllamacpp:kv_cache_usage_ratio 0.0375366\n# TYPE llamacpp:kv_cache_tokens gauge\nllamacpp:kv_cache_tokens 615\n# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 0\n# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 0\n",
+		"llamacpp:kv_cache_tokens 1e300\nllamacpp:requests_deferred -3\nvllm:num_requests_running 1\n",
 	} {
 		f.Add([]byte(s))
 	}
@@ -150,7 +154,7 @@ func FuzzParseLoad(f *testing.F) {
 			}
 			return
 		}
-		if l.Running < -1 || l.Waiting < -1 || (l.KVUsage != -1 && (l.KVUsage < 0 || l.KVUsage > 1)) {
+		if l.Running < -1 || l.Waiting < -1 || l.KVTokens < -1 || (l.KVUsage != -1 && (l.KVUsage < 0 || l.KVUsage > 1)) {
 			t.Fatalf("load %+v from %q", l, data)
 		}
 	})

@@ -3,6 +3,8 @@ package proxy
 import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/prefixlb/prefixlb/internal/router"
 )
 
 // metrics are the router's own Prometheus metrics, on a private registry
@@ -62,7 +64,7 @@ func newMetrics() *metrics {
 		}),
 		reported: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "prefixlb_cached_tokens_reported_total",
-			Help: "Prompt tokens the replicas reported cached (usage.prompt_tokens_details.cached_tokens).",
+			Help: "Prompt tokens the replicas reported cached (usage.prompt_tokens_details.cached_tokens, or llama.cpp's usage.prompt_tokens - timings.prompt_n).",
 		}),
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "prefixlb_cache_predictions_total",
@@ -114,5 +116,57 @@ func (m *metrics) prediction(predicted, reported, blockTokens int) {
 		m.outcomes.WithLabelValues("under").Inc()
 	default:
 		m.outcomes.WithLabelValues("exact").Inc()
+	}
+}
+
+// The router's view of each replica's cache (router.CacheView) and each
+// replica's engine, read under the proxy's lock at scrape time: they are
+// as fresh as the last finished request, and never drift from the core.
+var (
+	descPredictionError = prometheus.NewDesc("prefixlb_cache_prediction_error_tokens",
+		"Moving average (about the last 32 reports) of the cached prompt tokens the router predicted minus those the replica reported; positive: the router believes the replica caches more than it does.",
+		[]string{"replica"}, nil)
+	descCapacity = prometheus.NewDesc("prefixlb_cache_capacity_tokens",
+		"The router's current estimate of the replica's cache capacity in tokens, learned from the cached tokens it reports (mirrored block caches; the configured capacity otherwise).",
+		[]string{"replica"}, nil)
+	descCorrections = prometheus.NewDesc("prefixlb_cache_corrections_total",
+		"Reports of cached tokens that changed the router's view of the replica's cache (capacity shrunk or grown, slot contents corrected).",
+		[]string{"replica"}, nil)
+	descReplicaInfo = prometheus.NewDesc("prefixlb_replica_info",
+		"1 for each replica, labelled with its backend kind: vllm, sglang, llamacpp, or unknown (not detected yet, or nothing said).",
+		[]string{"replica", "kind"}, nil)
+)
+
+// cacheCollector exports the router's cache views and the replicas' kinds.
+type cacheCollector struct{ p *Proxy }
+
+// Describe implements prometheus.Collector.
+func (c cacheCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descPredictionError
+	ch <- descCapacity
+	ch <- descCorrections
+	ch <- descReplicaInfo
+}
+
+// Collect implements prometheus.Collector.
+func (c cacheCollector) Collect(ch chan<- prometheus.Metric) {
+	p := c.p
+	type row struct {
+		v    router.CacheView
+		kind BackendKind
+	}
+	rows := make([]row, len(p.backends))
+	p.mu.Lock()
+	for i, b := range p.backends {
+		rows[i].v, _ = p.rt.CacheView(b.id)
+		rows[i].kind = p.engines[b.id].kind
+	}
+	p.mu.Unlock()
+	for i, b := range p.backends {
+		r := &rows[i]
+		ch <- prometheus.MustNewConstMetric(descPredictionError, prometheus.GaugeValue, r.v.ErrorTokens, b.name)
+		ch <- prometheus.MustNewConstMetric(descCapacity, prometheus.GaugeValue, float64(r.v.CapacityTokens), b.name)
+		ch <- prometheus.MustNewConstMetric(descCorrections, prometheus.CounterValue, float64(r.v.Corrections), b.name)
+		ch <- prometheus.MustNewConstMetric(descReplicaInfo, prometheus.GaugeValue, 1, b.name, string(r.kind))
 	}
 }

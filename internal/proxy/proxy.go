@@ -1,8 +1,11 @@
 // Package proxy is `prefixlb serve`: an OpenAI-compatible reverse proxy in
-// front of inference replicas (vLLM, SGLang, prefixlb engine) that routes
-// every request with the routing core (internal/router) and feeds the core
-// what it observes: first tokens, finishes, output tokens and the cached
-// tokens the replicas report.
+// front of inference replicas (vLLM, SGLang, llama.cpp's llama-server,
+// prefixlb engine) that routes every request with the routing core
+// (internal/router) and feeds the core what it observes: first tokens,
+// finishes, output tokens and the cached tokens the replicas report
+// (usage.prompt_tokens_details, or llama.cpp's timings). Each replica's
+// engine, its BackendKind, is configured or detected (DetectBackend), and
+// says how the core models its cache (llama.cpp: one prompt per slot).
 //
 // Like net/http/httputil.ReverseProxy it is one concrete type, Proxy,
 // configured by a plain Config. Streamed responses (Server-Sent Events) are
@@ -61,6 +64,35 @@ type backend struct {
 	kv   *kvCounters          // with sub
 }
 
+// engineState is what the proxy knows of a replica's engine (BackendKind).
+type engineState struct {
+	// configured is the kind the config gives (BackendAuto: detect).
+	configured BackendKind
+	// kind is the kind in effect: configured, or detected (BackendUnknown
+	// until then); slots is its slot count for a slot cache (0: a block
+	// cache, or not known).
+	kind  BackendKind
+	slots int
+	// due says a detection (or, for a configured llama.cpp, a read of its
+	// slot count) is due: at start, on re-admission, and when a scrape's
+	// metric names name another engine.
+	due bool
+	// kvTokens is the last scraped llamacpp:kv_cache_tokens (-1 unknown).
+	kvTokens int
+}
+
+// newEngine is the engine state of a backend configured as kind.
+func newEngine(kind BackendKind) engineState {
+	e := engineState{configured: kind, kind: kind, kvTokens: -1}
+	switch kind {
+	case BackendAuto:
+		e.kind, e.due = BackendUnknown, true
+	case BackendLlamaCpp:
+		e.due = true
+	}
+	return e
+}
+
 // health is a replica's health-check state.
 type health struct {
 	up         bool
@@ -86,11 +118,12 @@ type Proxy struct {
 	slots    chan struct{}   // one per inference request in flight; nil: no bound (limits.go)
 	adminTok tokenDigest     // digest of cfg.AdminToken, when set
 
-	mu    sync.Mutex // guards rt, excl, state and dash
-	rt    *router.Router
-	excl  *policy.Constrained
-	state []health
-	dash  dashRing // recent decisions for the dashboard (dashboard.go)
+	mu      sync.Mutex // guards rt, excl, state, engines and dash
+	rt      *router.Router
+	excl    *policy.Constrained
+	state   []health
+	engines []engineState // by replica id (backendkind.go)
+	dash    dashRing      // recent decisions for the dashboard (dashboard.go)
 
 	// hookState, when set (tests), is called after a replica is ejected or
 	// re-admitted, outside the lock.
@@ -98,6 +131,10 @@ type Proxy struct {
 	// hookProbe, when set (tests), is called after a tokenizer probe of a
 	// replica has recorded its state and the fallback.
 	hookProbe func(name string, state int)
+	// hookDetect, when set (tests), is called after a replica's backend
+	// kind has been detected (or its slots read) and recorded, outside the
+	// lock.
+	hookDetect func(name string, d Detection)
 	// hookShutdown, when set (tests), is called once Serve has stopped
 	// accepting connections and is draining.
 	hookShutdown func()
@@ -160,6 +197,9 @@ func New(cfg Config) (*Proxy, error) {
 		defer p.mu.Unlock()
 		return float64(p.rt.Tree().Blocks())
 	}))
+	// The router's view of each replica's cache, and each replica's kind,
+	// read under the core's lock at scrape time (metrics.go).
+	p.m.reg.MustRegister(cacheCollector{p})
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
 	}
@@ -179,6 +219,7 @@ func New(cfg Config) (*Proxy, error) {
 		p.backends = append(p.backends, be)
 		p.byName[name] = be
 		p.state = append(p.state, health{up: true})
+		p.engines = append(p.engines, newEngine(backendKind(b, cfg.BackendKind)))
 		p.m.up.WithLabelValues(name).Set(1)
 		p.m.inflight.WithLabelValues(name)
 	}
@@ -372,6 +413,9 @@ func (p *Proxy) checked(id int, ok, eject bool) {
 	up := s.up
 	if changed && up && p.tokProbe != nil {
 		p.tokProbe.markDue(id) // a replica that comes back may be another build
+	}
+	if changed && up {
+		p.engines[id].markDue() // or another engine
 	}
 	if changed {
 		if err := p.rt.SetUp(id, up, now); err != nil {

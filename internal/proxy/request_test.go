@@ -283,6 +283,8 @@ func FuzzSSEFramer(f *testing.F) {
 		"event: x\ndata\n\ndata: partial",
 		"\n\n\n",
 		"data: {\"error\":{\"message\":\"boom\"}}\n\n",
+		// llama.cpp's final chunk: usage and timings, no prompt_tokens_details.
+		"data: {\"choices\":[{\"text\":\"\",\"index\":0,\"finish_reason\":\"length\"}],\"usage\":{\"completion_tokens\":3,\"prompt_tokens\":602,\"total_tokens\":605},\"timings\":{\"prompt_n\":1,\"prompt_ms\":6.524,\"prompt_per_token_ms\":6.524,\"predicted_n\":3,\"predicted_ms\":11.721,\"predicted_per_token_ms\":3.907}}\n\ndata: [DONE]\n\n",
 	} {
 		f.Add([]byte(s), uint8(1))
 		f.Add([]byte(s), uint8(5))
@@ -400,4 +402,48 @@ func TestKeyMemoConcurrent(t *testing.T) {
 	for e := range errs {
 		t.Fatal(e)
 	}
+}
+
+// FuzzReadChunk feeds the reader of a replica's chunks (shared with the
+// endpoint picker) arbitrary data: it must not panic, must agree with the
+// stream reader, and may only report cached tokens it can justify: -1 or a
+// count within [0, prompt_tokens] when they come from llama.cpp's timings.
+func FuzzReadChunk(f *testing.F) {
+	for _, s := range []string{
+		`{"choices":[{"text":"a"}],"usage":{"prompt_tokens":10,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":8}}}`,
+		`{"choices":[{"finish_reason":"length","index":0,"delta":{}}],"usage":{"completion_tokens":2,"prompt_tokens":10,"total_tokens":12},"timings":{"prompt_n":1,"prompt_ms":6.448,"prompt_per_token_ms":6.448,"prompt_per_second":155.08,"predicted_n":2,"predicted_ms":6.366,"predicted_per_token_ms":3.183,"predicted_per_second":314.16}}`,
+		`{"usage":{"prompt_tokens":5},"timings":{"prompt_n":1e300}}`,
+		`{"usage":{"prompt_tokens":5},"timings":{"prompt_n":-7}}`,
+		`{"usage":{"prompt_tokens":5},"timings":[1,2]}`,
+		`{"timings":{"prompt_n":3}}`,
+		`null`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, ok := ReadChunk(data)
+		var s streamState
+		_, err := s.observe(&sseEvent{Data: data, HasData: true})
+		if !done(data) && ok != (err == nil) {
+			t.Fatalf("ReadChunk ok %v, stream reader error %v", ok, err)
+		}
+		if !ok {
+			return
+		}
+		if c.Timings != nil && (c.Timings.PromptN < 0 || c.Timings.PromptMs < 0 || c.Timings.PredictedN < 0) {
+			t.Fatalf("timings %+v", *c.Timings)
+		}
+		if !c.HasUsage {
+			if c.CachedTokens != 0 {
+				t.Fatalf("cached tokens %d without usage", c.CachedTokens)
+			}
+			return
+		}
+		if c.CachedTokens < -1 {
+			t.Fatalf("cached tokens %d", c.CachedTokens)
+		}
+		if s.usage != nil && s.cached() != c.CachedTokens {
+			t.Fatalf("stream reader: %d cached tokens, ReadChunk %d", s.cached(), c.CachedTokens)
+		}
+	})
 }

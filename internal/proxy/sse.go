@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"math"
 )
 
 // maxEventBytes bounds one Server-Sent Event (all its lines): a chunk of an
@@ -133,7 +134,7 @@ func (f *sseFramer) readLine() ([]byte, error) {
 
 // chunkInfo is what the proxy reads from one event's data on the side: the
 // fields of an OpenAI completion or chat chunk (or a whole non-streamed
-// response) that tell it about tokens and usage.
+// response) that tell it about tokens and usage, and llama.cpp's timings.
 type chunkInfo struct {
 	Choices []struct {
 		Text  *string `json:"text"`
@@ -149,6 +150,10 @@ type chunkInfo struct {
 	} `json:"choices"`
 	Usage *usage          `json:"usage"`
 	Error json.RawMessage `json:"error"`
+	// Timings is llama.cpp's timings object, kept raw: a server whose
+	// "timings" has another shape must not make its chunks garbage
+	// (ParseTimings reads it leniently).
+	Timings json.RawMessage `json:"timings"`
 }
 
 // usage is an OpenAI usage object.
@@ -158,6 +163,66 @@ type usage struct {
 	PromptTokensDetails *struct {
 		CachedTokens *int `json:"cached_tokens"`
 	} `json:"prompt_tokens_details"`
+}
+
+// Timings is the timings object llama.cpp's llama-server adds to a
+// completion or chat response, and to a stream's final chunk
+// (examples/server/server.cpp, result_timings, at commit c392e50): what
+// the request's prefill and decode cost on the replica. PromptN is the
+// prompt tokens actually computed, so the prompt tokens served from the
+// replica's cache are usage.prompt_tokens − PromptN.
+type Timings struct {
+	// PromptN is the prompt tokens computed; PromptMs the prefill's wall
+	// time, PromptPerTokenMs its time per computed token.
+	PromptN          int     `json:"prompt_n"`
+	PromptMs         float64 `json:"prompt_ms"`
+	PromptPerTokenMs float64 `json:"prompt_per_token_ms"`
+	// PredictedN is the tokens generated; PredictedMs the decode's wall
+	// time, PredictedPerTokenMs its time per token.
+	PredictedN          int     `json:"predicted_n"`
+	PredictedMs         float64 `json:"predicted_ms"`
+	PredictedPerTokenMs float64 `json:"predicted_per_token_ms"`
+}
+
+// maxTimingsCount caps the token counts read from a timings object.
+const maxTimingsCount = 1 << 31
+
+// ParseTimings reads a timings object leniently: nil when raw is absent,
+// null, not an object of numbers, or has no non-negative prompt_n
+// (llama.cpp's -1 means "not measured"). Counts are rounded and capped,
+// and times that are negative or absent read as 0.
+func ParseTimings(raw json.RawMessage) *Timings {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil
+	}
+	var t struct {
+		PromptN             *float64 `json:"prompt_n"`
+		PromptMs            float64  `json:"prompt_ms"`
+		PromptPerTokenMs    float64  `json:"prompt_per_token_ms"`
+		PredictedN          float64  `json:"predicted_n"`
+		PredictedMs         float64  `json:"predicted_ms"`
+		PredictedPerTokenMs float64  `json:"predicted_per_token_ms"`
+	}
+	if json.Unmarshal(raw, &t) != nil || t.PromptN == nil || *t.PromptN < 0 {
+		return nil
+	}
+	count := func(v float64) int { return int(math.Round(min(max(v, 0), maxTimingsCount))) }
+	ms := func(v float64) float64 { return max(v, 0) }
+	return &Timings{
+		PromptN: count(*t.PromptN), PromptMs: ms(t.PromptMs), PromptPerTokenMs: ms(t.PromptPerTokenMs),
+		PredictedN: count(t.PredictedN), PredictedMs: ms(t.PredictedMs), PredictedPerTokenMs: ms(t.PredictedPerTokenMs),
+	}
+}
+
+// CachedFromTimings is the prompt tokens a llama.cpp replica served from
+// its cache: promptTokens (usage.prompt_tokens) less the tokens it
+// computed (t.PromptN), at least 0; -1 without timings or without a
+// prompt count (a usage object that lacks prompt_tokens says nothing).
+func CachedFromTimings(promptTokens int, t *Timings) int {
+	if t == nil || promptTokens <= 0 {
+		return -1
+	}
+	return max(promptTokens-t.PromptN, 0)
 }
 
 // output reports whether a chunk carried output: text, content, reasoning
@@ -179,10 +244,17 @@ func (c *chunkInfo) output() bool {
 type Chunk struct {
 	// Output says whether the chunk carried output tokens.
 	Output bool
-	// HasUsage says whether it reported usage; CompletionTokens and
-	// CachedTokens (-1: not reported) are then set.
-	HasUsage                       bool
-	CompletionTokens, CachedTokens int
+	// HasUsage says whether it reported usage; PromptTokens,
+	// CompletionTokens and CachedTokens (-1: not reported) are then set.
+	// CachedTokens is usage.prompt_tokens_details.cached_tokens (vLLM,
+	// SGLang) when present, else usage.prompt_tokens − timings.prompt_n
+	// when the chunk has llama.cpp's timings.
+	HasUsage                                     bool
+	PromptTokens, CompletionTokens, CachedTokens int
+	// Timings is the chunk's llama.cpp timings (nil: none). A stream sends
+	// them on its final chunk, with the usage; a request with
+	// timings_per_token on every chunk.
+	Timings *Timings
 }
 
 // ReadChunk parses one completion or chat chunk — an SSE event's data, or
@@ -194,19 +266,30 @@ func ReadChunk(data []byte) (c Chunk, ok bool) {
 		return Chunk{}, false
 	}
 	c.Output = ci.output()
+	c.Timings = ParseTimings(ci.Timings)
 	if ci.Usage != nil {
 		c.HasUsage = true
-		c.CompletionTokens, c.CachedTokens = ci.Usage.CompletionTokens, ci.Usage.cached()
+		c.PromptTokens, c.CompletionTokens = ci.Usage.PromptTokens, ci.Usage.CompletionTokens
+		c.CachedTokens = ci.Usage.cachedWith(c.Timings)
 	}
 	return c, true
 }
 
-// cached returns the reported cached prompt tokens, or -1 if none.
-func (u *usage) cached() int {
-	if u == nil || u.PromptTokensDetails == nil || u.PromptTokensDetails.CachedTokens == nil {
+// cached returns the cached prompt tokens of prompt_tokens_details (vLLM,
+// SGLang), or -1 if none; cachedWith also reads llama.cpp's timings.
+func (u *usage) cached() int { return u.cachedWith(nil) }
+
+// cachedWith returns the reported cached prompt tokens: prompt_tokens_details
+// when present (vLLM, SGLang), else from llama.cpp's timings t
+// (CachedFromTimings; nil: none), else -1.
+func (u *usage) cachedWith(t *Timings) int {
+	if u == nil {
 		return -1
 	}
-	return max(*u.PromptTokensDetails.CachedTokens, 0)
+	if u.PromptTokensDetails != nil && u.PromptTokensDetails.CachedTokens != nil {
+		return max(*u.PromptTokensDetails.CachedTokens, 0)
+	}
+	return CachedFromTimings(u.PromptTokens, t)
 }
 
 // done reports whether data is the stream's terminator "[DONE]".
@@ -219,6 +302,9 @@ type streamState struct {
 	tokens int
 	// usage is the last usage object seen (nil if none).
 	usage *usage
+	// timings is the last llama.cpp timings object seen (nil if none): on
+	// the final chunk, with the usage.
+	timings *Timings
 	// sawDone is set by the "[DONE]" event.
 	sawDone bool
 	// upstreamError is set by an in-stream {"error":...} event.
@@ -242,6 +328,9 @@ func (s *streamState) observe(ev *sseEvent) (token bool, err error) {
 	if c.Usage != nil {
 		s.usage = c.Usage
 	}
+	if t := ParseTimings(c.Timings); t != nil {
+		s.timings = t
+	}
 	if len(c.Error) > 0 && string(c.Error) != "null" {
 		s.upstreamError = true
 	}
@@ -251,3 +340,7 @@ func (s *streamState) observe(ev *sseEvent) (token bool, err error) {
 	}
 	return token, nil
 }
+
+// cached is the stream's reported cached prompt tokens (its last usage,
+// with its timings), or -1.
+func (s *streamState) cached() int { return s.usage.cachedWith(s.timings) }

@@ -319,14 +319,14 @@ const tokUnknown = -1
 var ErrNoAnswer = errors.New("no answer")
 
 // TokenizerCheck compares a local tokenizer with a replica's: it posts a
-// probe prompt and a probe chat to the replica's vLLM /tokenize and
-// compares the ids with the local ones. The probes exercise what
-// tokenizers disagree on (digits, runs of spaces, newlines, code,
-// non-ASCII, the chat template's special tokens). A TokenizerCheck is safe
-// for concurrent use.
+// probe prompt and a probe chat to the replica's /tokenize and compares the
+// ids with the local ones. The probes exercise what tokenizers disagree on
+// (digits, runs of spaces, newlines, code, non-ASCII, the chat template's
+// special tokens). It speaks vLLM's /tokenize (Compare), or the one of the
+// replica's engine (CompareKind: llama.cpp's). A TokenizerCheck is safe for
+// concurrent use.
 type TokenizerCheck struct {
-	// Timeout bounds each /tokenize request of a Compare (0: only ctx
-	// bounds them).
+	// Timeout bounds each request of a Compare (0: only ctx bounds them).
 	Timeout time.Duration
 
 	// want are the local tokenizer's ids of the probe prompt and chat
@@ -344,13 +344,36 @@ func NewTokenizerCheck(tok *tokenize.Tokenizer) *TokenizerCheck {
 }
 
 // Compare posts the probe prompt and, if the local tokenizer has a chat
-// template, the probe chat to baseURL's /tokenize (baseURL is the replica's
-// OpenAI server, "http://10.0.0.1:8000") with client (nil:
+// template, the probe chat to baseURL's vLLM /tokenize (baseURL is the
+// replica's OpenAI server, "http://10.0.0.1:8000") with client (nil:
 // http.DefaultClient), and compares the ids. It returns TokenizerMatch
 // with a nil error; TokenizerMismatch with an error saying where the ids
 // part; TokenizerUnknown with an error for an HTTP error status or an
-// answer it cannot read, or, wrapping ErrNoAnswer, for no answer at all.
+// answer it cannot read (an empty id list included: llama.cpp's answer to
+// vLLM's request), or, wrapping ErrNoAnswer, for no answer at all.
 func (c *TokenizerCheck) Compare(ctx context.Context, client *http.Client, baseURL string) (TokenizerState, error) {
+	return c.CompareKind(ctx, client, baseURL, BackendVLLM)
+}
+
+// CompareKind is Compare speaking the tokenizer endpoints of a replica of
+// the given kind:
+//
+//   - BackendLlamaCpp: llama-server's POST /tokenize {"content": ...,
+//     "add_special": true} → {"tokens": [...]} (server.cpp,
+//     handle_tokenize, at commit c392e50). add_special is true because
+//     that is how /v1/completions and /v1/chat/completions tokenize their
+//     prompt (tokenize_input_prompts with add_special), so a model whose
+//     vocabulary adds a BOS token shows as a mismatch rather than being
+//     keyed one token off, as with vLLM. The chat is rendered by the
+//     replica's POST /apply-template {"messages": [...]} → {"prompt":
+//     "..."} (llama.cpp renders chats itself, always with the generation
+//     prompt) and that text tokenized as above; a replica without
+//     /apply-template (an HTTP error: an older llama.cpp) is checked on
+//     the probe prompt alone. Both endpoints live at the server's root,
+//     under baseURL's path (there is no /v1/tokenize).
+//   - any other kind: vLLM's POST /tokenize {"prompt": ...} and
+//     {"messages": [...], "add_generation_prompt": true}.
+func (c *TokenizerCheck) CompareKind(ctx context.Context, client *http.Client, baseURL string, kind BackendKind) (TokenizerState, error) {
 	if client == nil {
 		client = http.DefaultClient
 	}
@@ -358,9 +381,19 @@ func (c *TokenizerCheck) Compare(ctx context.Context, client *http.Client, baseU
 	if err != nil {
 		return TokenizerUnknown, fmt.Errorf("proxy: tokenizer check: replica URL: %w", err)
 	}
-	u.Path = trimSlash(u.Path) + "/tokenize"
-	endpoint := u.String()
-	got, err := c.tokenize(ctx, client, endpoint, map[string]any{"prompt": probePrompt})
+	at := func(path string) string {
+		v := *u
+		v.Path = trimSlash(u.Path) + path
+		v.RawPath = ""
+		return v.String()
+	}
+	endpoint := at("/tokenize")
+	llama := kind == BackendLlamaCpp
+	promptBody := map[string]any{"prompt": probePrompt}
+	if llama {
+		promptBody = map[string]any{"content": probePrompt, "add_special": true}
+	}
+	got, err := c.tokenize(ctx, client, endpoint, promptBody)
 	if err != nil {
 		return TokenizerUnknown, err
 	}
@@ -371,7 +404,18 @@ func (c *TokenizerCheck) Compare(ctx context.Context, client *http.Client, baseU
 	if c.wantChat == nil {
 		return TokenizerMatch, nil
 	}
-	got, err = c.tokenize(ctx, client, endpoint, map[string]any{"messages": probeMessages, "add_generation_prompt": true})
+	if llama {
+		rendered, err := c.applyTemplate(ctx, client, at("/apply-template"))
+		if errors.Is(err, errNoTemplateEndpoint) {
+			return TokenizerMatch, nil // the prompt matched; the chat cannot be checked
+		}
+		if err != nil {
+			return TokenizerUnknown, err
+		}
+		got, err = c.tokenize(ctx, client, endpoint, map[string]any{"content": rendered, "add_special": true})
+	} else {
+		got, err = c.tokenize(ctx, client, endpoint, map[string]any{"messages": probeMessages, "add_generation_prompt": true})
+	}
 	if err != nil {
 		return TokenizerUnknown, err
 	}
@@ -382,9 +426,14 @@ func (c *TokenizerCheck) Compare(ctx context.Context, client *http.Client, baseU
 	return TokenizerMatch, nil
 }
 
-// tokenize POSTs body to endpoint (a /tokenize URL), bounded by c.Timeout,
-// and returns the ids it answers (vLLM: {"tokens":[...],"count":N}).
-func (c *TokenizerCheck) tokenize(ctx context.Context, client *http.Client, endpoint string, body any) ([]uint32, error) {
+// errNoTemplateEndpoint: the replica answered /apply-template with an HTTP
+// error status (a llama.cpp without it).
+var errNoTemplateEndpoint = errors.New("no /apply-template")
+
+// post POSTs body as JSON to endpoint, bounded by c.Timeout, and returns a
+// 2xx answer's body. It wraps ErrNoAnswer when no answer came, and
+// errHTTPStatus for an error status.
+func (c *TokenizerCheck) post(ctx context.Context, client *http.Client, endpoint string, body any) ([]byte, error) {
 	if c.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.Timeout)
@@ -392,24 +441,39 @@ func (c *TokenizerCheck) tokenize(ctx context.Context, client *http.Client, endp
 	}
 	js, err := json.Marshal(body)
 	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w", endpoint, err)
+		return nil, fmt.Errorf("proxy: post to %s: %w", endpoint, err)
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, endpoint, bytes.NewReader(js))
 	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w", endpoint, err)
+		return nil, fmt.Errorf("proxy: post to %s: %w", endpoint, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w: %w", endpoint, ErrNoAnswer, err)
+		return nil, fmt.Errorf("proxy: post to %s: %w: %w", endpoint, ErrNoAnswer, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: %w: %w", endpoint, ErrNoAnswer, err)
+		return nil, fmt.Errorf("proxy: post to %s: %w: %w", endpoint, ErrNoAnswer, err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return nil, fmt.Errorf("proxy: tokenize on %s: status %d", endpoint, resp.StatusCode)
+		return nil, fmt.Errorf("proxy: post to %s: %w %d", endpoint, errHTTPStatus, resp.StatusCode)
+	}
+	return data, nil
+}
+
+// errHTTPStatus is wrapped by post's error for an HTTP error status.
+var errHTTPStatus = errors.New("status")
+
+// tokenize POSTs body to endpoint (a /tokenize URL) and returns the ids it
+// answers (vLLM: {"tokens":[...],"count":N}; llama.cpp: {"tokens":[...]}).
+// An answer without ids is an error: the probes are never empty, and
+// llama.cpp answers a request in vLLM's shape with {"tokens":[]}.
+func (c *TokenizerCheck) tokenize(ctx context.Context, client *http.Client, endpoint string, body any) ([]uint32, error) {
+	data, err := c.post(ctx, client, endpoint, body)
+	if err != nil {
+		return nil, fmt.Errorf("proxy: tokenize: %w", err)
 	}
 	var out struct {
 		Tokens []uint32 `json:"tokens"`
@@ -417,7 +481,29 @@ func (c *TokenizerCheck) tokenize(ctx context.Context, client *http.Client, endp
 	if err := json.Unmarshal(data, &out); err != nil {
 		return nil, fmt.Errorf("proxy: tokenize on %s: decode answer: %w", endpoint, err)
 	}
+	if len(out.Tokens) == 0 {
+		return nil, fmt.Errorf("proxy: tokenize on %s: the answer holds no ids (a llama.cpp replica answers vLLM's request so: give it kind llamacpp)", endpoint)
+	}
 	return out.Tokens, nil
+}
+
+// applyTemplate renders the probe chat with llama.cpp's POST
+// /apply-template at endpoint ({"prompt": "..."}).
+func (c *TokenizerCheck) applyTemplate(ctx context.Context, client *http.Client, endpoint string) (string, error) {
+	data, err := c.post(ctx, client, endpoint, map[string]any{"messages": probeMessages})
+	if errors.Is(err, errHTTPStatus) {
+		return "", fmt.Errorf("%w: %w", errNoTemplateEndpoint, err)
+	}
+	if err != nil {
+		return "", fmt.Errorf("proxy: apply chat template: %w", err)
+	}
+	var out struct {
+		Prompt *string `json:"prompt"`
+	}
+	if err := json.Unmarshal(data, &out); err != nil || out.Prompt == nil {
+		return "", fmt.Errorf("proxy: apply chat template on %s: the answer holds no prompt string", endpoint)
+	}
+	return *out.Prompt, nil
 }
 
 // firstDiff is the first index where a and b differ.
@@ -476,7 +562,7 @@ func (tp *tokenizerProbe) set(id int, state TokenizerState) (anyMismatch bool) {
 }
 
 // probeTokenizer compares the local tokenizer with replica b's /tokenize
-// (TokenizerCheck), if b is due a probe, and sets the keyer's fallback: on
+// (TokenizerCheck, in the shape of b's backend kind), if b is due a probe, and sets the keyer's fallback: on
 // while any replica mismatches. A replica without /tokenize (an HTTP
 // error) is "unknown" and does not stop token keying; one that did not
 // answer stays due.
@@ -487,7 +573,7 @@ func (p *Proxy) probeTokenizer(ctx context.Context, b *backend) {
 	}
 	check := *tp.check
 	check.Timeout = p.cfg.HealthTimeout // each request, as a health check
-	state, err := check.Compare(ctx, p.checks, b.url.String())
+	state, err := check.CompareKind(ctx, p.checks, b.url.String(), p.engineOf(b.id).kind)
 	if ctx.Err() != nil {
 		return
 	}

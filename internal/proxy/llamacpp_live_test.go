@@ -1,0 +1,77 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestLiveLlamaServer runs the llama.cpp support against a real
+// llama-server at $PREFIXLB_TEST_LLAMA_URL, started as
+// /work/shared/engines/llama.cpp/README.md says (a model made by
+// make_tiny_gguf.py with Qwen3's tokenizer; --metrics --slots, -np 2 or
+// more):
+//
+//	llama-server -m /tmp/tiny.gguf --host 127.0.0.1 --port 8081 -t 1 -np 2 -c 8192 --metrics --slots
+//	PREFIXLB_TEST_LLAMA_URL=http://127.0.0.1:8081 go test -run TestLiveLlamaServer ./internal/proxy/
+//
+// It checks the detection, the tokenizer probe in llama.cpp's shape, and
+// that the cached tokens the router is told (from timings) match its
+// prediction within one block on a repeated prompt, streamed and not. It
+// is skipped when the variable is unset.
+func TestLiveLlamaServer(t *testing.T) {
+	base := os.Getenv("PREFIXLB_TEST_LLAMA_URL")
+	if base == "" {
+		t.Skip("set PREFIXLB_TEST_LLAMA_URL to a running llama-server (see /work/shared/engines/llama.cpp/README.md) to run this test")
+	}
+	ctx := context.Background()
+	client := &http.Client{Timeout: 30 * time.Second}
+	d, err := DetectBackend(ctx, client, base, base+"/metrics", BackendAuto)
+	if err != nil || d.Kind != BackendLlamaCpp || d.Slots < 1 {
+		t.Fatalf("DetectBackend = %+v, %v; want llamacpp with its slots", d, err)
+	}
+	t.Logf("detected %+v", d)
+	tok := testTokenizer(t)
+	if state, err := NewTokenizerCheck(tok).CompareKind(ctx, client, base, BackendLlamaCpp); state != TokenizerMatch {
+		t.Errorf("tokenizer check: %v, %v (the model must carry Qwen3's tokenizer)", state, err)
+	}
+	if state, _ := NewTokenizerCheck(tok).Compare(ctx, client, base); state != TokenizerUnknown {
+		t.Errorf("vLLM-shaped check against llama.cpp: %v, want unknown", state)
+	}
+
+	cfg := DefaultConfig()
+	cfg.Backends = []Backend{{Name: "llama", URL: base}}
+	cfg.HealthInterval, cfg.ScrapeInterval = time.Hour, 0
+	cfg.Logger = slog.New(slog.DiscardHandler)
+	p, srv := startProxy(t, cfg)
+	startDetected(t, p, 1)
+	ids := make([]string, 600)
+	for i := range ids {
+		ids[i] = strconv.Itoa(1000 + i*7)
+	}
+	prompt := "[" + strings.Join(ids, ",") + "]"
+	for i, stream := range []bool{false, false, true} {
+		body := fmt.Sprintf(`{"model":"m","prompt":%s,"max_tokens":2,"stream":%v}`, prompt, stream)
+		resp := post(t, srv.URL, "/v1/completions", body)
+		got := readAll(t, resp)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, got)
+		}
+		p.mu.Lock()
+		v, _ := p.rt.CacheView(0)
+		p.mu.Unlock()
+		t.Logf("request %d (stream %v): %s; view %+v", i, stream, resp.Header.Get(HeaderRoute), v)
+		if v.Checked != i+1 {
+			t.Fatalf("request %d: %d checked, want %d", i, v.Checked, i+1)
+		}
+		if i > 0 && (v.LastErrorTokens > cfg.BlockTokens || v.LastErrorTokens < -cfg.BlockTokens) {
+			t.Errorf("request %d: prediction off by %d tokens, want within a block", i, v.LastErrorTokens)
+		}
+	}
+}
