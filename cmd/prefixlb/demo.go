@@ -42,6 +42,7 @@ type demoOptions struct {
 	held      func(report.Result) error
 	tokenizer string
 	mode      string
+	llama     llamaOptions // --engine llamacpp (demo_llamacpp.go)
 }
 
 func newDemoCmd() *cobra.Command {
@@ -74,6 +75,7 @@ the default sends token ids.`,
 			if !cmd.Flags().Changed("workload-replicas") {
 				o.wl.Spec.Replicas = o.replicas
 			}
+			o.llama.changed = cmd.Flags().Changed
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt)
 			defer stop()
 			return runDemo(ctx, o, cmd.OutOrStdout(), cmd.ErrOrStderr())
@@ -90,6 +92,7 @@ the default sends token ids.`,
 	fs.BoolVar(&o.noEvents, "no-kv-events", false, "do not publish KV events: the router mirrors the replicas' caches from its decisions")
 	fs.BoolVar(&o.hold, "hold", false, "after the comparison, keep the last policy's replicas, router and dashboard running until Ctrl-C")
 	fs.StringVar(&o.tokenizer, "tokenizer", proxy.TokenizerQwen3, "tokenizer of the replicas and the router: qwen3 (bundled), a tokenizer.json, a model directory, or none")
+	o.llama.addFlags(fs)
 	fs.StringVar(&o.mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (/v1/completions with text) or chat (/v1/chat/completions)")
 	return cmd
 }
@@ -99,6 +102,13 @@ func init() { rootCmd.AddCommand(newDemoCmd()) }
 func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) error {
 	if o.replicas < 1 {
 		return fmt.Errorf("--replicas must be ≥ 1, got %d", o.replicas)
+	}
+	switch o.llama.engine {
+	case "model":
+	case "llamacpp":
+		return runLlamaDemo(ctx, o, stdout, stderr)
+	default:
+		return fmt.Errorf("--engine must be model or llamacpp, got %q", o.llama.engine)
 	}
 	if o.timeScale <= 0 {
 		return fmt.Errorf("--speedup must be > 0, got %v", o.timeScale)
@@ -130,8 +140,8 @@ func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) erro
 	if o.verbose {
 		logger = slog.New(slog.NewTextHandler(stderr, nil))
 	}
-	fmt.Fprintf(stderr, "prefixlb demo: %d replicas of %s on loopback, %s, %d requests at %g req/s (speedup %g)\n",
-		o.replicas, prof.Name(), o.wl.Describe(), len(reqs), o.wl.Arrival.Rate, o.timeScale)
+	fmt.Fprintf(stderr, "prefixlb demo: %d replicas of %s on loopback, %s, %d requests at %g req/s; %s\n",
+		o.replicas, prof.Name(), o.wl.Describe(), len(reqs), o.wl.Arrival.Rate, demoSpeed(o.timeScale))
 	if o.noEvents {
 		fmt.Fprintln(stderr, "prefixlb demo: KV events off: the router mirrors the replicas' caches from its own decisions")
 	} else {
@@ -141,6 +151,9 @@ func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) erro
 		fmt.Fprintf(stderr, "prefixlb demo: tokenizer %s in the replicas and the router, %s requests\n", o.tokenizer, o.mode)
 	} else {
 		fmt.Fprintf(stderr, "prefixlb demo: no tokenizer (one token per word, text-chunk keys), %s requests\n", o.mode)
+	}
+	if !o.hold {
+		fmt.Fprintln(stderr, "prefixlb demo: each policy's router and dashboard live only while its run lasts; --hold keeps the last one up afterwards")
 	}
 	var results []report.Result
 	for _, pol := range strings.Split(o.policies, ",") {
@@ -179,6 +192,9 @@ func demoCompare(o *demoOptions, results []report.Result, stdout io.Writer) erro
 	if err := report.WriteTable(stdout, results); err != nil {
 		return err
 	}
+	fmt.Fprintf(stdout, "\n  ttft_ms: time to first token, latency_ms: to the last token, in ms of the modelled GPU's time;\n"+
+		"  hit: share of prompt tokens the replicas served from their prefix cache (cached tokens reported / prompt tokens);\n"+
+		"  req/s, tok/s: requests completed and tokens generated per second%s\n", demoScaleNote(o.timeScale))
 	if len(results) >= 2 {
 		a, b := results[0], results[len(results)-1]
 		if b.TTFT.Mean > 0 && b.TTFT.P99 > 0 {
@@ -194,6 +210,23 @@ func demoCompare(o *demoOptions, results []report.Result, stdout io.Writer) erro
 		return report.WriteJSONFile(o.jsonPath, results)
 	}
 	return nil
+}
+
+// demoSpeed says how fast the modelled GPUs run against real time
+// (--speedup), to three significant figures.
+func demoSpeed(x float64) string {
+	if x == 1 {
+		return "modelled GPUs at real speed (--speedup 1)"
+	}
+	return fmt.Sprintf("modelled GPUs run %.3g× as fast as real time (--speedup %.3g)", x, x)
+}
+
+// demoScaleNote is the legend's remark on a time-scaled run.
+func demoScaleNote(x float64) string {
+	if x == 1 {
+		return ""
+	}
+	return fmt.Sprintf(";\n  the run went %.3g× as fast as real time (--speedup): every figure is converted back to the modelled GPU's time", x)
 }
 
 // scaleResult converts wall-clock figures of a time-scaled run back into the
@@ -315,7 +348,11 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 	if err != nil {
 		return report.Result{}, err
 	}
-	fmt.Fprintf(stderr, "%-14s router %s, dashboard %s/ui/\n", pol, target, target)
+	if o.held != nil {
+		fmt.Fprintf(stderr, "%-14s router %s, dashboard %s/ui/ (kept up after the run: --hold)\n", pol, target, target)
+	} else {
+		fmt.Fprintf(stderr, "%-14s router %s, dashboard %s/ui/ (only while this run lasts)\n", pol, target, target)
+	}
 	lc := loadgen.DefaultConfig()
 	lc.Target = target
 	lc.Policy = pol
