@@ -2,8 +2,10 @@ package dashboard
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
+	"html"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -108,7 +110,12 @@ func (s *scriptedSource) Snapshot() Snapshot {
 	for i, name := range names {
 		r := Replica{Name: name, Up: true, InFlight: 10*n + i, Waiting: (n + i) % 4, Running: 8 + i,
 			KVUsage: 0.3 + 0.05*float64(i) + 0.01*float64(n%10), HitRatio: 0.6 + 0.05*float64(i), LoadSeconds: 0.4 * float64(n+i),
-			PendingPrefillS: 0.05 * float64(i+1), CachedBlocks: 20000 + 1000*i + 37*n}
+			PendingPrefillS: 0.05 * float64(i+1), CachedBlocks: 20000 + 1000*i + 37*n,
+			Kind: "vllm", PredictionErrorTokens: float64(16 * (i - 1))}
+		if i == s.replicas-1 { // a llama.cpp replica: a slot cache, mirrored from reports
+			r.Kind, r.Slots, r.CachedBlocks = "llamacpp", 4, 96
+			r.PredictionErrorTokens, r.CapacityTokens, r.Corrections = 310-float64(n%7)*20, 16384, n/3
+		}
 		if i == 1 && n >= s.downAt {
 			r.Up, r.InFlight = false, 0
 		}
@@ -206,6 +213,142 @@ func TestBrowserDashboardUnauthorized(t *testing.T) {
 	dom, _ := runChromium(t, srv.URL+"/ui/", 3*time.Second, "--dump-dom")
 	if !strings.Contains(dom, `class="status err">state.json: HTTP 401`) {
 		t.Errorf("status not shown: %s", regexp.MustCompile(`<span id="status"[^<]*</span>`).FindString(dom))
+	}
+}
+
+// smallSource plays a quiet cluster of llama.cpp replicas with long names:
+// in-flight counts of 0 and 1, a few tenths of a decision per second, a
+// token or two of cache per second — the small ranges whose chart ticks
+// once read "1, 1, 1, 0, 0" — and hot prefixes assigned to three replicas
+// and cached on four, whose chips once overflowed their card.
+type smallSource struct {
+	mu    sync.Mutex // guards calls
+	calls int
+}
+
+func (s *smallSource) Snapshot() Snapshot {
+	s.mu.Lock()
+	s.calls++
+	n := s.calls
+	s.mu.Unlock()
+	now := time.Date(2025, 6, 1, 12, 0, 0, 0, time.UTC).Add(time.Duration(n) * time.Second)
+	snap := Snapshot{Time: now, Policy: "e2", RateWindowS: 10,
+		Branches: map[string]float64{"exploit": 0.1 + 0.05*float64(n%3), "explore": 0.1}}
+	var names []string
+	for i := range 4 {
+		name := fmt.Sprintf("replica-%d", i)
+		names = append(names, name)
+		snap.Replicas = append(snap.Replicas, Replica{Name: name, Up: true, InFlight: (n + i) % 2, Running: (n + i) % 2,
+			KVUsage: 0.01 * float64(i), HitRatio: 0.5, LoadSeconds: 0.01, CachedBlocks: 3 + i,
+			Kind: "llamacpp", Slots: 2, PredictionErrorTokens: -12.4 + 40*float64(i), CapacityTokens: 8192, Corrections: n})
+	}
+	for k := range 6 {
+		snap.Prefixes = append(snap.Prefixes, Prefix{ID: fmt.Sprintf("%016x", 0x9f3a61c0d2b4e5f7+uint64(k)), Tokens: 512,
+			Requests: 3, RequestsPerS: 0.1, Assigned: names[:3], CachedOn: names})
+	}
+	snap.DecisionsPerS = snap.Branches["exploit"] + snap.Branches["explore"]
+	snap.CachePrediction = CachePrediction{PredictedTokens: int64(n), ReportedTokens: int64(n), Checked: n, ExactRatio: 1}
+	snap.Totals = Totals{Routed: n, Finished: n}
+	return snap
+}
+
+// layoutHarness is a page of the test server's own (so without the
+// dashboard's Content-Security-Policy) that shows the dashboard in a
+// 1400 px frame and, once it has updated %d times, measures it from the
+// same origin and writes what it found into #result as JSON: elements
+// sticking out of their card, each chart's y tick labels, and the text of
+// replica-0's row.
+const layoutHarness = `<!DOCTYPE html>
+<html><body style="margin:0">
+<iframe id="f" src="/ui/" style="width:1400px;height:1600px;border:0"></iframe>
+<pre id="result"></pre>
+<script>
+const want = %d;
+const f = document.getElementById("f");
+function check() {
+  const d = f.contentDocument, app = d && d.getElementById("app");
+  if (!app || Number(app.dataset.updates) < want) { setTimeout(check, 100); return; }
+  const res = { width: d.documentElement.clientWidth, overflow: [], ticks: {}, row: "" };
+  for (const card of d.querySelectorAll(".card")) {
+    const c = card.getBoundingClientRect();
+    const title = card.querySelector("h2").firstChild.textContent.trim();
+    for (const e of card.querySelectorAll("*")) {
+      const r = e.getBoundingClientRect();
+      if (r.width === 0 && r.height === 0) continue;
+      if (r.right > c.right + 0.5 || r.left < c.left - 0.5) {
+        const cls = typeof e.className === "string" && e.className ? " class=" + e.className : "";
+        res.overflow.push(title + ": <" + e.tagName.toLowerCase() + cls + "> " + JSON.stringify((e.textContent || "").slice(0, 40)) +
+          " spans x " + r.left.toFixed(0) + "–" + r.right.toFixed(0) + ", its card " + c.left.toFixed(0) + "–" + c.right.toFixed(0));
+      }
+    }
+  }
+  for (const s of d.querySelectorAll("svg.chart")) res.ticks[s.id] = [...s.querySelectorAll("text.ytick")].map((t) => t.textContent);
+  const row = d.querySelector('tr[data-replica="replica-0"]');
+  res.row = row ? row.textContent : "";
+  document.getElementById("result").textContent = JSON.stringify(res);
+}
+check();
+</script>
+</body></html>`
+
+// TestBrowserLayout loads the dashboard of a quiet cluster at 1400 px wide
+// and checks its layout from JavaScript: no element of any card (the
+// hottest prefixes' chips above all) sticks out of its card, no chart has
+// two adjacent tick labels that read the same, and the replicas table shows
+// each replica's kind, slots, prediction error and learned capacity.
+func TestBrowserLayout(t *testing.T) {
+	chromiumPath(t)
+	const updates = 6
+	ui := Handler(&smallSource{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/harness" {
+			w.Header().Set("Content-Type", "text/html; charset=utf-8")
+			fmt.Fprintf(w, layoutHarness, updates)
+			return
+		}
+		ui.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	dom, log := runChromium(t, srv.URL+"/harness", 20*time.Second, "--dump-dom", "--window-size=1400,1600")
+	if errs := consoleErrors(log); len(errs) > 0 {
+		t.Errorf("console errors:\n%s", strings.Join(errs, "\n"))
+	}
+	m := regexp.MustCompile(`(?s)<pre id="result">(.*?)</pre>`).FindStringSubmatch(dom)
+	if m == nil || m[1] == "" {
+		t.Fatalf("the harness measured nothing (fewer than %d updates?):\n%s", updates, dom)
+	}
+	var res struct {
+		Width    int                 `json:"width"`
+		Overflow []string            `json:"overflow"`
+		Ticks    map[string][]string `json:"ticks"`
+		Row      string              `json:"row"`
+	}
+	if err := json.Unmarshal([]byte(html.UnescapeString(m[1])), &res); err != nil {
+		t.Fatalf("harness result: %v\n%s", err, m[1])
+	}
+	if res.Width != 1400 {
+		t.Errorf("dashboard laid out %d px wide, want 1400", res.Width)
+	}
+	if n := len(res.Overflow); n > 0 {
+		t.Errorf("%d elements stick out of their card at 1400 px, first ones:\n%s", n, strings.Join(res.Overflow[:min(n, 8)], "\n"))
+	}
+	for _, id := range []string{"chart-inflight", "chart-branches", "chart-cache", "chart-hit"} {
+		ticks := res.Ticks[id]
+		if len(ticks) < 2 {
+			t.Errorf("%s: ticks %q, want at least 2", id, ticks)
+		}
+		for i := 1; i < len(ticks); i++ {
+			if ticks[i] == ticks[i-1] {
+				t.Errorf("%s: ticks %q repeat %q", id, ticks, ticks[i])
+				break
+			}
+		}
+	}
+	t.Logf("ticks %v", res.Ticks)
+	for _, want := range []string{"llamacpp · 2 slots", "−12", "8192"} {
+		if !strings.Contains(res.Row, want) {
+			t.Errorf("replica-0's row %q lacks %q", res.Row, want)
+		}
 	}
 }
 

@@ -236,8 +236,9 @@ func Handler(src Source) http.Handler {
 }
 
 // normalize replaces nil lists and maps by empty ones, so that scripts see
-// [] and {} rather than null, and non-finite numbers (which JSON cannot
-// carry) by 0. It copies the maps it changes, never the caller's.
+// [] and {} rather than null, non-finite numbers (which JSON cannot carry)
+// by 0 and an unset replica kind by "unknown". It copies the maps it
+// changes, never the caller's.
 func normalize(s Snapshot) Snapshot {
 	if s.Replicas == nil {
 		s.Replicas = []Replica{}
@@ -246,6 +247,10 @@ func normalize(s Snapshot) Snapshot {
 		r := &s.Replicas[i]
 		r.KVUsage, r.HitRatio = finite(r.KVUsage), finite(r.HitRatio)
 		r.LoadSeconds, r.PendingPrefillS = finite(r.LoadSeconds), finite(r.PendingPrefillS)
+		r.PredictionErrorTokens = finite(r.PredictionErrorTokens)
+		if r.Kind == "" {
+			r.Kind = "unknown"
+		}
 	}
 	if s.Prefixes == nil {
 		s.Prefixes = []Prefix{}

@@ -24,8 +24,9 @@ func sampleSnapshot() Snapshot {
 		Time:   at,
 		Policy: "e2",
 		Replicas: []Replica{
-			{Name: "r0", Up: true, InFlight: 3, Waiting: 1, Running: 2, KVUsage: 0.5, HitRatio: 0.75, LoadSeconds: 1.5, PendingPrefillS: 0.25, CachedBlocks: 100},
-			{Name: "r1", Up: false, Waiting: -1, Running: -1, KVUsage: -1},
+			{Name: "r0", Up: true, InFlight: 3, Waiting: 1, Running: 2, KVUsage: 0.5, HitRatio: 0.75, LoadSeconds: 1.5, PendingPrefillS: 0.25, CachedBlocks: 100,
+				Kind: "llamacpp", Slots: 2, PredictionErrorTokens: 96.5, CapacityTokens: 16384, Corrections: 4},
+			{Name: "r1", Up: false, Waiting: -1, Running: -1, KVUsage: -1, Kind: "vllm"},
 		},
 		Prefixes:        []Prefix{{ID: "00000000000000ff", Tokens: 4096, Requests: 12, RequestsPerS: 0.4, Assigned: []string{"r0", "r1"}, CachedOn: []string{"r0"}}},
 		Branches:        map[string]float64{"exploit": 2, "explore": 0.5},
@@ -100,7 +101,8 @@ func TestStateJSONSchema(t *testing.T) {
 		"totals": "object", "recent": "array"})
 	check("replicas[0]", doc["replicas"].([]any)[0], want{"name": "string", "up": "bool", "in_flight": "number",
 		"waiting": "number", "running": "number", "kv_usage": "number", "hit_ratio": "number", "load_seconds": "number",
-		"pending_prefill_s": "number", "cached_blocks": "number"})
+		"pending_prefill_s": "number", "cached_blocks": "number", "kind": "string", "slots": "number",
+		"prediction_error_tokens": "number", "capacity_tokens": "number", "corrections": "number"})
 	check("prefixes[0]", doc["prefixes"].([]any)[0], want{"id": "string", "tokens": "number", "requests": "number",
 		"requests_per_s": "number", "assigned": "array", "cached_on": "array"})
 	check("cache_prediction", doc["cache_prediction"], want{"predicted_tokens": "number", "reported_tokens": "number",
@@ -117,7 +119,7 @@ func TestStateJSONSchema(t *testing.T) {
 	if err := json.Unmarshal(w.Body.Bytes(), &back); err != nil {
 		t.Fatal(err)
 	}
-	if want := sampleSnapshot(); !back.Time.Equal(want.Time) || back.Replicas[1] != want.Replicas[1] ||
+	if want := sampleSnapshot(); !back.Time.Equal(want.Time) || back.Replicas[0] != want.Replicas[0] || back.Replicas[1] != want.Replicas[1] ||
 		!slices.Equal(back.Prefixes[0].Assigned, want.Prefixes[0].Assigned) || back.CachePrediction != want.CachePrediction {
 		t.Errorf("round trip: %+v", back)
 	}
@@ -126,14 +128,15 @@ func TestStateJSONSchema(t *testing.T) {
 // TestStateJSONEmpty: an empty snapshot has [] and {} rather than null, and
 // non-finite numbers never break the encoding.
 func TestStateJSONEmpty(t *testing.T) {
-	s := Snapshot{Replicas: []Replica{{Name: "r", HitRatio: math.NaN(), KVUsage: math.Inf(1), LoadSeconds: math.NaN()}},
+	s := Snapshot{Replicas: []Replica{{Name: "r", HitRatio: math.NaN(), KVUsage: math.Inf(1), LoadSeconds: math.NaN(), PredictionErrorTokens: math.Inf(-1)}},
 		Prefixes: []Prefix{{ID: "x"}}, Branches: map[string]float64{"explore": math.Inf(1)}}
 	w := get(t, Handler(fixedSource{s}), "/ui/state.json")
 	if w.Code != 200 {
 		t.Fatalf("state.json: %d %s", w.Code, w.Body)
 	}
 	body := w.Body.String()
-	for _, want := range []string{`"recent":[]`, `"assigned":[]`, `"cached_on":[]`, `"hit_ratio":0`, `"explore":0`} {
+	for _, want := range []string{`"recent":[]`, `"assigned":[]`, `"cached_on":[]`, `"hit_ratio":0`, `"explore":0`,
+		`"prediction_error_tokens":0`, `"kind":"unknown"`} {
 		if !strings.Contains(body, want) {
 			t.Errorf("state.json lacks %s: %s", want, body)
 		}

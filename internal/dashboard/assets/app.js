@@ -75,7 +75,33 @@
     return String(n);
   }
 
-  // lineChart draws series (name -> [[t,v]]) into an SVG with a y axis from 0.
+  // niceStep returns the y-axis step for values up to max: the smallest
+  // 1, 2 or 5 × 10^k giving at most four steps (at least 1 for a series of
+  // integers), so that ticks are round numbers and no two read the same.
+  function niceStep(max, integer) {
+    const raw = max / 4;
+    const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    let step = 10 * mag;
+    for (const m of [1, 2, 5]) if (m * mag >= raw * (1 - 1e-9)) { step = m * mag; break; }
+    return integer ? Math.max(1, Math.round(step)) : step;
+  }
+  // tickLabel formats tick v of a scale with step: with as many decimals as
+  // the step needs (so adjacent ticks differ), in k or M when the top is
+  // large, as a percentage for a ratio, with the unit appended.
+  function tickLabel(v, step, top, opts) {
+    let div = 1, suffix = "";
+    if (opts.percent) { div = 0.01; suffix = "%"; }
+    else if (top >= 1e6) { div = 1e6; suffix = "M"; }
+    else if (top >= 1e4) { div = 1e3; suffix = "k"; }
+    const decimals = Math.max(0, -Math.floor(Math.log10(step / div) + 1e-9));
+    if (v === 0) return (opts.percent ? "0%" : "0") + (opts.unit || ""); // not "0.00k"
+    return (v / div).toFixed(decimals) + suffix + (opts.unit || "");
+  }
+
+  // lineChart draws series (name -> [[t,v]]) into an SVG with a y axis from
+  // 0. opts: max (a fixed top), integer (integer series: integer ticks),
+  // percent (ratios in [0,1] shown as %), unit (appended to ticks), fmt
+  // (formats a legend's latest value), dashed (name -> dashed line).
   function lineChart(root, legend, series, colorFn, opts) {
     const W = 560, H = Number(root.getAttribute("viewBox").split(" ")[3]), L = 48, R = 8, T = 8, B = 18;
     root.replaceChildren();
@@ -85,15 +111,18 @@
     }
     if (!isFinite(tmin)) { tmin = 0; tmax = 1; }
     if (tmax - tmin < 10000) tmin = tmax - 10000;
-    if (vmax <= 0) vmax = 1;
-    vmax = opts.max || vmax * 1.1;
+    if (!(vmax > 0)) vmax = 1;
+    if (opts.max) vmax = opts.max;
+    const step = opts.max ? opts.max / 4 : niceStep(vmax, opts.integer);
+    const n = Math.max(1, Math.ceil(vmax / step - 1e-9));
+    const top = n * step;
     const sx = (t) => L + (t - tmin) / (tmax - tmin) * (W - L - R);
-    const sy = (v) => H - B - v / vmax * (H - T - B);
-    for (let i = 0; i <= 4; i++) {
-      const v = vmax * i / 4, y = sy(v);
+    const sy = (v) => H - B - v / top * (H - T - B);
+    for (let i = 0; i <= n; i++) {
+      const v = i * step, y = sy(v);
       root.append(svg("line", { x1: L, x2: W - R, y1: y, y2: y, class: "grid" }));
-      const lab = svg("text", { x: L - 4, y: y + 3, "text-anchor": "end", class: "axis" });
-      lab.textContent = opts.fmt ? opts.fmt(v) : (vmax < 5 ? v.toFixed(1) : v.toFixed(0));
+      const lab = svg("text", { x: L - 4, y: y + 3, "text-anchor": "end", class: "axis ytick" });
+      lab.textContent = tickLabel(v, step, top, opts);
       root.append(lab);
     }
     const ago = svg("text", { x: L, y: H - 4, class: "axis" });
@@ -116,12 +145,27 @@
     }
   }
 
+  // kindBadge names a replica's engine, and its slots for a slot cache
+  // (llama.cpp: -np prompts cached at a time).
+  function kindBadge(r) {
+    const known = r.kind && r.kind !== "unknown";
+    const text = (known ? r.kind : "kind ?") + (r.slots > 0 ? " · " + r.slots + " slot" + (r.slots === 1 ? "" : "s") : "");
+    const title = !known ? "engine kind not detected" : r.slots > 0 ?
+      "slot cache: the engine keeps the last prompt of each of its " + r.slots + " slots" : "block cache";
+    return el("span", { class: "tag kind" + (known ? "" : " unknown"), title: title }, text);
+  }
+  // signed formats a token count with its sign: +120, −35, 0.
+  function signed(v) {
+    const n = Math.round(v);
+    return n > 0 ? "+" + human(n) : n < 0 ? "−" + human(-n) : "0";
+  }
+
   function renderReplicas(s) {
     const body = $("replicas").tBodies[0];
     const rows = s.replicas.map((r) => {
       const maxIn = Math.max(1, ...s.replicas.map((x) => x.in_flight));
       const tr = el("tr", { class: r.up ? "up" : "down", dataset: { replica: r.name, up: String(r.up) } },
-        el("td", null, r.name),
+        el("td", null, r.name, " ", kindBadge(r)),
         el("td", null, el("span", { class: "badge " + (r.up ? "up" : "down") }, r.up ? "up" : "down")),
         bar(r.in_flight / maxIn, r.in_flight),
         el("td", { class: "num" }, num(r.waiting)),
@@ -130,7 +174,10 @@
         bar(r.hit_ratio, pct(r.hit_ratio)),
         el("td", { class: "num" }, r.load_seconds.toFixed(3)),
         el("td", { class: "num" }, r.pending_prefill_s.toFixed(3)),
-        el("td", { class: "num" }, human(r.cached_blocks)));
+        el("td", { class: "num" }, human(r.cached_blocks)),
+        el("td", { class: "num", dataset: { field: "prediction_error_tokens" } }, signed(r.prediction_error_tokens)),
+        el("td", { class: "num" }, r.capacity_tokens > 0 ? human(r.capacity_tokens) : "–"),
+        el("td", { class: "num" }, r.corrections));
       tr.cells[2].dataset.field = "in_flight";
       return tr;
     });
@@ -146,13 +193,13 @@
   function renderPrefixes(s, t) {
     const body = $("prefixes").tBodies[0];
     body.replaceChildren(...s.prefixes.map((p) => {
-      const assigned = el("td");
+      const assigned = el("td", { class: "chips" });
       for (const n of p.assigned) {
         const c = el("span", { class: "chip" }, n);
         c.style.background = colorOf(n);
         assigned.append(c);
       }
-      const cached = el("td");
+      const cached = el("td", { class: "chips" });
       for (const n of p.cached_on) {
         const c = el("span", { class: "chip cached" }, n);
         c.style.color = colorOf(n);
@@ -227,11 +274,11 @@
       push(hist.cache, "reported", t, Math.max(0, c.reported_tokens - prevCache.r) / dt);
     }
     prevCache = { t: t, p: c.predicted_tokens, r: c.reported_tokens };
-    lineChart($("chart-inflight"), $("legend-inflight"), hist.inflight, colorOf, { fmt: (v) => v.toFixed(0) });
-    lineChart($("chart-branches"), $("legend-branches"), hist.branches, colorOfBranch, { fmt: (v) => v.toFixed(1) + "/s" });
+    lineChart($("chart-inflight"), $("legend-inflight"), hist.inflight, colorOf, { integer: true, fmt: (v) => v.toFixed(0) });
+    lineChart($("chart-branches"), $("legend-branches"), hist.branches, colorOfBranch, { unit: "/s", fmt: (v) => v.toFixed(1) + "/s" });
     lineChart($("chart-cache"), $("legend-cache"), hist.cache,
-      (n) => (n === "predicted" ? "#4e79a7" : "#f28e2b"), { fmt: (v) => human(Math.round(v)) + "/s", dashed: (n) => n === "predicted" });
-    lineChart($("chart-hit"), $("legend-hit"), hist.hit, colorOf, { max: 1, fmt: (v) => (100 * v).toFixed(0) + "%" });
+      (n) => (n === "predicted" ? "#4e79a7" : "#f28e2b"), { unit: "/s", fmt: (v) => human(Math.round(v)) + "/s", dashed: (n) => n === "predicted" });
+    lineChart($("chart-hit"), $("legend-hit"), hist.hit, colorOf, { max: 1, percent: true, fmt: (v) => (100 * v).toFixed(0) + "%" });
     const app = $("app");
     app.dataset.updates = String(Number(app.dataset.updates) + 1);
   }

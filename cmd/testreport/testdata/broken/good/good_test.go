@@ -1,0 +1,5 @@
+package good
+
+import "testing"
+
+func TestGood(t *testing.T) {}

@@ -1,0 +1,5 @@
+package c
+
+import "testing"
+
+func TestC(t *testing.T) {}

@@ -1,0 +1,8 @@
+package d
+
+import (
+	"testing"
+	"time"
+)
+
+func TestHang(t *testing.T) { t.Log("waiting"); time.Sleep(time.Minute) }

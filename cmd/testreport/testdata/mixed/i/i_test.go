@@ -1,0 +1,5 @@
+package i
+
+import "testing"
+
+func TestI(t *testing.T) {}
