@@ -108,6 +108,11 @@ type E2Config struct {
 	// a move can shift), leaving in-flight decode out; and keeps a move only
 	// if the prefix's windowed load exceeds the recompute it causes.
 	MovableLoadOnly bool `json:"movable_load_only"`
+	// SlotWait adds, for a replica with a slot cache (Replica.Slots > 0:
+	// llama.cpp runs at most that many requests and defers the rest), the
+	// time this request would wait for a slot when all are taken; see
+	// slotWait.
+	SlotWait bool `json:"slot_wait"`
 }
 
 // PrebleE2Config returns the rules as Preble's prototype writes them
@@ -178,6 +183,7 @@ func DefaultE2Config() E2Config {
 	c.MoveCooldown = 30 * time.Second
 	c.MovableLoadOnly = true
 	c.TieBreakInFlight = true
+	c.SlotWait = true
 	return c
 }
 
@@ -486,6 +492,9 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 		if p.cfg.DecodeBatchInFlight {
 			batch = rp.InFlight + 1
 		}
+		if rp.Slots > 0 {
+			batch = min(batch, rp.Slots) // a slot cache decodes at most Slots at once
+		}
 		d := float64(req.OutputTokens-1) * p.stepMemo(v, batch, ctx)
 		if p.cfg.DecodePrefillRate {
 			// Prefill arriving while this request decodes shares its
@@ -511,8 +520,32 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 			}
 		}
 	}
+	if p.cfg.SlotWait {
+		c.Load += p.slotWait(&v.Replicas[r], req, v)
+	}
 	c.Score = c.Load + c.Eviction + c.Prefill
 	return c
+}
+
+// slotWait is how long a request would wait on replica rp for a free slot:
+// nothing while it has one (InFlight < Slots, or a block cache). Else it
+// waits for InFlight−Slots+1 of the requests there to finish, Slots of them
+// at a time, each owing on average the replica's remaining work divided by
+// its requests — the remaining prefill, and the remaining output at one
+// batched decode step per token (an M/G/c-style estimate):
+//
+//	wait = (InFlight−Slots+1)/Slots · (pending prefill + decode tokens · T_step(Slots)) / InFlight
+func (p *E2) slotWait(rp *Replica, req *Request, v *View) float64 {
+	if rp.Slots <= 0 || rp.InFlight < rp.Slots {
+		return 0
+	}
+	ctx := req.PromptTokens
+	if rp.Decoding > 0 {
+		ctx = rp.DecodeContextTokens / rp.Decoding
+	}
+	owed := secs(rp.PendingPrefill) + float64(max(rp.DecodeTokens, 0))*p.stepMemo(v, rp.Slots, ctx)
+	ahead := float64(rp.InFlight - rp.Slots + 1)
+	return ahead / float64(rp.Slots) * owed / float64(rp.InFlight)
 }
 
 // tieTolerance is the relative difference under which two replicas' costs

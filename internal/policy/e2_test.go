@@ -493,3 +493,57 @@ func TestE2ConfigValidate(t *testing.T) {
 		}
 	}
 }
+
+// TestE2SlotWait: on slot-cache replicas (llama.cpp), a replica whose every
+// slot is taken makes a request wait for one; e2 prices that wait, so a
+// cached prefix on a replica with a long queue of decodes loses to a
+// recompute on an idle one, and wins when a slot is free.
+func TestE2SlotWait(t *testing.T) {
+	doc := toks(1, 320)
+	for _, tt := range []struct {
+		name     string
+		inFlight int
+		want     int
+	}{
+		{"slot free", 1, 0},
+		{"all slots busy", 2, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c := newCluster(t, 2, 1<<20)
+			c.cache(doc, 0, at(0))
+			for i := range c.reps {
+				c.reps[i].Slots = 2
+			}
+			// Replica 0 holds the prefix and has requests in flight, each
+			// still owing 1,000 output tokens (1 s of decode at 1 ms/step
+			// per sequence in the linear profile, 7 ms a step of 2).
+			r0 := &c.reps[0]
+			r0.InFlight, r0.Decoding, r0.DecodeTokens, r0.DecodeContextTokens = tt.inFlight, tt.inFlight, 1000*tt.inFlight, 400*tt.inFlight
+			p := mustE2(t, policy.DefaultE2Config())
+			req, v := c.request(cat(doc, toks(2, 32)), at(1))
+			d, err := p.Route(req, v, at(1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Replica != tt.want {
+				t.Errorf("chose replica %d, want %d: %s", d.Replica, tt.want, d.Explain())
+			}
+		})
+	}
+	// The same replica with a block cache never waits for a slot.
+	cfg := policy.DefaultE2Config()
+	cfg.SlotWait = false
+	c := newCluster(t, 2, 1<<20)
+	c.cache(doc, 0, at(0))
+	r0 := &c.reps[0]
+	r0.Slots = 2
+	r0.InFlight, r0.Decoding, r0.DecodeTokens, r0.DecodeContextTokens = 2, 2, 2000, 800
+	req, v := c.request(cat(doc, toks(2, 32)), at(1))
+	d, err := mustE2(t, cfg).Route(req, v, at(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Replica != 0 {
+		t.Errorf("slot_wait=false: chose %d, want the cached replica 0: %s", d.Replica, d.Explain())
+	}
+}
