@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -37,6 +38,57 @@ type simOptions struct {
 	jsonPath   string
 	outDir     string
 	quiet      bool
+	engine     string // simEngineVLLM or simEngineLlamaCpp
+	slots      int    // llama.cpp slots per replica (-np); 0 with vllm
+}
+
+// The replica engines `sim --engine` models.
+const (
+	// simEngineVLLM: vLLM's block prefix cache, evicted LRU (the default).
+	simEngineVLLM = "vllm"
+	// simEngineLlamaCpp: llama.cpp llama-server's slot cache
+	// (replica.Config.Slots).
+	simEngineLlamaCpp = "llamacpp"
+	// simDefaultSlots is --slots' default with --engine llamacpp, the -np
+	// of docs/real-engines.md's llama-server runs.
+	simDefaultSlots = 2
+)
+
+// applyEngine checks --engine and --slots and, for llamacpp, changes the
+// defaults of the flags the user did not give (changed reports whether the
+// user gave one) to llama-server's: n_batch 2048 as the chunk budget, no KV
+// events (llama.cpp publishes none: the router models the slots from its
+// own decisions and the cached tokens each response reports) and the
+// llamacpp-tiny-cpu profile. --slots with vllm is an error rather than
+// ignored: vLLM has no slots, and a silently ignored flag would make two
+// different experiments look alike.
+func (o *simOptions) applyEngine(changed func(name string) bool) error {
+	switch o.engine {
+	case simEngineVLLM:
+		if changed("slots") {
+			return fmt.Errorf("--slots is for --engine %s (vLLM keeps a block cache, not slots)", simEngineLlamaCpp)
+		}
+		o.slots = 0
+	case simEngineLlamaCpp:
+		if !changed("slots") {
+			o.slots = simDefaultSlots
+		}
+		if o.slots < 1 {
+			return fmt.Errorf("--slots must be ≥ 1, got %d", o.slots)
+		}
+		if !changed("chunk-budget") {
+			o.chunk = replica.LlamaCppBatch
+		}
+		if !changed("kv-events") {
+			o.kvEvents = false
+		}
+		if !changed("profile") {
+			o.profile = costmodel.LlamaCppTinyCPU
+		}
+	default:
+		return fmt.Errorf("--engine must be %s or %s, got %q", simEngineVLLM, simEngineLlamaCpp, o.engine)
+	}
+	return nil
 }
 
 func newSimCmd() *cobra.Command {
@@ -51,13 +103,27 @@ or a trace, and prints TTFT, latency and hit-ratio figures next to the oracle
 bound (every request alone on a replica that holds every earlier prefix).
 
 Policies may carry E2 settings and a local scheduler of their own:
-  --policies 'round-robin@lpm,e2@priority,e2-preble:mixing=false'.`,
+  --policies 'round-robin@lpm,e2@priority,e2-preble:mixing=false'.
+
+--engine llamacpp models llama.cpp's llama-server instead of vLLM: each
+replica has --slots slots (-np, default 2) splitting the profile's KV capacity
+(-c), each keeping the last prompt it served; a request takes the idle slot it
+shares most of (above llama.cpp's --slot-prompt-similarity, 0.5) or the least recently used
+one, reuses only the common prefix with it and waits while every slot is busy.
+The router is told each replica's slots. Unless given, --chunk-budget becomes
+2048 (n_batch), --kv-events false (llama.cpp publishes none) and --profile
+llamacpp-tiny-cpu (the tiny test model on one CPU thread, docs/profiles.md).
+The local scheduler must be fcfs.`,
 		Example: `  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --policies round-robin,e2 --rates 4,8,12
-  prefixlb sim --trace trace.jsonl --trace-format mooncake --replicas 8 --profile llama3-70b-h100x2 --json out.json`,
+  prefixlb sim --trace trace.jsonl --trace-format mooncake --replicas 8 --profile llama3-70b-h100x2 --json out.json
+  prefixlb sim --engine llamacpp --slots 2 --workload toolbench --replicas 3 --rate 1 --requests 300 --policies round-robin,e2`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("workload-replicas") {
 				o.wl.Spec.Replicas = o.replicas
+			}
+			if err := o.applyEngine(cmd.Flags().Changed); err != nil {
+				return err
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt)
 			defer stop()
@@ -79,6 +145,8 @@ Policies may carry E2 settings and a local scheduler of their own:
 	fs.StringVar(&o.jsonPath, "json", "", "write results as JSON to this file (- for stdout)")
 	fs.StringVar(&o.outDir, "out", "", "write results.json, requests.csv, chart.svg and report.html into this directory")
 	fs.BoolVarP(&o.quiet, "quiet", "q", false, "no progress output")
+	fs.StringVar(&o.engine, "engine", simEngineVLLM, "replica engine to model: vllm (block prefix cache) or llamacpp (llama-server's slot cache; changes the defaults of --chunk-budget, --kv-events and --profile, see above)")
+	fs.IntVar(&o.slots, "slots", simDefaultSlots, "--engine llamacpp: slots per replica (llama-server -np), splitting the profile's KV capacity")
 	return cmd
 }
 
@@ -126,6 +194,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 		if hasLocal {
 			c := replica.DefaultConfig()
 			c.Local = local
+			c.Slots = o.slots
 			c.Profile = prof
 			if err := c.Validate(); err != nil {
 				return fmt.Errorf("--policies %q: %w", s, err)
@@ -135,7 +204,9 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 	rc := replica.DefaultConfig()
 	rc.Local = o.local
 	rc.ChunkBudget = o.chunk
+	rc.Slots = o.slots
 	rc.Profile = prof
+	rc.Default()
 	if err := rc.Validate(); err != nil {
 		return err
 	}
@@ -224,16 +295,16 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 		return err
 	}
 	if o.jsonPath == "-" {
-		if err := report.WriteJSON(stdout, results); err != nil {
+		if err := writeSimJSON(stdout, o.engine, results); err != nil {
 			return err
 		}
 	} else if o.jsonPath != "" {
-		if err := report.WriteJSONFile(o.jsonPath, results); err != nil {
+		if err := writeSimJSONFile(o.jsonPath, o.engine, results); err != nil {
 			return err
 		}
 	}
 	if o.outDir != "" {
-		if err := report.WriteJSONFile(filepath.Join(o.outDir, "results.json"), results); err != nil {
+		if err := writeSimJSONFile(filepath.Join(o.outDir, "results.json"), o.engine, results); err != nil {
 			return err
 		}
 		if err := report.WriteCSVFile(filepath.Join(o.outDir, "requests.csv"), records); err != nil {
@@ -246,6 +317,53 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			return err
 		}
 		fmt.Fprintf(stderr, "wrote %s/{results.json,requests.csv,chart.svg,report.html}\n", o.outDir)
+	}
+	return nil
+}
+
+// simEngineResult is a result with the engine it modelled. report.Result has
+// no engine field; until it has, sim adds one for engines other than vLLM
+// (whose output stays byte for byte what it was).
+type simEngineResult struct {
+	report.Result
+	Engine string `json:"engine"`
+}
+
+// writeSimJSON writes results as report.WriteJSON does, each result naming
+// engine unless it is vllm.
+func writeSimJSON(w io.Writer, engine string, results []report.Result) error {
+	if engine == simEngineVLLM {
+		return report.WriteJSON(w, results)
+	}
+	out := make([]simEngineResult, len(results))
+	for i, r := range results {
+		out[i] = simEngineResult{Result: r, Engine: engine}
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(struct {
+		Results []simEngineResult `json:"results"`
+	}{out}); err != nil {
+		return fmt.Errorf("sim: write json: %w", err)
+	}
+	return nil
+}
+
+// writeSimJSONFile writes writeSimJSON's output to path.
+func writeSimJSONFile(path, engine string, results []report.Result) error {
+	if engine == simEngineVLLM {
+		return report.WriteJSONFile(path, results)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("sim: %w", err)
+	}
+	if err := writeSimJSON(f, engine, results); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("sim: %w", err)
 	}
 	return nil
 }

@@ -18,7 +18,38 @@ const (
 	Llama3_70BH100x2 = "llama3-70b-h100x2"
 	Qwen3_32BH100x2  = "qwen3-32b-h100x2"
 	Llama31_8BH100   = "llama3.1-8b-h100"
+	// LlamaCppTinyCPU is llama.cpp's llama-server on one CPU thread with the
+	// tiny random-weight model of make_tiny_gguf.py (docs/profiles.md), for
+	// `prefixlb sim --engine llamacpp` against the real server.
+	LlamaCppTinyCPU = "llamacpp-tiny-cpu"
 )
+
+// llamaCppTinyCPU is the fit of llama-server (llama.cpp c392e50, CPU build,
+// -t 1 -np 2 -c 16384, n_batch 2048) serving make_tiny_gguf.py's default
+// model (Llama architecture, dim 256, 4 layers, Qwen3's 151,669-token
+// vocabulary, q8_0) on this project's 2-core machine, measured from
+// timings.prompt_ms and timings.predicted_per_token_ms (docs/profiles.md has
+// the 63 prefill and 35 decode measurements and the residuals;
+// testdata/llamacpp-tiny-cpu holds them with the scripts that took and fitted
+// them).
+//
+// The seq of both fits is llama.cpp's attention span, every used cell of
+// the KV buffer its slots share, which is what the replica model's slot
+// cache passes (internal/replica, slots.go): prefill per 2,048-token batch
+// is 9.037 + 0.08167·new + 2.1479e−4·new·span ms (mean error 5.6%, worst
+// +35% on a cold 2,048-token prompt beside an empty slot, since the fit
+// prices a batch at its final span where llama.cpp's 512-token ubatches see
+// it grow); a decode step is 2.718 + 0.4664·sequences + 8.064e−4·span ms
+// (mean error 6.9%; the span is read once per step, not per sequence). The
+// KV capacity is the -c context, 16,384 tokens (8,192 per slot with -np 2).
+func llamaCppTinyCPU() Config {
+	return Config{
+		Name: LlamaCppTinyCPU, Kind: KindLinear,
+		PrefillMS:        &PrefillFit{C0: 9.037, New: 0.08167, NewSeq: 2.1479e-4},
+		DecodeMS:         &DecodeFit{C0: 2.718, PerSeq: 0.4664, PerContextToken: 8.064e-4},
+		KVCapacityTokens: 16_384,
+	}
+}
 
 // h100SXM is one NVIDIA H100 SXM5 80GB (NVIDIA H100 datasheet): 989 TFLOP/s
 // dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3, 80 GiB of HBM3
@@ -120,6 +151,8 @@ func builtins() map[string]Config {
 		Qwen3_32BH100x2: {Name: Qwen3_32BH100x2, Kind: KindRoofline, Model: qwen3_32B(), GPU: h100SXM(2), Assume: h100Assumptions(4)},
 		// Roofline, one H100; 1.5 ms of launch, scheduling and sampling.
 		Llama31_8BH100: {Name: Llama31_8BH100, Kind: KindRoofline, Model: llama31_8B(), GPU: h100SXM(1), Assume: h100Assumptions(1.5)},
+		// Measured on llama-server, CPU (llamaCppTinyCPU).
+		LlamaCppTinyCPU: llamaCppTinyCPU(),
 	}
 }
 

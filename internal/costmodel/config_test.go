@@ -17,7 +17,7 @@ func TestLoadExamplesMatchBuiltins(t *testing.T) {
 		{DecodeSeqs: 32, DecodeContext: 32 * 2048},
 		{Prefill: []Chunk{{New: 512, Seq: 9000}}, DecodeSeqs: 7, DecodeContext: 7000},
 	}
-	for _, name := range []string{Qwen3_32BH100x2, Llama3_70BH100x2, Mistral7BA6000} {
+	for _, name := range []string{Qwen3_32BH100x2, Llama3_70BH100x2, Mistral7BA6000, LlamaCppTinyCPU} {
 		got, err := Load(filepath.Join("testdata", name+".yaml"))
 		if err != nil {
 			t.Fatalf("Load(%s): %v", name, err)

@@ -35,6 +35,12 @@ func TestPrefillCheckValues(t *testing.T) {
 		{Llama3_70BH100x2, 1000, 3000, 108834920 * time.Nanosecond, 1e-6},
 		// A short prefill: linear floor 22 ms + attention 0.32 ms, / 0.9.
 		{Mistral7BA6000, 100, 100, 24800 * time.Microsecond, 1e-6},
+		// llama-server's measured 601-token cold prompt, about 0.15 s
+		// (README of shared/engines/llama.cpp): 9.037 + 49.084 + 77.583 ms.
+		{LlamaCppTinyCPU, 601, 601, 135704 * time.Microsecond, 1e-4},
+		// 5 new tokens on 4,352 cached beside an empty slot: measured 13.7 ms;
+		// 9.037 + 0.408 + 4.679 ms.
+		{LlamaCppTinyCPU, 5, 4357, 14125 * time.Microsecond, 1e-3},
 	}
 	for _, tt := range tests {
 		got := mustLookup(t, tt.profile).Prefill(tt.new, tt.seq)
@@ -78,6 +84,7 @@ func TestKVCapacity(t *testing.T) {
 		{Qwen3_32BH100x2, 307_328}, // llm-d's published figure
 		{Llama31_8BH100, 434_752},
 		{Llama3_70BH100x2, 15_200},
+		{LlamaCppTinyCPU, 16_384}, // llama-server -c 16384
 	}
 	for _, tt := range tests {
 		if got := mustLookup(t, tt.profile).KVCapacity(); got != tt.want {
@@ -88,7 +95,7 @@ func TestKVCapacity(t *testing.T) {
 
 func TestNamesAndLookup(t *testing.T) {
 	got := strings.Join(Names(), ",")
-	want := "llama3-70b-h100x2,llama3.1-8b-h100,mistral-7b-a6000,qwen3-32b-h100x2"
+	want := "llama3-70b-h100x2,llama3.1-8b-h100,llamacpp-tiny-cpu,mistral-7b-a6000,qwen3-32b-h100x2"
 	if got != want {
 		t.Errorf("Names() = %s, want %s", got, want)
 	}

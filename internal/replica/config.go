@@ -36,7 +36,19 @@ const (
 	// DefaultPriorityQuota is Preble's k: group g admits at most k·(g+1)
 	// requests on its turn (k = 10 in the prototype's chunked-prefill path).
 	DefaultPriorityQuota = 10
+	// DefaultSlotSimilarity is llama.cpp's --slot-prompt-similarity default
+	// (common.h, slot_prompt_similarity = 0.5f).
+	DefaultSlotSimilarity = 0.5
+	// LlamaCppBatch is llama.cpp's default n_batch, the most tokens one
+	// llama_decode of update_slots takes (common.h, n_batch = 2048): the
+	// ChunkBudget that models llama-server.
+	LlamaCppBatch = 2048
 )
+
+// NoSlotSimilarity, as Config.SlotSimilarity, turns similarity matching off:
+// a request takes the least recently used idle slot (llama.cpp's
+// --slot-prompt-similarity 0).
+const NoSlotSimilarity = -1
 
 // NoChunking, as Config.ChunkBudget, turns chunked prefill off: a prompt is
 // prefilled in one iteration and an iteration has no token limit.
@@ -79,6 +91,19 @@ type Config struct {
 	// PriorityQuota·(g+1) requests (LocalPriority only). Default
 	// DefaultPriorityQuota.
 	PriorityQuota int
+	// Slots, when positive, replaces the block cache by llama.cpp's slot
+	// cache (llama-server -np Slots; slots.go): the KV capacity is split
+	// evenly between Slots slots, each keeping the last prompt it served,
+	// at most Slots requests run and the rest wait in arrival order.
+	// MaxRunning is then not used, ChunkBudget (llama.cpp's n_batch) must be
+	// at least Slots and Local must be LocalFCFS. 0 (the default) is the
+	// block cache.
+	Slots int
+	// SlotSimilarity is llama.cpp's --slot-prompt-similarity: a request goes
+	// to the idle slot whose cache it shares more than this fraction of (of
+	// the slot's cached tokens). Slot cache only; in [0, 1), 0 meaning
+	// DefaultSlotSimilarity, or NoSlotSimilarity.
+	SlotSimilarity float64
 }
 
 // DefaultConfig returns a Config with every default filled in and no Profile.
@@ -109,6 +134,9 @@ func (c *Config) Default() {
 	if c.PriorityQuota == 0 {
 		c.PriorityQuota = DefaultPriorityQuota
 	}
+	if c.Slots > 0 && c.SlotSimilarity == 0 {
+		c.SlotSimilarity = DefaultSlotSimilarity
+	}
 }
 
 // Validate reports the first rule the config breaks, as an error wrapping
@@ -125,6 +153,11 @@ func (c Config) Validate() error {
 		return bad("BlockSize must be at least 1, got %d", c.BlockSize)
 	case c.KVCapacity < 0:
 		return bad("KVCapacity must be 0 (the profile's) or positive, got %d", c.KVCapacity)
+	case c.Slots < 0:
+		return bad("Slots must be 0 (a block cache) or positive, got %d", c.Slots)
+	}
+	if c.Slots > 0 {
+		return c.validateSlots(bad)
 	}
 	if capTokens := c.capacity(); capTokens/c.BlockSize < 2 {
 		return bad("KV capacity of %d tokens holds %d blocks of %d tokens; need at least 2",
@@ -144,6 +177,26 @@ func (c Config) Validate() error {
 		return bad("PriorityGroups must be at least 1, got %d", c.PriorityGroups)
 	case c.PriorityQuota < 1:
 		return bad("PriorityQuota must be at least 1, got %d", c.PriorityQuota)
+	}
+	return nil
+}
+
+// validateSlots checks a slot-cache config (Slots > 0).
+func (c Config) validateSlots(bad func(format string, args ...any) error) error {
+	capTokens := c.capacity()
+	switch {
+	case capTokens/c.Slots/c.BlockSize < 2:
+		return bad("KV capacity of %d tokens split between %d slots holds %d blocks of %d tokens per slot; need at least 2",
+			capTokens, c.Slots, capTokens/c.Slots/c.BlockSize, c.BlockSize)
+	case c.ChunkBudget != NoChunking && c.ChunkBudget < 1:
+		return bad("ChunkBudget must be positive or %d (no chunking), got %d", NoChunking, c.ChunkBudget)
+	case c.ChunkBudget != NoChunking && c.ChunkBudget < c.Slots:
+		return bad("ChunkBudget (%d) must be at least Slots (%d) so every decoding slot fits an iteration",
+			c.ChunkBudget, c.Slots)
+	case c.Local != LocalFCFS:
+		return bad("Local must be %q with Slots (llama.cpp serves waiting requests in arrival order), got %q", LocalFCFS, c.Local)
+	case c.SlotSimilarity != NoSlotSimilarity && !(c.SlotSimilarity >= 0 && c.SlotSimilarity < 1):
+		return bad("SlotSimilarity must be in [0, 1) or %d (off), got %v", NoSlotSimilarity, c.SlotSimilarity)
 	}
 	return nil
 }

@@ -88,7 +88,11 @@ type Event struct {
 	// resumed admission, prompt plus generated tokens minus 1), since the
 	// engine always recomputes the last token to get its logits. As in vLLM
 	// v1 the cap is block-aligned: a fully cached prompt whose length is a
-	// multiple of the block size recomputes its whole last block.
+	// multiple of the block size recomputes its whole last block. With a
+	// slot cache (Config.Slots) it is the common prefix with the request's
+	// slot, in whole blocks, capped at the prompt less one token as llama.cpp
+	// caps it (so not always block-aligned), counted from where truncation
+	// starts a long prompt.
 	HitTokens int
 	// Resumed (Admitted) is true when the request was preempted before.
 	Resumed bool

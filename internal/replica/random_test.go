@@ -39,6 +39,34 @@ func TestRandomized(t *testing.T) {
 	}
 }
 
+// TestRandomizedSlots is TestRandomized for the slot cache: 1 to 3 slots,
+// chunked or not, contexts small enough that prompts are truncated and
+// decodes shift, with and without similarity matching.
+func TestRandomizedSlots(t *testing.T) {
+	type mode struct {
+		slots, budget int
+		ctx           int // tokens per slot
+		sim           float64
+	}
+	modes := []mode{
+		{1, 512, 512, 0}, {2, 512, 256, 0}, {2, 24, 384, 0}, {3, NoChunking, 320, 0},
+		{2, 64, 512, NoSlotSimilarity}, {3, 40, 256, 0.8},
+	}
+	seeds := 6
+	if testing.Short() {
+		seeds = 2
+	}
+	for _, m := range modes {
+		for seed := range seeds {
+			t.Run(fmt.Sprintf("slots=%d/budget=%d/ctx=%d/sim=%v/seed=%d", m.slots, m.budget, m.ctx, m.sim, seed), func(t *testing.T) {
+				r := newReplica(t, Config{Profile: linear{kv: m.slots * m.ctx}, Slots: m.slots,
+					ChunkBudget: m.budget, SlotSimilarity: m.sim})
+				randomRun(t, r, rand.New(rand.NewPCG(uint64(seed), 11)), 300)
+			})
+		}
+	}
+}
+
 // life is what the test knows of one request.
 type life struct {
 	req       *Request
@@ -153,7 +181,11 @@ func randomRun(t *testing.T, r *Replica, rng *rand.Rand, nReq int) {
 			t.Errorf("request %d neither finished nor cancelled: %+v", id, *l)
 		}
 	}
-	if st := r.Stats(); st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 || st.Preemptions == 0 && st.Finished == 0 {
+	st := r.Stats()
+	if st.Running != 0 || st.Waiting != 0 || st.Preemptions == 0 && st.Finished == 0 {
+		t.Errorf("at the end: %+v", st)
+	}
+	if r.slots == nil && st.KVUsage != 0 || r.slots != nil && (st.Preemptions != 0 || st.KVUsage > 1) {
 		t.Errorf("at the end: %+v", st)
 	}
 }
@@ -190,7 +222,14 @@ func checkLife(t *testing.T, r *Replica, l *life, e Event, parent map[blocks.Key
 			t.Fatalf("%s: admitted twice", show(e))
 		}
 		target := l.req.PromptTokens + l.n
-		if e.HitTokens%B != 0 || e.HitTokens > target-1 || e.Resumed != (l.n > 0) {
+		aligned := e.HitTokens%B == 0
+		if r.slots != nil {
+			// A slot reuses its common prefix up to the prompt less one
+			// token, from where truncation starts it.
+			target -= truncation(l.req.PromptTokens, r.slotCtx)
+			aligned = e.HitTokens%B == 0 || e.HitTokens == target-1
+		}
+		if !aligned || e.HitTokens > target-1 || e.Resumed != (l.n > 0) {
 			t.Fatalf("%s: bad hit or resumed flag (target %d, %d tokens)", show(e), target, l.n)
 		}
 		l.admitted, l.running = true, true
@@ -220,6 +259,10 @@ func checkLife(t *testing.T, r *Replica, l *life, e Event, parent map[blocks.Key
 // recomputation from its requests.
 func checkInvariants(t *testing.T, r *Replica, parent map[blocks.Key]blocks.Key) {
 	t.Helper()
+	if r.slots != nil {
+		checkSlotInvariants(t, r, parent)
+		return
+	}
 	B := r.cfg.BlockSize
 	c := &r.cache
 	refs := map[blocks.Key]int32{}
@@ -286,5 +329,66 @@ func checkInvariants(t *testing.T, r *Replica, parent map[blocks.Key]blocks.Key)
 	}
 	if c.head != nilEntry && children[c.ents[c.head].key] != 0 {
 		t.Fatalf("LRU head %d is not a leaf", c.ents[c.head].key)
+	}
+}
+
+// checkSlotInvariants checks a slot cache's accounting: every running request
+// on its own slot, at most Slots running, the reported keys exactly the
+// union of the slots' held chains (each a prefix of its slot's keys, and
+// prefix-closed), each slot within its context.
+func checkSlotInvariants(t *testing.T, r *Replica, parent map[blocks.Key]blocks.Key) {
+	t.Helper()
+	B := r.cfg.BlockSize
+	if len(r.running) > len(r.slots) {
+		t.Fatalf("%d requests running on %d slots", len(r.running), len(r.slots))
+	}
+	for _, s := range r.running {
+		if !s.running || s.done || r.slots[s.slot].s != s {
+			t.Fatalf("request %d in the running list is not on its slot %d", s.req.ID, s.slot)
+		}
+	}
+	busy := 0
+	refs := map[blocks.Key]int32{}
+	for i := range r.slots {
+		sl := &r.slots[i]
+		if sl.s != nil {
+			busy++
+			if sl.s.computed >= r.slotCtx {
+				t.Fatalf("slot %d holds %d tokens, its context is %d", i, sl.s.computed, r.slotCtx)
+			}
+		} else if sl.tokens >= r.slotCtx {
+			t.Fatalf("idle slot %d holds %d tokens, its context is %d", i, sl.tokens, r.slotCtx)
+		}
+		if (sl.start > 0 || sl.shifted) && sl.held != 0 {
+			t.Fatalf("slot %d reports %d keys with start %d, shifted %v", i, sl.held, sl.start, sl.shifted)
+		}
+		if sl.held > len(sl.keys) || sl.s != nil && sl.held*B > max(sl.s.computed, 0) {
+			t.Fatalf("slot %d reports %d keys of %d", i, sl.held, len(sl.keys))
+		}
+		for _, k := range sl.keys[:sl.held] {
+			refs[k]++
+		}
+	}
+	if busy != len(r.running) {
+		t.Fatalf("%d busy slots, %d running", busy, len(r.running))
+	}
+	for _, s := range r.waiting {
+		if s.running {
+			t.Fatalf("waiting request %d is running", s.req.ID)
+		}
+	}
+	if got := len(r.running) + len(r.waiting); got != len(r.byID) {
+		t.Fatalf("%d requests queued or running, %d known", got, len(r.byID))
+	}
+	if len(refs) != len(r.slotRefs) {
+		t.Fatalf("slots hold %d keys, %d reported", len(refs), len(r.slotRefs))
+	}
+	for k, n := range refs {
+		if r.slotRefs[k] != n {
+			t.Fatalf("key %d held by %d slots, counted %d", k, n, r.slotRefs[k])
+		}
+		if p, ok := parent[k]; ok && refs[p] == 0 {
+			t.Fatalf("key %d cached without its parent %d", k, p)
+		}
 	}
 }

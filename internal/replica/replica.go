@@ -30,6 +30,10 @@
 // its KV is dropped (cached prompt blocks stay cached, unpinned) and it waits
 // at the front of the queue to recompute (vLLM v1's recompute preemption).
 //
+// With Config.Slots > 0 the cache is llama.cpp's slot cache instead (one
+// prompt per slot, the context split between slots, requests waiting for an
+// idle slot): see slots.go.
+//
 // A Replica is not safe for concurrent use. It reads no clock: every method
 // takes the current time from the caller.
 package replica
@@ -85,6 +89,7 @@ type seq struct {
 	priv      int // blocks held outside the prefix cache
 	generated int // output tokens produced
 	match     int // scratch: cached prefix blocks (lpm)
+	slot      int // slot cache: the slot it runs on, while running
 	done      bool
 }
 
@@ -112,6 +117,12 @@ type Replica struct {
 	decodes []*seq
 	scratch []int32
 	removed int // index in the step's events of its BlocksRemoved event, or -1
+
+	// Slot cache (cfg.Slots > 0; slots.go); nil slots: the block cache.
+	slots    []slot
+	slotCtx  int                  // tokens of context per slot
+	slotRefs map[blocks.Key]int32 // reported chain keys: how many slots hold each
+	nRel     uint64               // slot releases, for LRU
 
 	st Stats
 }
@@ -144,6 +155,9 @@ func New(cfg Config) (*Replica, error) {
 		r.groups = make([][]*seq, cfg.PriorityGroups)
 		r.turn = cfg.PriorityGroups - 1
 	}
+	if cfg.Slots > 0 {
+		r.newSlots()
+	}
 	return r, nil
 }
 
@@ -170,8 +184,9 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 	}
 	// The longest sequence whose KV is ever held is prompt + output - 1 (the
 	// last token's KV is never computed); recomputing it after a preemption
-	// needs one more token and a block of headroom.
-	if need := ceilDiv(req.PromptTokens+req.OutputTokens-1, B) + 1; need > r.nBlocks {
+	// needs one more token and a block of headroom. A slot cache truncates
+	// long prompts and shifts full contexts instead, as llama.cpp does.
+	if need := ceilDiv(req.PromptTokens+req.OutputTokens-1, B) + 1; r.slots == nil && need > r.nBlocks {
 		return fmt.Errorf("%w: request %d needs %d blocks, the replica has %d",
 			ErrTooLong, req.ID, need, r.nBlocks)
 	}
@@ -206,6 +221,10 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, busy bool) {
 	if len(r.running) == 0 && r.nWaiting() == 0 {
 		return now, ev, false
+	}
+	if r.slots != nil {
+		end, ev = r.stepSlots(now, ev)
+		return end, ev, true
 	}
 	B := r.cfg.BlockSize
 	unlimited := r.cfg.ChunkBudget == NoChunking
@@ -276,7 +295,13 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 			r.admitPriority(now, &ev, &budget)
 		}
 	}
+	end, ev = r.runBatch(now, decodeCtx, ev)
+	return end, ev, true
+}
 
+// runBatch runs the iteration scheduled in r.chunks and r.decodes, starting
+// at now: it prices it, applies its effects at its end and returns the end.
+func (r *Replica) runBatch(now time.Time, decodeCtx int, ev []Event) (end time.Time, out []Event) {
 	if len(r.chunks) == 0 && len(r.decodes) == 0 {
 		// Every waiting request fits an idle replica (Submit checks), and a
 		// running request always gets a token of budget, so this is a bug.
@@ -307,7 +332,11 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 		n := r.chunks[i].New
 		s.computed += n
 		r.st.PromptTokensComputed += int64(n)
-		r.store(s, end, &ev)
+		if r.slots != nil {
+			r.storeSlot(s, end, &ev)
+		} else {
+			r.store(s, end, &ev)
+		}
 		if s.computed == s.target && r.produce(s, end, &ev) {
 			nDone++
 		}
@@ -324,7 +353,7 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 		clear(r.running[len(kept):])
 		r.running = kept
 	}
-	return end, ev, true
+	return end, ev
 }
 
 // produce records one output token for s at end and finishes s after its
@@ -413,6 +442,10 @@ func (r *Replica) allocate(n int, now time.Time, ev *[]Event) {
 // release drops s's references to cached blocks, deepest first so that they
 // are evicted deepest first, and frees its other blocks.
 func (r *Replica) release(s *seq) {
+	if r.slots != nil {
+		r.releaseSlot(s)
+		return
+	}
 	keys := s.req.Keys
 	for j := s.pinned - 1; j >= 0; j-- {
 		r.cache.unpin(r.cache.lookup(keys[j]))
@@ -531,6 +564,7 @@ func (r *Replica) ResetPrefixCache(now time.Time) ([]Event, bool) {
 	if len(r.running) > 0 {
 		return nil, false
 	}
+	r.resetSlots()
 	for r.cache.nLRU > 0 {
 		r.cache.evict()
 	}
@@ -538,8 +572,13 @@ func (r *Replica) ResetPrefixCache(now time.Time) ([]Event, bool) {
 }
 
 // CachedPrefix returns how many leading keys of a chain are in the prefix
-// cache now.
-func (r *Replica) CachedPrefix(keys []blocks.Key) int { return r.cache.prefix(keys) }
+// cache now (with a slot cache: held by some slot, busy or idle).
+func (r *Replica) CachedPrefix(keys []blocks.Key) int {
+	if r.slots != nil {
+		return r.slotPrefix(keys)
+	}
+	return r.cache.prefix(keys)
+}
 
 // Stats is a snapshot of the replica, the numbers vLLM exports as metrics.
 // Counters count since New.
@@ -553,6 +592,9 @@ type Stats struct {
 	// KVUsage is the fraction of KV blocks held by requests, in [0, 1].
 	// Cached blocks no request references count as free, as in vLLM's
 	// kv_cache_usage_perc.
+	// With a slot cache it is the fraction of the context holding KV, idle
+	// slots' cache included, as llama.cpp's kv_cache_usage_ratio (see
+	// slotStats for the other block figures).
 	KVUsage float64
 	// TotalBlocks is the KV capacity in blocks.
 	TotalBlocks int
@@ -599,6 +641,9 @@ func (r *Replica) Stats() Stats {
 	st.CachedBlocks = r.cache.len()
 	st.EvictableBlocks = r.cache.nLRU
 	st.KVUsage = float64(r.nBlocks-st.FreeBlocks-st.EvictableBlocks) / float64(r.nBlocks)
+	if r.slots != nil {
+		r.slotStats(&st)
+	}
 	return st
 }
 

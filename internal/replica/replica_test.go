@@ -103,11 +103,15 @@ func applyCacheEvents(m map[blocks.Key]bool, ev []Event) {
 
 func checkMirror(t *testing.T, r *Replica, m map[blocks.Key]bool) {
 	t.Helper()
-	if len(m) != r.cache.len() {
-		t.Fatalf("mirror holds %d keys, cache %d", len(m), r.cache.len())
+	n, has := r.cache.len(), func(k blocks.Key) bool { return r.cache.lookup(k) != nilEntry }
+	if r.slots != nil {
+		n, has = len(r.slotRefs), func(k blocks.Key) bool { return r.slotRefs[k] > 0 }
+	}
+	if len(m) != n {
+		t.Fatalf("mirror holds %d keys, cache %d", len(m), n)
 	}
 	for k := range m {
-		if r.cache.lookup(k) == nilEntry {
+		if !has(k) {
 			t.Fatalf("mirror holds key %d, cache does not", k)
 		}
 	}

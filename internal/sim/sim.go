@@ -26,6 +26,9 @@ type Config struct {
 	// Replicas is the number of replicas.
 	Replicas int
 	// Replica configures every replica (its Profile is set from Profile).
+	// With Replica.Slots > 0 the replicas model llama.cpp's slot cache, and
+	// the router is told so (router.SetCacheSlots), as `prefixlb serve` is
+	// told by a llama-server's /props.
 	Replica replica.Config
 	// Profile prices the replicas' work and the router's estimates.
 	Profile costmodel.Profile
@@ -175,7 +178,12 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
 		}
 		rn.reps = append(rn.reps, rp)
-		rt.AddReplica(fmt.Sprintf("replica-%d", i), cfg.KVEvents)
+		id := rt.AddReplica(fmt.Sprintf("replica-%d", i), cfg.KVEvents)
+		if rc.Slots > 0 {
+			if err := rt.SetCacheSlots(id, rc.Slots); err != nil {
+				return nil, fmt.Errorf("sim: replica %d: %w", i, err)
+			}
+		}
 	}
 	rn.stepping = make([]bool, cfg.Replicas)
 	rn.pending = make([][]replica.Event, cfg.Replicas)

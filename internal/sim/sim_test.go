@@ -4,6 +4,7 @@ import (
 	"context"
 	"math/rand/v2"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -70,14 +71,21 @@ func TestDeterministic(t *testing.T) {
 		t.Fatal(err)
 	}
 	reqs := sharedPrefix(300, 6, 1500, 80, 30, 7)
-	for _, name := range []string{"random", "power-of-two", "e2", "e2-preble", "llmd-precise", "dynamo"} {
+	slots := replica.DefaultConfig()
+	slots.Slots = 2
+	for _, name := range []string{"random", "power-of-two", "e2", "e2-preble", "llmd-precise", "dynamo", "e2 slots", "prefix slots"} {
 		var runs [2]*Result
+		name, slotted := strings.CutSuffix(name, " slots")
 		for i := range runs {
 			pol, err := policy.New(name, policy.DefaultOptions())
 			if err != nil {
 				t.Fatal(err)
 			}
-			runs[i], err = Run(context.Background(), Config{Replicas: 3, Replica: replica.DefaultConfig(), Profile: prof, Policy: pol, KVEvents: true, EventLag: 5 * time.Millisecond, Seed: 42}, reqs)
+			cfg := Config{Replicas: 3, Replica: replica.DefaultConfig(), Profile: prof, Policy: pol, KVEvents: true, EventLag: 5 * time.Millisecond, Seed: 42}
+			if slotted {
+				cfg.Replica, cfg.KVEvents = slots, false
+			}
+			runs[i], err = Run(context.Background(), cfg, reqs)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -167,4 +175,68 @@ func BenchmarkSim10k(b *testing.B) {
 	}
 	b.ReportMetric(b.Elapsed().Seconds()/float64(b.N), "s/sim")
 	b.ReportMetric(float64(10000*b.N)/b.Elapsed().Seconds(), "requests/s")
+}
+
+// TestSlotCacheHitsLess runs a workload of many distinct prefixes (12
+// system prompts of 1,500 tokens, on 3 replicas) on llama.cpp slot caches
+// of 2 slots and on block caches of the same capacity: the slots hold at
+// most 6 prompts at once, so their hit ratio must be well below the block
+// caches'. The router, told the slots, predicts nearly all their hits.
+func TestSlotCacheHitsLess(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.LlamaCppTinyCPU)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reqs := sharedPrefix(400, 12, 1500, 100, 1, 9)
+	for _, name := range []string{"round-robin", "e2"} {
+		hit := map[int]float64{}
+		for _, slots := range []int{0, 2} {
+			pol, err := policy.New(name, policy.DefaultOptions())
+			if err != nil {
+				t.Fatal(err)
+			}
+			rc := replica.Config{ChunkBudget: replica.LlamaCppBatch, Slots: slots}
+			res, err := Run(context.Background(), Config{Replicas: 3, Replica: rc, Profile: prof, Policy: pol, Seed: 1}, reqs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := report.Build(name, 1, res.Records, 0)
+			if r.Errors != 0 {
+				t.Fatalf("%s slots=%d: %d errors", name, slots, r.Errors)
+			}
+			hit[slots] = r.PrefixHitRatio
+			exact := float64(res.Router.PredictionsExact) / float64(res.Router.PredictionsChecked)
+			t.Logf("%s slots=%d: hit %.3f, ttft mean %.0f ms, router predicted %.0f%% of hits within a block",
+				name, slots, r.PrefixHitRatio, r.TTFT.Mean, 100*exact)
+			if slots > 0 && exact < 0.9 {
+				t.Errorf("%s: the router predicted %.0f%% of the slot caches' hits, want ≥ 90%%", name, 100*exact)
+			}
+		}
+		if hit[2] > 0.6*hit[0] {
+			t.Errorf("%s: slot-cache hit ratio %.3f, block cache %.3f: want the slots well below", name, hit[2], hit[0])
+		}
+	}
+}
+
+// TestSlotCacheRouterTold checks that the simulator tells the router about
+// the slots: on one replica with one slot, requests one at a time over 3
+// prefixes overwrite each other, and only a router that models the slot
+// predicts every request's (mostly zero) cached tokens; a block-cache
+// mirror would believe all 3 prefixes cached.
+func TestSlotCacheRouterTold(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.LlamaCppTinyCPU)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reqs := sharedPrefix(60, 3, 1000, 50, 0.2, 4)
+	pol, _ := policy.New("round-robin", policy.DefaultOptions())
+	res, err := Run(context.Background(), Config{Replicas: 1, Replica: replica.Config{Slots: 1}, Profile: prof, Policy: pol}, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := res.Router
+	if st.PredictionsChecked != 60 || st.PredictionsExact != st.PredictionsChecked {
+		t.Errorf("router predicted %d of %d requests' cached tokens within a block (%d predicted, %d reported), want all",
+			st.PredictionsExact, st.PredictionsChecked, st.PredictedTokens, st.ReportedTokens)
+	}
 }
