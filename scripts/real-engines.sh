@@ -24,7 +24,7 @@ bin=$(mktemp -d)/prefixlb
 go build -o "$bin" ./cmd/prefixlb
 
 # The two shapes, the same for the live run and the simulation.
-common=(--replicas 3 --requests 120 --rate 1.5 --output-tokens 24 --seed 1)
+common=(--replicas 3 --requests 120 --rate 1 --output-tokens 24 --seed 1 --profile llamacpp-tiny-cpu)
 shared=(--workload shared-prefix --groups 6 --system-prompt-tokens 1800 --questions-per-group 8 --question-tokens 200 --shared-output-tokens 24)
 tools=(--workload toolbench --zipf 1.1 --tools 20)
 
@@ -37,6 +37,6 @@ for shape in shared tools; do
   "$bin" demo --engine llamacpp "${common[@]}" "${args[@]}" --policies "$policies" \
     --rounds "$rounds" --json "$out/$name.json" | tee "$out/$name.txt"
   echo "== $name: prefixlb sim --engine llamacpp" >&2
-  "$bin" sim --engine llamacpp --slots 2 --profile llamacpp-tiny-cpu "${common[@]}" "${args[@]}" \
+  "$bin" sim --engine llamacpp --slots 2 "${common[@]}" "${args[@]}" \
     --policies "$policies" --json "$out/$name-sim.json" | tee "$out/$name-sim.txt"
 done

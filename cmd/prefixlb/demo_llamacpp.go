@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/pflag"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/llamacpp"
 	"github.com/prefixlb/prefixlb/internal/loadgen"
 	"github.com/prefixlb/prefixlb/internal/proxy"
@@ -49,11 +50,11 @@ func (l *llamaOptions) defaults(o *demoOptions) {
 			apply()
 		}
 	}
-	set("profile", func() { o.profile = proxy.DefaultConfig().Profile })
+	set("profile", func() { o.profile = costmodel.LlamaCppTinyCPU })
 	set("replicas", func() { o.replicas = 3 })
 	set("workload-replicas", func() { o.wl.Spec.Replicas = o.replicas })
 	set("requests", func() { o.wl.Spec.Requests = 120 })
-	set("rate", func() { o.wl.Arrival.Rate = 1.5 })
+	set("rate", func() { o.wl.Arrival.Rate = 1 })
 	set("output-tokens", func() { o.wl.Spec.OutputTokens = 24 })
 	set("tools", func() { o.wl.Spec.ToolBench.Tools = 20 })
 	set("groups", func() { o.wl.Spec.SharedPrefix.Groups = 6 })

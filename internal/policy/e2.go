@@ -423,13 +423,17 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 	if v.Replicas[r].Slots > 0 {
 		// A slot cache overwrites one slot's prompt whole, whatever the
 		// replica's capacity: price the prefixes of that prompt that no
-		// other slot and not this request keep.
+		// other slot and not this request keep. On a slot cache eviction is
+		// routine (every request overwrites a slot), so a prefix another
+		// replica still holds is not lost to the cluster and costs nothing.
 		if v.Victims == nil {
 			return 0
 		}
 		cost := 0.0
 		v.Victims(r, func(n *prefixtree.Node) bool {
-			cost += p.evictionCost(n, v, bt)
+			if n.CachedCount() <= 1 {
+				cost += p.evictionCost(n, v, bt)
+			}
 			return true
 		})
 		return p.cfg.EvictionWeight * cost

@@ -135,6 +135,9 @@ func (n *Node) Important() bool { return n.parent != nil && len(n.keys) > int(n.
 // Cached reports whether replica r caches all of n's blocks.
 func (n *Node) Cached(r int) bool { return n.cachedBy.Has(r) }
 
+// CachedCount is the number of replicas that cache all of n's blocks.
+func (n *Node) CachedCount() int { return n.cachedBy.Len() }
+
 // Ref is the number of in-flight requests on replica r that pass through n.
 func (n *Node) Ref(r int) int {
 	if r < 0 || r >= len(n.rs) {

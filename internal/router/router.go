@@ -349,7 +349,7 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	if c := r.slotted(id); c != nil {
 		// A slot cache: the request takes the slot llama.cpp would give it,
 		// or waits for one (requests_deferred).
-		if s, _ := c.choose(req.Keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity); s != noSlot {
+		if s, _, wait := c.choose(req.Keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity); !wait {
 			r.occupy(id, c, s, f, path, now)
 		} else {
 			c.deferred = append(c.deferred, req.ID)

@@ -77,10 +77,10 @@ func commonBlocks(a, b []blocks.Key) int {
 // the one whose cached tokens the prompt shares the most of, if that is
 // more than sim of the slot's length; else the least recently used idle
 // slot. The common subsequence llama.cpp measures is estimated by the common
-// prefix, which is what the request can reuse. With every slot busy it
-// returns idx = noSlot and the match of the slot assigned longest ago (the
-// first likely to free up).
-func (c *slotCache) choose(keys []blocks.Key, bt int, sim float64) (idx, common int) {
+// prefix, which is what the request can reuse. With every slot busy the
+// request must wait (wait = true); idx is then the slot assigned longest ago,
+// the first likely to free up and so the one it will most likely land on.
+func (c *slotCache) choose(keys []blocks.Key, bt int, sim float64) (idx, common int, wait bool) {
 	idx, bestLCS := noSlot, 0
 	for i := range c.slots {
 		s := &c.slots[i]
@@ -94,7 +94,7 @@ func (c *slotCache) choose(keys []blocks.Key, bt int, sim float64) (idx, common 
 		}
 	}
 	if idx != noSlot {
-		return idx, common
+		return idx, common, false
 	}
 	for i := range c.slots {
 		s := &c.slots[i]
@@ -106,7 +106,7 @@ func (c *slotCache) choose(keys []blocks.Key, bt int, sim float64) (idx, common 
 		}
 	}
 	if idx != noSlot {
-		return idx, commonBlocks(c.slots[idx].keys, keys)
+		return idx, commonBlocks(c.slots[idx].keys, keys), false
 	}
 	oldest := 0
 	for i := range c.slots {
@@ -114,7 +114,7 @@ func (c *slotCache) choose(keys []blocks.Key, bt int, sim float64) (idx, common 
 			oldest = i
 		}
 	}
-	return noSlot, commonBlocks(c.slots[oldest].keys, keys)
+	return oldest, commonBlocks(c.slots[oldest].keys, keys), true
 }
 
 // slotted returns replica id's slot model, or nil when the replica has a
@@ -135,7 +135,7 @@ func (r *Router) slotMatches(keys []blocks.Key) {
 		if c == nil || id >= len(r.match.PerReplica) {
 			continue
 		}
-		_, cb := c.choose(keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
+		_, cb, _ := c.choose(keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
 		r.match.PerReplica[id] = min(r.match.PerReplica[id], cb)
 	}
 }
@@ -195,8 +195,8 @@ func (r *Router) releaseSlot(id int, c *slotCache, fid uint64, f *flight, output
 			c.deferred = c.deferred[1:]
 			continue
 		}
-		s, _ := c.choose(w.keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
-		if s == noSlot {
+		s, _, wait := c.choose(w.keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
+		if wait {
 			return
 		}
 		c.deferred = c.deferred[1:]
@@ -266,16 +266,14 @@ func (r *Router) slotFeedback(id int, c *slotCache, f *flight, reported int, now
 // slotVictims calls fn, until it returns false, for the tree nodes replica
 // id would stop caching if it took a request with keys now: the part of the
 // chosen slot's prompt that neither the request nor another slot shares.
-// Nothing when every slot is busy (the request would wait for one).
+// When every slot is busy that is the slot the request will most likely get
+// once it has waited (choose): a busy replica evicts too, later.
 func (r *Router) slotVictims(id int, keys []blocks.Key, fn func(n *prefixtree.Node) bool) {
 	c := r.slotted(id)
 	if c == nil {
 		return
 	}
-	s, _ := c.choose(keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
-	if s == noSlot {
-		return
-	}
+	s, _, _ := c.choose(keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
 	old := c.slots[s].keys
 	keep := commonBlocks(old, keys)
 	for j := range c.slots {
