@@ -160,6 +160,11 @@ func PrebleE2Config() E2Config {
 //	P = 3·T_prefill(missed on r, prompt)             (a recompute also delays the
 //	                                                  requests that queue behind it)
 //
+// On a replica with a slot cache (llama.cpp; Replica.Slots > 0) "missed" is
+// what the slot the request lands on does not hold, M prices the prompt that
+// slot loses (only prefixes no other replica holds), and L adds the wait for
+// a free slot when all are taken (slotWait).
+//
 // Rebalancing and replication run on movable (windowed prefill) load at most
 // once a second with a per-prefix cooldown; with exploit over every replica
 // they only maintain placements for reports.
