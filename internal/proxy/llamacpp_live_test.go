@@ -10,25 +10,36 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prefixlb/prefixlb/internal/llamacpp"
 )
 
 // TestLiveLlamaServer runs the llama.cpp support against a real
-// llama-server at $PREFIXLB_TEST_LLAMA_URL, started as
-// /work/shared/engines/llama.cpp/README.md says (a model made by
-// make_tiny_gguf.py with Qwen3's tokenizer; --metrics --slots, -np 2 or
-// more):
+// llama-server: the one at $PREFIXLB_TEST_LLAMA_URL (a model carrying
+// Qwen3's tokenizer, --metrics --slots, -np 2 or more), else one it starts
+// itself from $PREFIXLB_TEST_LLAMA_SERVER (internal/llamacpp.ForTest):
 //
-//	llama-server -m /tmp/tiny.gguf --host 127.0.0.1 --port 8081 -t 1 -np 2 -c 8192 --metrics --slots
 //	PREFIXLB_TEST_LLAMA_URL=http://127.0.0.1:8081 go test -run TestLiveLlamaServer ./internal/proxy/
 //
 // It checks the detection, the tokenizer probe in llama.cpp's shape, and
 // that the cached tokens the router is told (from timings) match its
 // prediction within one block on a repeated prompt, streamed and not. It
-// is skipped when the variable is unset.
+// is skipped when neither variable is set.
 func TestLiveLlamaServer(t *testing.T) {
 	base := os.Getenv("PREFIXLB_TEST_LLAMA_URL")
 	if base == "" {
-		t.Skip("set PREFIXLB_TEST_LLAMA_URL to a running llama-server (see /work/shared/engines/llama.cpp/README.md) to run this test")
+		bin, model, skip := llamacpp.ForTest()
+		if skip != "" {
+			t.Skip("PREFIXLB_TEST_LLAMA_URL unset, and " + skip)
+		}
+		o := llamacpp.Default(bin, model)
+		o.Context = 8192
+		srv, err := llamacpp.Start(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(srv.Stop)
+		base = srv.URL
 	}
 	ctx := context.Background()
 	client := &http.Client{Timeout: 30 * time.Second}
