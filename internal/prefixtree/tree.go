@@ -868,8 +868,8 @@ func (t *Tree) remove(n *Node) {
 }
 
 // UncacheFrom marks the blocks keys[from:] of one prompt's path not cached
-// on replica r, splitting the node that holds keys[from] so that the blocks
-// before it keep their state. Keys the tree no longer holds are skipped. It
+// on replica r, splitting the nodes that hold keys[from] and the last key
+// so that the blocks before and after them keep their state. Keys the tree no longer holds are skipped. It
 // is how the router drops the tail of a prompt that a slot cache (llama.cpp)
 // overwrote: the caller must make sure no other prompt cached on r passes
 // through keys[from:].
@@ -894,6 +894,11 @@ func (t *Tree) UncacheFrom(keys []blocks.Key, from int, r int) {
 		path = append(path, n)
 		i += len(n.keys)
 		if i >= len(keys) {
+			if i > len(keys) {
+				// The node runs on past the prompt (a longer prompt shares
+				// it): keep its tail's state.
+				t.split(n, len(n.keys)-(i-len(keys)))
+			}
 			break
 		}
 		next, noff, ok := t.Find(keys[i])

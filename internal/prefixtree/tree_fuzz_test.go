@@ -125,8 +125,18 @@ func runTreeOps(t *testing.T, data []byte, maxBlocks int) {
 			}
 			delete(m.cached[r], k)
 		case 3:
-			tr.ClearReplica(r)
-			m.cached[r] = map[blocks.Key]bool{}
+			if arg&1 == 1 && len(prompts) > 0 {
+				// A slot cache overwrote the tail of an earlier prompt on r.
+				p := prompts[int(arg>>1)%len(prompts)]
+				from := int(arg>>2) % (len(p) + 1)
+				tr.UncacheFrom(p, from, r)
+				for _, k := range p[from:] {
+					delete(m.cached[r], k)
+				}
+			} else {
+				tr.ClearReplica(r)
+				m.cached[r] = map[blocks.Key]bool{}
+			}
 		case 4: // an engine reports storing a prompt's tail below its head
 			keys := fuzzPrompt(op, arg)
 			j := int(arg>>3) % (len(keys) + 1)
