@@ -39,4 +39,7 @@ for shape in shared tools; do
   echo "== $name: prefixlb sim --engine llamacpp" >&2
   "$bin" sim --engine llamacpp --slots 2 "${common[@]}" "${args[@]}" \
     --policies "$policies" --json "$out/$name-sim.json" | tee "$out/$name-sim.txt"
+  echo "== $name: prefixlb sim --engine llamacpp --host-cores 2 (the three servers share this machine's two cores)" >&2
+  "$bin" sim --engine llamacpp --slots 2 --host-cores 2 "${common[@]}" "${args[@]}" \
+    --policies "$policies" --json "$out/$name-sim-host2.json" | tee "$out/$name-sim-host2.txt"
 done

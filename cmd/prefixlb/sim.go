@@ -33,6 +33,7 @@ type simOptions struct {
 	chunk      int
 	kvEvents   bool
 	eventLag   time.Duration
+	hostCores  int
 	specTTL    time.Duration
 	routerSeed uint64
 	jsonPath   string
@@ -140,6 +141,7 @@ The local scheduler must be fcfs.`,
 	fs.IntVar(&o.chunk, "chunk-budget", 512, "prefill token budget per iteration (-1: no chunked prefill)")
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "feed the router the replicas' KV events (else it mirrors caches from its own decisions)")
 	fs.DurationVar(&o.eventLag, "event-lag", 10*time.Millisecond, "delay of KV events on their way to the router")
+	fs.IntVar(&o.hostCores, "host-cores", 0, "put every replica on one host of this many CPU cores (CPU engines such as llama.cpp sharing a machine): an iteration that starts while k > N replicas compute takes k/N as long; 0: each replica has its own hardware")
 	fs.DurationVar(&o.specTTL, "speculative-ttl", 0, "with --kv-events: how long a routed prompt counts as cached on its replica before an event confirms it (0: 2s; negative: off)")
 	fs.Uint64Var(&o.routerSeed, "router-seed", 1, "seed of the router's random choices")
 	fs.StringVar(&o.jsonPath, "json", "", "write results as JSON to this file (- for stdout)")
@@ -255,7 +257,8 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			}
 			start := time.Now()
 			cfg := sim.Config{Replicas: o.replicas, Replica: prc, Profile: prof, Policy: pol,
-				KVEvents: o.kvEvents, EventLag: o.eventLag, SpeculativeTTL: o.specTTL, Seed: o.routerSeed, Rate: label}
+				KVEvents: o.kvEvents, EventLag: o.eventLag, SpeculativeTTL: o.specTTL, Seed: o.routerSeed, Rate: label,
+				HostCores: o.hostCores}
 			if !o.quiet {
 				cfg.Progress = func(done, total int) {
 					fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)

@@ -48,6 +48,12 @@ type Config struct {
 	Rate float64
 	// Progress, when set, is called now and then with requests finished.
 	Progress func(done, total int)
+	// HostCores, when > 0, puts every replica on one host of that many
+	// CPU cores, as CPU engines (llama.cpp's llama-server with one thread
+	// each) share a machine: an iteration that starts while k > HostCores
+	// replicas compute takes k/HostCores times as long (processor sharing,
+	// fixed at the iteration's start). 0: each replica has its own hardware.
+	HostCores int
 }
 
 // Validate reports the first invalid field.
@@ -61,6 +67,8 @@ func (c *Config) Validate() error {
 		return errors.New("sim: a policy is required")
 	case c.EventLag < 0:
 		return fmt.Errorf("sim: event lag must be ≥ 0, got %v", c.EventLag)
+	case c.HostCores < 0:
+		return fmt.Errorf("sim: host cores must be ≥ 0, got %d", c.HostCores)
 	}
 	return nil
 }
@@ -262,6 +270,26 @@ func (rn *runner) arrive(i int, now time.Time) {
 // step starts replica r's next iteration at now and schedules its end.
 func (rn *runner) step(r int, now time.Time) {
 	end, evs, busy := rn.reps[r].Step(now, rn.pending[r][:0])
+	if c := rn.cfg.HostCores; c > 0 && busy {
+		k := 1 // replicas computing during this iteration, this one included
+		for j, on := range rn.stepping {
+			if on && j != r {
+				k++
+			}
+		}
+		if k > c {
+			// Stretch the iteration; its events are dated at its start or
+			// its end, and those at the end move with it.
+			d := end.Sub(now)
+			stretched := now.Add(time.Duration(float64(d) * float64(k) / float64(c)))
+			for i := range evs {
+				if evs[i].At.After(now) {
+					evs[i].At = stretched
+				}
+			}
+			end = stretched
+		}
+	}
 	rn.pending[r] = evs
 	// Events dated at the start of the iteration (admissions, evictions)
 	// apply now; the rest at its end.

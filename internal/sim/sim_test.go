@@ -240,3 +240,37 @@ func TestSlotCacheRouterTold(t *testing.T) {
 			st.PredictionsExact, st.PredictionsChecked, st.PredictedTokens, st.ReportedTokens)
 	}
 }
+
+// TestHostCores: replicas sharing a host's cores (CPU engines) run slower
+// when more of them compute at once than there are cores; with a core each
+// nothing changes.
+func TestHostCores(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.LlamaCppTinyCPU)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reqs := sharedPrefix(120, 6, 1500, 100, 2, 5)
+	run := func(cores int) report.Result {
+		pol, err := policy.New("round-robin", policy.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		rc := replica.Config{ChunkBudget: replica.LlamaCppBatch, Slots: 2}
+		res, err := Run(context.Background(), Config{Replicas: 3, Replica: rc, Profile: prof, Policy: pol, Seed: 1, HostCores: cores}, reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return report.Build("round-robin", 2, res.Records, 0)
+	}
+	own, three, two, one := run(0), run(3), run(2), run(1)
+	if three.TTFT != own.TTFT {
+		t.Errorf("3 cores for 3 replicas: TTFT %+v, want the unshared %+v", three.TTFT, own.TTFT)
+	}
+	if !(one.TTFT.Mean > two.TTFT.Mean && two.TTFT.Mean > own.TTFT.Mean) {
+		t.Errorf("mean TTFT with 1, 2 cores and unshared: %.0f, %.0f, %.0f ms; want it to fall as cores are added",
+			one.TTFT.Mean, two.TTFT.Mean, own.TTFT.Mean)
+	}
+	if err := (&Config{Replicas: 1, Profile: prof, Policy: &policy.RoundRobin{}, HostCores: -1}).Validate(); err == nil {
+		t.Error("negative host cores: no error")
+	}
+}
