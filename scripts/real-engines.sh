@@ -17,6 +17,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/results/real-engines}
 mkdir -p "$out"
+# The uniform-slowdown variant of the simulation (docs/real-engines.md): the
+# measured profile with every time ×1.4.
+[ -f "$out/llamacpp-tiny-cpu-x1.4.yaml" ] || cp docs/results/real-engines/llamacpp-tiny-cpu-x1.4.yaml "$out/"
 export PREFIXLB_LLAMA_SERVER=${PREFIXLB_LLAMA_SERVER:-${PREFIXLB_TEST_LLAMA_SERVER:-$(cd .. && pwd)/shared/engines/llama.cpp/llama-server}}
 rounds=${ROUNDS:-1}
 policies=${POLICIES:-round-robin,least-load,llmd-approx,sglang,prefix,e2}
@@ -39,6 +42,8 @@ for shape in shared tools; do
   echo "== $name: prefixlb sim --engine llamacpp" >&2
   "$bin" sim --engine llamacpp --slots 2 "${common[@]}" "${args[@]}" \
     --policies "$policies" --json "$out/$name-sim.json" | tee "$out/$name-sim.txt"
+  "$bin" sim --engine llamacpp --slots 2 "${common[@]}" "${args[@]}" --profile "$out/llamacpp-tiny-cpu-x1.4.yaml" \
+    --policies "$policies" --json "$out/$name-sim-x1.4.json" >/dev/null
   echo "== $name: prefixlb sim --engine llamacpp --host-cores 2 (the three servers share this machine's two cores)" >&2
   "$bin" sim --engine llamacpp --slots 2 --host-cores 2 "${common[@]}" "${args[@]}" \
     --policies "$policies" --json "$out/$name-sim-host2.json" | tee "$out/$name-sim-host2.txt"

@@ -202,14 +202,19 @@ func demoCompare(o *demoOptions, results []report.Result, stdout io.Writer) erro
 				b.Policy, a.Policy, a.TTFT.Mean/b.TTFT.Mean, a.TTFT.P99/b.TTFT.P99, a.Latency.Mean/max(b.Latency.Mean, 1e-9))
 		}
 	}
-	switch o.jsonPath {
+	return writeDemoJSON(o.jsonPath, stdout, results)
+}
+
+// writeDemoJSON writes --json: nothing for "", stdout for "-", else a file.
+func writeDemoJSON(path string, stdout io.Writer, results []report.Result) error {
+	switch path {
 	case "":
+		return nil
 	case "-":
 		return report.WriteJSON(stdout, results)
 	default:
-		return report.WriteJSONFile(o.jsonPath, results)
+		return report.WriteJSONFile(path, results)
 	}
-	return nil
 }
 
 // demoSpeed says how fast the modelled GPUs run against real time

@@ -163,14 +163,7 @@ func runLlamaDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer)
 	}
 	fmt.Fprintln(stdout)
 	writePrefillTable(stdout, results)
-	switch o.jsonPath {
-	case "":
-	case "-":
-		return report.WriteJSON(stdout, results)
-	default:
-		return report.WriteJSONFile(o.jsonPath, results)
-	}
-	return nil
+	return writeDemoJSON(o.jsonPath, stdout, results)
 }
 
 // llamaRun is one run of one policy.
