@@ -6,7 +6,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
@@ -238,16 +237,8 @@ func llamaDemoRun(ctx context.Context, o *demoOptions, pol string, reqs []worklo
 	if err != nil {
 		return llamaRun{}, err
 	}
-	srv := &http.Server{Handler: p.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	wg.Add(2)
-	go func() { defer wg.Done(); _ = srv.Serve(ln) }()
-	go func() {
-		defer wg.Done()
-		<-ctx.Done()
-		sctx, c := context.WithTimeout(context.Background(), 5*time.Second)
-		defer c()
-		_ = srv.Shutdown(sctx)
-	}()
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = p.Serve(ctx, ln) }() // drains when ctx ends
 	target := "http://" + ln.Addr().String()
 	// The router learns each replica's kind and slots from its first
 	// health check and scrape; give it that before the load starts.

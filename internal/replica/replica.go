@@ -391,17 +391,7 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 	keys := s.req.Keys
 	full := min(s.computed/r.cfg.BlockSize, len(keys))
 	run := -1 // start of the current run of new keys
-	flush := func(upto int) {
-		if run < 0 {
-			return
-		}
-		e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto]}
-		if run > 0 {
-			e.Parent, e.HasParent = keys[run-1], true
-		}
-		*ev = append(*ev, e)
-		run = -1
-	}
+	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end) }
 	for ; s.pinned < full; s.pinned++ {
 		k := keys[s.pinned]
 		if i := r.cache.lookup(k); i != nilEntry {
@@ -417,6 +407,20 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 		r.privAll--
 	}
 	flush(full)
+}
+
+// appendStored appends a BlocksStored event for keys[run:upto] (the chain
+// continuing keys[run-1]) when run ≥ 0, and returns -1: no run open.
+func appendStored(ev *[]Event, keys []blocks.Key, run, upto int, end time.Time) int {
+	if run < 0 {
+		return -1
+	}
+	e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto]}
+	if run > 0 {
+		e.Parent, e.HasParent = keys[run-1], true
+	}
+	*ev = append(*ev, e)
+	return -1
 }
 
 // freeBlocks is the number of blocks neither cached nor held by a request.

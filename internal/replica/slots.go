@@ -228,17 +228,7 @@ func (r *Replica) storeSlot(s *seq, end time.Time, ev *[]Event) {
 	keys := s.req.Keys
 	full := min(min(s.computed, s.target)/r.cfg.BlockSize, len(keys))
 	run := -1
-	flush := func(upto int) {
-		if run < 0 {
-			return
-		}
-		e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto]}
-		if run > 0 {
-			e.Parent, e.HasParent = keys[run-1], true
-		}
-		*ev = append(*ev, e)
-		run = -1
-	}
+	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end) }
 	for ; sl.held < full; sl.held++ {
 		k := keys[sl.held]
 		if r.slotRefs[k]++; r.slotRefs[k] > 1 {
