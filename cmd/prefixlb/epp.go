@@ -37,6 +37,7 @@ type eppFlags struct {
 	backends, discovery      string
 	kubeconfig               string
 	policy, profile          string
+	calibrate                bool
 	blockTokens              int
 	seed                     uint64
 	fallbacks, maxQueue      int
@@ -75,7 +76,12 @@ sees them (backend kind, cache view) at /debug/replicas. See docs/kubernetes.md.
 auto each replica's is detected when it joins and whenever it is ready again
 (its /metrics names, llama.cpp's /props, /v1/models owned_by, the Server
 header). A llama.cpp replica's slot cache is modelled from its /props
-total_slots and its cached tokens read from the timings of its responses.`,
+total_slots and its cached tokens read from the timings of its responses.
+
+--calibrate (on by default) learns each replica's real prefill and decode
+speed from the response path (first tokens, the gaps between streamed tokens,
+llama.cpp's timings), starting from --profile: a pool of mixed GPUs gets each
+pod its own speed (docs/calibration.md).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runEPP(cmd.Context(), cmd, f) },
 	}
@@ -89,7 +95,8 @@ total_slots and its cached tokens read from the timings of its responses.`,
 	fs.StringVar(&f.discovery, "discovery", "", "service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME")
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster config)")
 	fs.StringVar(&f.policy, "policy", "e2", "routing policy spec")
-	fs.StringVar(&f.profile, "profile", "llama3.1-8b-h100", "cost profile: built-in name or YAML file")
+	fs.StringVar(&f.profile, "profile", "llama3.1-8b-h100", "cost profile: built-in name or YAML file, optionally :time_scale=X")
+	fs.BoolVar(&f.calibrate, "calibrate", true, "learn each replica's real prefill and decode speed from the requests it serves, starting from --profile (--calibrate=false: price with the profile as configured)")
 	fs.IntVar(&f.blockTokens, "block-tokens", 16, "engine KV block size in tokens")
 	fs.Uint64Var(&f.seed, "seed", 0, "random seed of the router")
 	fs.IntVar(&f.fallbacks, "fallbacks", 2, "fallback endpoints after the primary (-1: none)")
@@ -140,7 +147,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	if err != nil {
 		return fmt.Errorf("epp: --backend-kind: %w", err)
 	}
-	cfg := epp.Config{Policy: f.policy, Profile: f.profile, BlockTokens: f.blockTokens, Seed: f.seed,
+	cfg := epp.Config{Policy: f.policy, Profile: f.profile, NoCalibrate: !f.calibrate, BlockTokens: f.blockTokens, Seed: f.seed,
 		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, ScrapeInterval: f.scrape, Tokenizer: f.tokenizer,
 		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Logger: log}
 	if f.fallbacks == 0 {

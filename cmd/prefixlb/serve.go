@@ -38,6 +38,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"backend":                 func() { c.Backends = proxy.ParseBackends(f.backends) },
 		"policy":                  func() { c.Policy = f.cfg.Policy },
 		"profile":                 func() { c.Profile = f.cfg.Profile },
+		"calibrate":               func() { c.Calibrate = f.cfg.Calibrate },
 		"block-tokens":            func() { c.BlockTokens = f.cfg.BlockTokens },
 		"seed":                    func() { c.Seed = f.cfg.Seed },
 		"admin-token":             func() { c.AdminToken = f.cfg.AdminToken },
@@ -113,7 +114,16 @@ keys text and chat prompts by the replicas' token ids (chats rendered with the
 model's chat template, as vLLM does), so keys are the replicas' KV blocks. The
 router checks it against each replica's /tokenize at start and when a replica
 is re-admitted; while one disagrees, text and chats are keyed by text chunks
-(prefixlb_tokenizer_match, prefixlb_tokenizer_fallback). Default: text chunks.`,
+(prefixlb_tokenizer_match, prefixlb_tokenizer_fallback). Default: text chunks.
+
+Cost model: --profile (or profile, and profile on a backend in the config file,
+for a cluster of mixed GPUs) prices each replica's prefill and decode in
+seconds. With --calibrate (the default) the router learns each replica's real
+speed from what it serves — prefill from the busy periods between routing and
+first tokens, decode from the median gap between streamed tokens, and
+llama.cpp's own timings when its responses carry them — and prices with that
+(prefixlb_replica_prefill_seconds_per_1k_tokens, ..._decode_step_seconds,
+GET /debug/replicas; docs/calibration.md).`,
 		Example: `  prefixlb serve --listen :8080 --backend http://10.0.0.1:8000,http://10.0.0.2:8000
   prefixlb serve --backend http://a:8000,http://b:8000 --kv-events tcp://a:5557,tcp://b:5557
   prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"`,
@@ -133,7 +143,8 @@ is re-admitted; while one disagrees, text and chats are keyed by text chunks
 	fs.DurationVar(&d.SpeculativeTTL, "speculative-ttl", 0, "how long a routed prompt counts as cached on a KV-event replica before its events confirm it (0: 2s; negative: off)")
 	fs.StringVar(&d.Policy, "policy", d.Policy, "routing policy: "+strings.Join(policy.Names(), ", ")+" (e2 settings: 'e2:mixing=false')")
 	fs.StringVar(&f.config, "config", "", "YAML config file; flags given override its values")
-	fs.StringVar(&d.Profile, "profile", d.Profile, "cost profile name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file")
+	fs.StringVar(&d.Profile, "profile", d.Profile, "cost profile: a name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file, optionally :time_scale=X; a backend's profile in --config wins")
+	fs.BoolVar(&d.Calibrate, "calibrate", d.Calibrate, "learn each replica's real prefill and decode speed from the requests it serves, starting from its profile (--calibrate=false: price with the profiles as configured)")
 	fs.IntVar(&d.BlockTokens, "block-tokens", d.BlockTokens, "tokens per routing key (engine block size); text is keyed in chunks of 4x this many bytes")
 	fs.Uint64Var(&d.Seed, "seed", d.Seed, "seed of the router's random choices")
 	fs.StringVar(&d.AdminToken, "admin-token", "", "bearer token required by /debug/* (default $PREFIXLB_ADMIN_TOKEN)")

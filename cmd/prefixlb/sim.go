@@ -14,6 +14,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/replica"
@@ -30,7 +31,8 @@ type simOptions struct {
 	policies   string
 	rates      string
 	local      string
-	chunk      int
+	chunk      int // 0: each replica's profile's engine default
+	maxSeqs    int // 0: each replica's profile's engine default
 	kvEvents   bool
 	eventLag   time.Duration
 	hostCores  int
@@ -41,6 +43,12 @@ type simOptions struct {
 	quiet      bool
 	engine     string // simEngineVLLM or simEngineLlamaCpp
 	slots      int    // llama.cpp slots per replica (-np); 0 with vllm
+	// replicaProfiles gives each replica its own true profile
+	// (SPEC[*N],...); routerProfile the profile the router is told for
+	// every replica; calibrate makes the router learn each one's speed.
+	replicaProfiles string
+	routerProfile   string
+	calibrate       bool
 }
 
 // The replica engines `sim --engine` models.
@@ -114,10 +122,26 @@ one, reuses only the common prefix with it and waits while every slot is busy.
 The router is told each replica's slots. Unless given, --chunk-budget becomes
 2048 (n_batch), --kv-events false (llama.cpp publishes none) and --profile
 llamacpp-tiny-cpu (the tiny test model on one CPU thread, docs/profiles.md).
-The local scheduler must be fcfs.`,
+The local scheduler must be fcfs.
+
+Each replica batches as its profile's engine does unless --chunk-budget and
+--max-seqs say otherwise: vLLM's defaults for the OpenAI server by GPU
+(max_num_batched_tokens 8192 and max_num_seqs 1024 on GPUs of 70 GiB or
+more other than the A100; 2048 and 256 elsewhere), and Preble's 512-token
+chunks on mistral-7b-a6000 (docs/profiles.md).
+
+A profile is a built-in name or a YAML file, optionally with scaled times:
+'llama3.1-8b-h100:time_scale=0.5' is twice as fast. --replica-profiles
+gives each replica its own (a mixed cluster; NAME*N repeats one), and
+--router-profile tells the router another than the replicas' true ones.
+--calibrate makes the router learn each replica's real prefill and decode
+speed from first tokens and finishes (and llama.cpp's timings), starting
+from the profile it was told (internal/calibrate; docs/calibration.md).`,
 		Example: `  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --policies round-robin,e2 --rates 4,8,12
   prefixlb sim --trace trace.jsonl --trace-format mooncake --replicas 8 --profile llama3-70b-h100x2 --json out.json
-  prefixlb sim --engine llamacpp --slots 2 --workload toolbench --replicas 3 --rate 1 --requests 300 --policies round-robin,e2`,
+  prefixlb sim --engine llamacpp --slots 2 --workload toolbench --replicas 3 --rate 1 --requests 300 --policies round-robin,e2
+  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --rate 60 \
+      --replica-profiles 'llama3.1-8b-h100*2,llama3.1-8b-a100*2' --router-profile llama3.1-8b-h100 --calibrate`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("workload-replicas") {
@@ -134,11 +158,15 @@ The local scheduler must be fcfs.`,
 	fs := cmd.Flags()
 	o.wl.AddFlags(fs)
 	fs.IntVar(&o.replicas, "replicas", 4, "number of replicas")
-	fs.StringVar(&o.profile, "profile", "mistral-7b-a6000", "cost profile name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file")
+	fs.StringVar(&o.profile, "profile", "mistral-7b-a6000", "cost profile: a name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file, optionally :time_scale=X, :prefill_scale=X, :decode_scale=X")
+	fs.StringVar(&o.replicaProfiles, "replica-profiles", "", "each replica's own true profile, comma-separated, SPEC*N repeating one (a mixed cluster; replaces --profile for the replicas)")
+	fs.StringVar(&o.routerProfile, "router-profile", "", "the profile the router's cost model is told for every replica (default: each replica's own true one)")
+	fs.BoolVar(&o.calibrate, "calibrate", false, "the router learns each replica's real prefill and decode speed online, starting from the profile it was told")
 	fs.StringVar(&o.policies, "policies", "round-robin,llmd-precise,e2", "comma-separated policies: "+strings.Join(policy.Names(), ", "))
 	fs.StringVar(&o.rates, "rates", "", "comma-separated request rates to sweep (overrides --rate)")
 	fs.StringVar(&o.local, "local", "fcfs", "replicas' local scheduler: fcfs, lpm, priority")
-	fs.IntVar(&o.chunk, "chunk-budget", 512, "prefill token budget per iteration (-1: no chunked prefill)")
+	fs.IntVar(&o.chunk, "chunk-budget", 0, "prefill token budget per iteration, decodes included: vLLM's max_num_batched_tokens (0: each profile's engine default; -1: no chunked prefill)")
+	fs.IntVar(&o.maxSeqs, "max-seqs", 0, "most requests running at once per replica: vLLM's max_num_seqs (0: each profile's engine default)")
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "feed the router the replicas' KV events (else it mirrors caches from its own decisions)")
 	fs.DurationVar(&o.eventLag, "event-lag", 10*time.Millisecond, "delay of KV events on their way to the router")
 	fs.IntVar(&o.hostCores, "host-cores", 0, "put every replica on one host of this many CPU cores (CPU engines such as llama.cpp sharing a machine): an iteration that starts while k > N replicas compute takes k/N as long; 0: each replica has its own hardware")
@@ -154,12 +182,101 @@ The local scheduler must be fcfs.`,
 
 func init() { rootCmd.AddCommand(newSimCmd()) }
 
-// loadProfile resolves a profile name or YAML path.
-func loadProfile(name string) (costmodel.Profile, error) {
-	if strings.HasSuffix(name, ".yaml") || strings.HasSuffix(name, ".yml") || strings.Contains(name, "/") {
-		return costmodel.Load(name)
+// loadProfile resolves a profile spec: a built-in name or a YAML file,
+// optionally with scaled times (costmodel.Resolve).
+func loadProfile(spec string) (costmodel.Profile, error) {
+	return costmodel.Resolve(spec)
+}
+
+// parseReplicaProfiles resolves --replica-profiles for n replicas: specs
+// separated by commas, SPEC*N standing for N of one.
+func parseReplicaProfiles(list string, n int) ([]costmodel.Profile, error) {
+	var out []costmodel.Profile
+	for _, item := range strings.Split(list, ",") {
+		item = strings.TrimSpace(item)
+		count := 1
+		if i := strings.LastIndex(item, "*"); i >= 0 {
+			c, err := strconv.Atoi(item[i+1:])
+			if err != nil || c < 1 {
+				return nil, fmt.Errorf("--replica-profiles: %q: the count after * must be a positive integer", item)
+			}
+			item, count = item[:i], c
+		}
+		if item == "" {
+			return nil, fmt.Errorf("--replica-profiles: an empty profile in %q", list)
+		}
+		p, err := loadProfile(item)
+		if err != nil {
+			return nil, fmt.Errorf("--replica-profiles: %w", err)
+		}
+		for ; count > 0; count-- {
+			out = append(out, p)
+		}
 	}
-	return costmodel.Lookup(name)
+	if len(out) != n {
+		return nil, fmt.Errorf("--replica-profiles names %d replicas, --replicas is %d", len(out), n)
+	}
+	return out, nil
+}
+
+// simProfiles are the profiles of one simulated cluster.
+type simProfiles struct {
+	base     costmodel.Profile   // --profile
+	replicas []costmodel.Profile // --replica-profiles (nil: base for all)
+	router   []costmodel.Profile // --router-profile (nil: each replica's own)
+}
+
+// distinct lists each different true profile once, in replica order.
+func (sp *simProfiles) distinct() []costmodel.Profile {
+	if len(sp.replicas) == 0 {
+		return []costmodel.Profile{sp.base}
+	}
+	var out []costmodel.Profile
+	for _, p := range sp.replicas {
+		seen := false
+		for _, q := range out {
+			seen = seen || q == p
+		}
+		if !seen {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// fastest is the true profile with the shortest 1,000-token prefill: the
+// oracle's replica (no router beats a request alone on the fastest one).
+func (sp *simProfiles) fastest() costmodel.Profile {
+	best := sp.base
+	for i, p := range sp.distinct() {
+		if i == 0 || p.Prefill(1000, 1000) < best.Prefill(1000, 1000) {
+			best = p
+		}
+	}
+	return best
+}
+
+func resolveSimProfiles(o *simOptions) (*simProfiles, error) {
+	base, err := loadProfile(o.profile)
+	if err != nil {
+		return nil, err
+	}
+	sp := &simProfiles{base: base}
+	if o.replicaProfiles != "" {
+		if sp.replicas, err = parseReplicaProfiles(o.replicaProfiles, o.replicas); err != nil {
+			return nil, err
+		}
+	}
+	if o.routerProfile != "" {
+		rp, err := loadProfile(o.routerProfile)
+		if err != nil {
+			return nil, fmt.Errorf("--router-profile: %w", err)
+		}
+		for i := 0; i < o.replicas; i++ {
+			sp.router = append(sp.router, rp)
+		}
+	}
+	return sp, nil
 }
 
 func parseRates(s string, def float64) ([]float64, error) {
@@ -178,10 +295,11 @@ func parseRates(s string, def float64) ([]float64, error) {
 }
 
 func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error {
-	prof, err := loadProfile(o.profile)
+	sp, err := resolveSimProfiles(o)
 	if err != nil {
 		return err
 	}
+	prof := sp.base
 	rates, err := parseRates(o.rates, o.wl.Arrival.Rate)
 	if err != nil {
 		return err
@@ -194,23 +312,36 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			return err
 		}
 		if hasLocal {
-			c := replica.DefaultConfig()
-			c.Local = local
-			c.Slots = o.slots
-			c.Profile = prof
-			if err := c.Validate(); err != nil {
-				return fmt.Errorf("--policies %q: %w", s, err)
+			for _, p := range sp.distinct() {
+				c := replica.DefaultConfig()
+				c.Local = local
+				c.Slots = o.slots
+				c.ChunkBudget, c.MaxRunning = o.chunk, o.maxSeqs
+				c.Profile = p
+				c.Default()
+				if err := c.Validate(); err != nil {
+					return fmt.Errorf("--policies %q: %w", s, err)
+				}
 			}
 		}
 	}
 	rc := replica.DefaultConfig()
 	rc.Local = o.local
 	rc.ChunkBudget = o.chunk
+	rc.MaxRunning = o.maxSeqs
 	rc.Slots = o.slots
-	rc.Profile = prof
-	rc.Default()
-	if err := rc.Validate(); err != nil {
-		return err
+	for _, p := range sp.distinct() {
+		c := rc
+		c.Profile = p
+		c.Default()
+		if err := c.Validate(); err != nil {
+			return fmt.Errorf("profile %s: %w", p.Name(), err)
+		}
+	}
+	var calCfg *calibrate.Config
+	if o.calibrate {
+		c := calibrate.DefaultConfig()
+		calCfg = &c
 	}
 	if o.outDir != "" {
 		if err := os.MkdirAll(o.outDir, 0o755); err != nil {
@@ -239,7 +370,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 				label = float64(len(reqs)-1) / span
 			}
 		}
-		oracle := sim.Oracle(reqs, prof, rc.BlockSize)
+		oracle := sim.Oracle(reqs, sp.fastest(), rc.BlockSize)
 		var orc report.Samples
 		for _, d := range oracle {
 			orc.Add(float64(d) / float64(time.Millisecond))
@@ -257,6 +388,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			}
 			start := time.Now()
 			cfg := sim.Config{Replicas: o.replicas, Replica: prc, Profile: prof, Policy: pol,
+				Profiles: sp.replicas, RouterProfiles: sp.router, Calibrate: calCfg,
 				KVEvents: o.kvEvents, EventLag: o.eventLag, SpeculativeTTL: o.specTTL, Seed: o.routerSeed, Rate: label,
 				HostCores: o.hostCores}
 			if !o.quiet {
@@ -278,6 +410,33 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 			r.Workload = o.wl.Describe()
 			r.Replicas = o.replicas
 			r.Profile = prof.Name()
+			if len(sp.replicas) > 0 {
+				r.Profile = o.replicaProfiles
+				for _, p := range sp.replicas {
+					r.ReplicaProfiles = append(r.ReplicaProfiles, p.Name())
+				}
+			}
+			if len(sp.router) > 0 {
+				r.RouterProfile = sp.router[0].Name()
+			}
+			r.Utilization = res.Utilization()
+			r.Calibrated = o.calibrate
+			for i, c := range res.Calibration {
+				r.Calibration = append(r.Calibration, report.CalibrationFit{
+					Replica:                  fmt.Sprintf("replica-%d", i),
+					PrefillSecondsPer1K:      c.Fit.PrefillSecondsPer1K,
+					PriorPrefillSecondsPer1K: c.Fit.PriorPrefillSecondsPer1K,
+					TruePrefillSecondsPer1K:  c.TruePrefillSecondsPer1K,
+					DecodeStepSeconds:        c.Fit.DecodeStepSeconds,
+					PriorDecodeStepSeconds:   c.Fit.PriorDecodeStepSeconds,
+					TrueDecodeStepSeconds:    c.TrueDecodeStepSeconds,
+					PrefillSamples:           c.Fit.PrefillSamples, DecodeSamples: c.Fit.DecodeSamples,
+					PrefillError: c.Fit.PrefillError, DecodeError: c.Fit.DecodeError,
+				})
+			}
+			if !o.quiet && len(r.Calibration) > 0 {
+				writeCalibration(stderr, name, r.Calibration)
+			}
 			r.Local = prc.Local
 			if st := res.Router; st.PredictionsChecked > 0 {
 				r.CachePredictionExact = float64(st.PredictionsExact) / float64(st.PredictionsChecked)
@@ -369,4 +528,14 @@ func writeSimJSONFile(path, engine string, results []report.Result) error {
 		return fmt.Errorf("sim: %w", err)
 	}
 	return nil
+}
+
+// writeCalibration prints, per replica, what the router learnt of its speed
+// against the truth and the prior it started from.
+func writeCalibration(w io.Writer, policy string, fits []report.CalibrationFit) {
+	for _, c := range fits {
+		fmt.Fprintf(w, "  %s calibrated %s: prefill %.4g s/1k tokens (true %.4g, told %.4g; %d samples), decode step %.4g s (true %.4g, told %.4g; %d samples)\n",
+			policy, c.Replica, c.PrefillSecondsPer1K, c.TruePrefillSecondsPer1K, c.PriorPrefillSecondsPer1K, c.PrefillSamples,
+			c.DecodeStepSeconds, c.TrueDecodeStepSeconds, c.PriorDecodeStepSeconds, c.DecodeSamples)
+	}
 }

@@ -18,6 +18,9 @@ const (
 	Llama3_70BH100x2 = "llama3-70b-h100x2"
 	Qwen3_32BH100x2  = "qwen3-32b-h100x2"
 	Llama31_8BH100   = "llama3.1-8b-h100"
+	// Llama31_8BA100 is Llama-3.1-8B on one A100 SXM4 80GB, a roofline with
+	// the H100 profiles' assumptions and vLLM's A100 batching defaults.
+	Llama31_8BA100 = "llama3.1-8b-a100"
 	// LlamaCppTinyCPU is llama.cpp's llama-server on one CPU thread with the
 	// tiny random-weight model of make_tiny_gguf.py (docs/profiles.md), for
 	// `prefixlb sim --engine llamacpp` against the real server.
@@ -48,18 +51,38 @@ func llamaCppTinyCPU() Config {
 		PrefillMS:        &PrefillFit{C0: 9.037, New: 0.08167, NewSeq: 2.1479e-4},
 		DecodeMS:         &DecodeFit{C0: 2.718, PerSeq: 0.4664, PerContextToken: 8.064e-4},
 		KVCapacityTokens: 16_384,
+		// llama.cpp's n_batch (common.h, n_batch = 2048) is the most tokens
+		// one llama_decode takes, the chunk budget of this engine. max_num_seqs
+		// has no llama.cpp counterpart: the replica model's slot cache
+		// (sim --engine llamacpp) takes its sequences from -np and does not
+		// read it; 2 is the -np 2 of the measured server, so a block-cache
+		// replica given this profile runs as many sequences as it did.
+		Batching: &Batching{MaxBatchedTokens: 2048, MaxSeqs: 2},
 	}
 }
 
 // h100SXM is one NVIDIA H100 SXM5 80GB (NVIDIA H100 datasheet): 989 TFLOP/s
 // dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3, 80 GiB of HBM3
 // (nvidia-smi shows 81,559 MiB usable; the calibrated memory fraction
-// below absorbs the difference).
+// below absorbs the difference). Name is what the driver reports for it; vLLM's batching rule gives it
+// 8,192 batched tokens and 1,024 sequences (VLLMBatching).
 func h100SXM(count int) *GPU {
-	return &GPU{Count: count, PeakFLOPS: 989.4e12, HBMBandwidth: 3.35e12, MemoryBytes: 80 << 30}
+	return &GPU{Count: count, PeakFLOPS: 989.4e12, HBMBandwidth: 3.35e12, MemoryBytes: 80 << 30, Name: "NVIDIA H100 80GB HBM3"}
 }
 
-// h100Assumptions are the efficiency figures of every H100 profile.
+// a100SXM is one NVIDIA A100 SXM4 80GB (NVIDIA A100 datasheet): 312 TFLOP/s
+// dense BF16 (624 with sparsity), 2,039 GB/s HBM2e, 80 GiB (nvidia-smi
+// shows 81,920 MiB). Name is what the driver reports for it; vLLM's
+// batching rule excludes A100s by name from the large defaults despite
+// their 80 GiB, so it gets 2,048 batched tokens and 256 sequences
+// (VLLMBatching).
+func a100SXM(count int) *GPU {
+	return &GPU{Count: count, PeakFLOPS: 312e12, HBMBandwidth: 2.039e12, MemoryBytes: 80 << 30, Name: "NVIDIA A100-SXM4-80GB"}
+}
+
+// h100Assumptions are the efficiency figures of every H100 profile, and of
+// llama3.1-8b-a100 so that the A100 and H100 profiles of Llama-3.1-8B differ
+// only in their GPU figures (assumed, not measured on an A100).
 //
 //   - MFU 0.55: large prefill chunks in vLLM/SGLang on Hopper reach about half
 //     of dense peak once attention, norms and TP all-reduce are counted.
@@ -132,25 +155,55 @@ func builtins() map[string]Config {
 		// multi_node/benchmarks/exp_configs/model_equations_numpy.py).
 		// KV capacity 198,516 tokens on one 48 GB A6000, as ALGORITHMS.md §5
 		// gives it for Preble's setup.
-		Mistral7BA6000: {Name: Mistral7BA6000, Kind: KindPrebleMistral, KVCapacityTokens: 198_516},
+		//
+		// Batching is Preble's, not vLLM's: max_num_batched_tokens 512 is the
+		// chunk_prefill_budget: 512 of the "ours" server configs of Preble's
+		// experiments (multi_node/benchmarks/multi_exp_configs/,
+		// e2e_toolbench_config.py @ 678f6e6d3a5ec8a6f32f7c44a8584c13f5821368,
+		// e2e_loogle_config.py @ dfd7611c9fc75f9cb3b2ff2555d96f70a6083485).
+		// max_num_seqs stays vLLM's 256: Preble's SGLang fork has no
+		// max_running_requests; it derives max_num_running_seq =
+		// max_total_num_token / 2 (about 99k here) in
+		// python/sglang/srt/managers/router/model_rpc.py
+		// @ 594fc9475e5c9eb95df582e5aa377b322844ca04, a limit that never binds
+		// at the simulated loads. (Preble's SGLang baseline ran without
+		// chunking; the simulator uses one batching per profile, see
+		// docs/profiles.md.)
+		Mistral7BA6000: {
+			Name: Mistral7BA6000, Kind: KindPrebleMistral, KVCapacityTokens: 198_516,
+			Batching: &Batching{MaxBatchedTokens: 512, MaxSeqs: 256},
+		},
 		// Preble's published fit, ms per request (ALGORITHMS.md §5; the
 		// prototype's model_equations_numpy.py has the same form for A100,
 		// llama3_70b_A100_tp2_sglang_extend_flashinfer). Decode: see
 		// llama70BDecode. KV capacity: the roofline memory arithmetic on the
 		// same 2×H100 figures as qwen3-32b-h100x2 (kvCapacity):
 		// (2·80 GiB·0.85036 − 141.1 GB) / 320 KiB = 15,200 tokens.
+		// Batching: vLLM's default on H100s, 8,192 tokens and 1,024
+		// sequences (VLLMBatching), given explicitly since a linear profile
+		// has no GPU to derive it from.
 		Llama3_70BH100x2: {
 			Name: Llama3_70BH100x2, Kind: KindLinear,
 			PrefillMS:        &PrefillFit{C0: 18.667, New: 0.079879, Seq: 2.6853e-3, NewSeq: 7.4434e-7},
 			DecodeMS:         llama70BDecode(),
 			KVCapacityTokens: kvCapacity(*llama3_70B(), *h100SXM(2), *h100Assumptions(0)),
+			Batching:         &Batching{MaxBatchedTokens: 8192, MaxSeqs: 1024},
 		},
 		// Roofline, 2×H100 tensor parallel; KV capacity 307,328 tokens as in
 		// llm-d's benchmark. Overhead 4 ms: 128 all-reduces at ~15 µs plus
 		// ~2 ms of launch, scheduling and sampling.
 		Qwen3_32BH100x2: {Name: Qwen3_32BH100x2, Kind: KindRoofline, Model: qwen3_32B(), GPU: h100SXM(2), Assume: h100Assumptions(4)},
 		// Roofline, one H100; 1.5 ms of launch, scheduling and sampling.
+		// Batching by vLLM's rule: 8,192 / 1,024 (as for qwen3-32b-h100x2).
 		Llama31_8BH100: {Name: Llama31_8BH100, Kind: KindRoofline, Model: llama31_8B(), GPU: h100SXM(1), Assume: h100Assumptions(1.5)},
+		// Roofline, one A100 SXM4 80GB (a100SXM) with the H100 profiles'
+		// assumptions and the same 1.5 ms overhead as llama3.1-8b-h100:
+		// prefill is bound by 312 TFLOP/s·0.55, decode by 2.039 TB/s·0.65.
+		// KV capacity as on the H100, which has the same 80 GiB:
+		// (80 GiB·0.85036 − 16.06 GB) / 128 KiB = 434,752 tokens in
+		// 16-token blocks. Batching by vLLM's rule, which names the A100:
+		// 2,048 / 256.
+		Llama31_8BA100: {Name: Llama31_8BA100, Kind: KindRoofline, Model: llama31_8B(), GPU: a100SXM(1), Assume: h100Assumptions(1.5)},
 		// Measured on llama-server, CPU (llamaCppTinyCPU).
 		LlamaCppTinyCPU: llamaCppTinyCPU(),
 	}

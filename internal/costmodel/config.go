@@ -58,6 +58,11 @@ type Config struct {
 	Model  *Model       `json:"model,omitempty"`
 	GPU    *GPU         `json:"gpu,omitempty"`
 	Assume *Assumptions `json:"assume,omitempty"`
+
+	// Batching, for every kind, is the engine's iteration budget
+	// (Profile's Batching). Nil means the default: VLLMBatching(*GPU) for a
+	// roofline, DefaultBatching for the other kinds.
+	Batching *Batching `json:"batching,omitempty"`
 }
 
 // Validate checks c and returns the first rule it breaks, as an error that
@@ -96,13 +101,31 @@ func (c Config) Validate() error {
 			return e
 		}
 	}
+	var err error
 	switch c.Kind {
 	case KindPrebleMistral:
-		return positiveInt(bad, "kv_capacity_tokens", c.KVCapacityTokens)
+		err = positiveInt(bad, "kv_capacity_tokens", c.KVCapacityTokens)
 	case KindLinear:
-		return c.validateLinear(bad)
+		err = c.validateLinear(bad)
 	default: // KindRoofline
-		return c.validateRoofline(bad)
+		err = c.validateRoofline(bad)
+	}
+	if err != nil || c.Batching == nil {
+		return err
+	}
+	return validateBatching(bad, *c.Batching)
+}
+
+// batching is the batching of c's profile: c.Batching if given, else the
+// kind's default (VLLMBatching for a roofline, DefaultBatching otherwise).
+func (c Config) batching() Batching {
+	switch {
+	case c.Batching != nil:
+		return *c.Batching
+	case c.Kind == KindRoofline && c.GPU != nil:
+		return VLLMBatching(*c.GPU)
+	default:
+		return DefaultBatching
 	}
 }
 
@@ -247,18 +270,19 @@ func kindList() string {
 }
 
 // New validates c and builds its profile: Preble's Mistral fit, a linear
-// fit or a roofline (ALGORITHMS.md §5).
+// fit or a roofline (ALGORITHMS.md §5). The profile implements Batcher.
 func New(c Config) (Profile, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
+	b := c.batching()
 	switch c.Kind {
 	case KindPrebleMistral:
-		return &prebleMistral{name: c.Name, kv: c.KVCapacityTokens}, nil
+		return &prebleMistral{name: c.Name, kv: c.KVCapacityTokens, batching: b}, nil
 	case KindLinear:
-		return &linear{name: c.Name, prefill: *c.PrefillMS, decode: *c.DecodeMS, kv: c.KVCapacityTokens}, nil
+		return &linear{name: c.Name, prefill: *c.PrefillMS, decode: *c.DecodeMS, kv: c.KVCapacityTokens, batching: b}, nil
 	default: // KindRoofline; Validate rejected the rest
-		return newRoofline(c.Name, *c.Model, *c.GPU, *c.Assume), nil
+		return newRoofline(c.Name, *c.Model, *c.GPU, *c.Assume, b), nil
 	}
 }
 

@@ -9,6 +9,34 @@ import (
 	"testing"
 )
 
+func readTestdata(t *testing.T, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// The roofline examples give the same GPU and batching fields as the
+// built-ins' configs (the probes below check the times).
+func TestRooflineExamplesConfig(t *testing.T) {
+	for _, name := range []string{Qwen3_32BH100x2, Llama31_8BA100} {
+		got, err := ParseConfig([]byte(readTestdata(t, name+".yaml")))
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, err := BuiltinConfig(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if *got.GPU != *want.GPU || *got.Model != *want.Model || *got.Assume != *want.Assume || got.Batching != nil || want.Batching != nil {
+			t.Errorf("%s: testdata %+v %+v %+v %v, built-in %+v %+v %+v %v", name,
+				*got.GPU, *got.Model, *got.Assume, got.Batching, *want.GPU, *want.Model, *want.Assume, want.Batching)
+		}
+	}
+}
+
 // The example files in testdata describe the built-in profiles exactly.
 func TestLoadExamplesMatchBuiltins(t *testing.T) {
 	probes := []Batch{
@@ -17,7 +45,7 @@ func TestLoadExamplesMatchBuiltins(t *testing.T) {
 		{DecodeSeqs: 32, DecodeContext: 32 * 2048},
 		{Prefill: []Chunk{{New: 512, Seq: 9000}}, DecodeSeqs: 7, DecodeContext: 7000},
 	}
-	for _, name := range []string{Qwen3_32BH100x2, Llama3_70BH100x2, Mistral7BA6000, LlamaCppTinyCPU} {
+	for _, name := range []string{Qwen3_32BH100x2, Llama3_70BH100x2, Mistral7BA6000, LlamaCppTinyCPU, Llama31_8BA100} {
 		got, err := Load(filepath.Join("testdata", name+".yaml"))
 		if err != nil {
 			t.Fatalf("Load(%s): %v", name, err)
@@ -25,6 +53,9 @@ func TestLoadExamplesMatchBuiltins(t *testing.T) {
 		want := mustLookup(t, name)
 		if got.Name() != want.Name() || got.KVCapacity() != want.KVCapacity() {
 			t.Errorf("%s: loaded %q with KV %d, built-in %q with KV %d", name, got.Name(), got.KVCapacity(), want.Name(), want.KVCapacity())
+		}
+		if g, w := BatchingOf(got), BatchingOf(want); g != w {
+			t.Errorf("%s: loaded batching %+v, built-in %+v", name, g, w)
 		}
 		for _, b := range probes {
 			if g, w := got.Iteration(b), want.Iteration(b); !within(g, w, 1e-4) {
@@ -113,6 +144,14 @@ func TestParseBad(t *testing.T) {
 		{"roofline mfu above 1", roofline(replace("mfu: 0.55", "mfu: 1.5")), []string{"assume.mfu", "at most 1, got 1.5"}, true},
 		{"roofline kv heads above heads", roofline(replace("kv_heads: 8", "kv_heads: 128")), []string{"model.kv_heads", "exceeds model.heads"}, true},
 		{"roofline weights do not fit", roofline(replace("memory_fraction: 0.85036", "memory_fraction: 0.3")), []string{"assume.memory_fraction", "no room for KV cache"}, true},
+		{"batching zero tokens", goodLinear + "batching: {max_num_batched_tokens: 0, max_num_seqs: 8}\n", []string{"batching.max_num_batched_tokens: must be > 0, got 0"}, true},
+		{"batching empty", goodLinear + "batching: {}\n", []string{"batching.max_num_batched_tokens: must be > 0, got 0"}, true},
+		{"batching missing seqs", goodLinear + "batching: {max_num_batched_tokens: 512}\n", []string{"batching.max_num_seqs: must be > 0, got 0"}, true},
+		{"batching tokens below seqs", goodLinear + "batching: {max_num_batched_tokens: 64, max_num_seqs: 256}\n", []string{"batching.max_num_batched_tokens: must be >= batching.max_num_seqs (256)", "got 64"}, true},
+		{"batching unknown field", goodLinear + "batching: {max_num_batched_tokens: 512, max_num_seqs: 8, chunked: true}\n", []string{`unknown field "chunked"`}, false},
+		{"batching wrong type", goodLinear + "batching: {max_num_batched_tokens: 1.5, max_num_seqs: 8}\n", []string{"max_num_batched_tokens"}, false},
+		{"batching on a roofline checked too", roofline(func(s string) string { return s + "batching: {max_num_batched_tokens: 8, max_num_seqs: 9}\n" }), []string{"batching.max_num_batched_tokens: must be >= batching.max_num_seqs (9), as vLLM requires, got 8"}, true},
+		{"gpu name on a linear", goodLinear + "gpu: {name: x}\n", []string{"gpu: only used by kind roofline, not linear"}, true},
 		{"roofline negative block", roofline(replace("kv_block_tokens: 16", "kv_block_tokens: -16")), []string{"assume.kv_block_tokens", "got -16"}, true},
 	}
 	for _, tt := range tests {

@@ -65,6 +65,10 @@ func TestRooflineSanity(t *testing.T) {
 		{Llama31_8BH100, "prefill 6k on 6k", func(p Profile) time.Duration { return p.Prefill(6000, 6000) }, 100 * time.Millisecond, 300 * time.Millisecond},
 		{Llama31_8BH100, "decode step, batch 1", func(p Profile) time.Duration { return p.Iteration(Batch{DecodeSeqs: 1, DecodeContext: ctx}) }, 5 * time.Millisecond, 15 * time.Millisecond},
 		{Llama31_8BH100, "decode step, batch 32", func(p Profile) time.Duration { return p.Iteration(Batch{DecodeSeqs: 32, DecodeContext: 32 * ctx}) }, 8 * time.Millisecond, 25 * time.Millisecond},
+		// The A100: 312 TFLOP/s and 2.039 TB/s against 989.4 and 3.35.
+		{Llama31_8BA100, "prefill 6k on 6k", func(p Profile) time.Duration { return p.Prefill(6000, 6000) }, 300 * time.Millisecond, 900 * time.Millisecond},
+		{Llama31_8BA100, "decode step, batch 1", func(p Profile) time.Duration { return p.Iteration(Batch{DecodeSeqs: 1, DecodeContext: ctx}) }, 8 * time.Millisecond, 20 * time.Millisecond},
+		{Llama31_8BA100, "decode step, batch 32", func(p Profile) time.Duration { return p.Iteration(Batch{DecodeSeqs: 32, DecodeContext: 32 * ctx}) }, 12 * time.Millisecond, 40 * time.Millisecond},
 		{Llama3_70BH100x2, "decode step, batch 32", func(p Profile) time.Duration { return p.Iteration(Batch{DecodeSeqs: 32, DecodeContext: 32 * ctx}) }, 20 * time.Millisecond, 40 * time.Millisecond},
 	}
 	for _, tt := range tests {
@@ -83,6 +87,7 @@ func TestKVCapacity(t *testing.T) {
 		{Mistral7BA6000, 198_516},
 		{Qwen3_32BH100x2, 307_328}, // llm-d's published figure
 		{Llama31_8BH100, 434_752},
+		{Llama31_8BA100, 434_752}, // the same 80 GiB and memory fraction
 		{Llama3_70BH100x2, 15_200},
 		{LlamaCppTinyCPU, 16_384}, // llama-server -c 16384
 	}
@@ -95,7 +100,7 @@ func TestKVCapacity(t *testing.T) {
 
 func TestNamesAndLookup(t *testing.T) {
 	got := strings.Join(Names(), ",")
-	want := "llama3-70b-h100x2,llama3.1-8b-h100,llamacpp-tiny-cpu,mistral-7b-a6000,qwen3-32b-h100x2"
+	want := "llama3-70b-h100x2,llama3.1-8b-a100,llama3.1-8b-h100,llamacpp-tiny-cpu,mistral-7b-a6000,qwen3-32b-h100x2"
 	if got != want {
 		t.Errorf("Names() = %s, want %s", got, want)
 	}

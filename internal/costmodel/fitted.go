@@ -47,14 +47,21 @@ const mistralQuadVertex = -mistralQuadC1 / (2 * mistralQuadC2)
 
 // prebleMistral is the Preble prototype's Mistral-7B / A6000 / SGLang profile.
 type prebleMistral struct {
-	name string
-	kv   int
+	name     string
+	kv       int
+	batching Batching
 }
 
-var _ Profile = (*prebleMistral)(nil)
+var (
+	_ Profile = (*prebleMistral)(nil)
+	_ Batcher = (*prebleMistral)(nil)
+)
 
 func (p *prebleMistral) Name() string    { return p.name }
 func (p *prebleMistral) KVCapacity() int { return p.kv }
+
+// Batching is the config's batching, by default DefaultBatching.
+func (p *prebleMistral) Batching() Batching { return p.batching }
 
 func (p *prebleMistral) Prefill(newTokens, seqTokens int) time.Duration {
 	c := [1]Chunk{{New: newTokens, Seq: seqTokens}}
@@ -143,16 +150,23 @@ type DecodeFit struct {
 
 // linear is a profile made of a PrefillFit and a DecodeFit.
 type linear struct {
-	name    string
-	prefill PrefillFit
-	decode  DecodeFit
-	kv      int
+	name     string
+	prefill  PrefillFit
+	decode   DecodeFit
+	kv       int
+	batching Batching
 }
 
-var _ Profile = (*linear)(nil)
+var (
+	_ Profile = (*linear)(nil)
+	_ Batcher = (*linear)(nil)
+)
 
 func (l *linear) Name() string    { return l.name }
 func (l *linear) KVCapacity() int { return l.kv }
+
+// Batching is the config's batching, by default DefaultBatching.
+func (l *linear) Batching() Batching { return l.batching }
 
 func (l *linear) Prefill(newTokens, seqTokens int) time.Duration {
 	c := [1]Chunk{{New: newTokens, Seq: seqTokens}}

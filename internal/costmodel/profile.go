@@ -6,7 +6,10 @@
 // fitted Mistral-7B / A6000 model (arXiv 2407.00023 and its prototype,
 // WukLab/preble), generic fitted linear forms such as Preble's Llama-3-70B
 // fit, and rooflines computed from model and GPU figures. Lookup returns a
-// built-in profile by name; Load and Parse read one from YAML. Everything
+// built-in profile by name; Load and Parse read one from YAML; Resolve reads
+// a profile spec, a name or file with optional time scaling
+// ("llama3.1-8b-h100:time_scale=0.5"). Every profile here also carries its
+// engine's batching defaults (Batcher, BatchingOf, VLLMBatching). Everything
 // here is pure: no clock, no randomness, no goroutines, no I/O but Load's.
 package costmodel
 

@@ -44,6 +44,11 @@ type GPU struct {
 	HBMBandwidth float64 `json:"hbm_bytes_per_s"`
 	// MemoryBytes is one GPU's memory, in bytes.
 	MemoryBytes float64 `json:"memory_bytes"`
+	// Name is the device name as the driver reports it (nvidia-smi,
+	// torch.cuda.get_device_name), e.g. "NVIDIA H100 80GB HBM3" or
+	// "NVIDIA A100-SXM4-80GB". Only VLLMBatching reads it (vLLM's A100
+	// test); it does not change any time. Optional.
+	Name string `json:"name,omitempty"`
 }
 
 // Assumptions are the efficiency figures that turn peaks into times
@@ -105,6 +110,7 @@ type roofline struct {
 	gpu   GPU
 	as    Assumptions
 	kv    int
+	batch Batching
 
 	flopsPerToken float64 // 2·Params
 	flopsPerPair  float64 // 4·Layers·Heads·HeadDim
@@ -114,11 +120,14 @@ type roofline struct {
 	byteRate      float64 // Count·HBMBandwidth·MBU
 }
 
-var _ Profile = (*roofline)(nil)
+var (
+	_ Profile = (*roofline)(nil)
+	_ Batcher = (*roofline)(nil)
+)
 
-func newRoofline(name string, m Model, g GPU, a Assumptions) *roofline {
+func newRoofline(name string, m Model, g GPU, a Assumptions, b Batching) *roofline {
 	return &roofline{
-		name: name, model: m, gpu: g, as: a,
+		name: name, model: m, gpu: g, as: a, batch: b,
 		kv:            kvCapacity(m, g, a),
 		flopsPerToken: 2 * m.Params,
 		flopsPerPair:  4 * float64(m.Layers) * float64(m.Heads) * float64(m.HeadDim),
@@ -131,6 +140,10 @@ func newRoofline(name string, m Model, g GPU, a Assumptions) *roofline {
 
 func (r *roofline) Name() string    { return r.name }
 func (r *roofline) KVCapacity() int { return r.kv }
+
+// Batching is the config's batching, by default vLLM's for the GPU
+// (VLLMBatching).
+func (r *roofline) Batching() Batching { return r.batch }
 
 func (r *roofline) Prefill(newTokens, seqTokens int) time.Duration {
 	c := [1]Chunk{{New: newTokens, Seq: seqTokens}}

@@ -2,13 +2,16 @@ package epp
 
 import (
 	"net/http"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/prefixlb/prefixlb/internal/calmetrics"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 )
 
@@ -115,6 +118,7 @@ func newMetrics(p *Picker) *metrics {
 	}
 	m.reg.MustRegister(m.decisions, m.prompt, m.matched, m.latency, m.predicted, m.reported, m.outcomes,
 		m.immediate, m.streams, m.streamsN, m.errors, m.scrapeErr, m.kvApplied, stateCollector{p},
+		calmetrics.Collector{Rows: p.calibrationRows},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	if err := m.kv.Register(m.reg); err != nil {
 		panic(err) // distinct names on a fresh registry: a programming error
@@ -273,3 +277,17 @@ func (p *Picker) MetricsHandler() http.Handler {
 // Registry is the picker's private Prometheus registry, for callers that
 // add collectors of their own.
 func (p *Picker) Registry() *prometheus.Registry { return p.m.reg }
+
+// calibrationRows snapshots each replica's calibration for the metrics
+// (calmetrics, the same series as prefixlb serve's).
+func (p *Picker) calibrationRows() []calmetrics.Row {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	rows := make([]calmetrics.Row, 0, len(p.byName))
+	for _, r := range p.byName {
+		fit, st, ok := p.rt.Calibration(r.id)
+		rows = append(rows, calmetrics.Row{Replica: r.Name, Calibrated: ok, Fit: fit, Stats: st})
+	}
+	slices.SortFunc(rows, func(a, b calmetrics.Row) int { return strings.Compare(a.Replica, b.Replica) })
+	return rows
+}

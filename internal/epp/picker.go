@@ -16,7 +16,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -24,6 +23,7 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/policy"
@@ -74,9 +74,18 @@ type Shared interface {
 type Config struct {
 	// Policy is the routing policy spec (policy.Parse; default "e2").
 	Policy string
-	// Profile is the cost profile: a built-in name or a YAML file (default
-	// costmodel.Llama31_8BH100's name, "llama3.1-8b-h100").
+	// Profile is the cost profile: a built-in name or a YAML file,
+	// optionally with scaled times (costmodel.Resolve; default
+	// costmodel.Llama31_8BH100's name, "llama3.1-8b-h100"). Every replica
+	// of the pool starts from it.
 	Profile string
+	// NoCalibrate turns off what is on by default: learning each replica's
+	// real prefill and decode speed from the requests it serves
+	// (internal/calibrate), the profile being the prior, and pricing every
+	// policy's costs with it — how a pool of mixed GPUs gets each its own
+	// speed. Calibration tunes it (zero: calibrate.DefaultConfig()).
+	NoCalibrate bool
+	Calibration calibrate.Config
 	// BlockTokens is the engines' KV block size (default 16).
 	BlockTokens int
 	// Seed seeds the router's random choices.
@@ -152,6 +161,9 @@ func (c *Config) defaults() {
 	if c.ScrapeTimeout == 0 {
 		c.ScrapeTimeout = 2 * time.Second
 	}
+	if c.Calibration == (calibrate.Config{}) {
+		c.Calibration = calibrate.DefaultConfig()
+	}
 	if c.Tokenizer == "none" {
 		c.Tokenizer = ""
 	}
@@ -176,6 +188,11 @@ func (c *Config) Validate() error {
 	}
 	if _, err := proxy.ParseBackendKind(string(c.BackendKind)); err != nil {
 		return fmt.Errorf("epp: backend kind: %w", err)
+	}
+	if !c.NoCalibrate {
+		if err := c.Calibration.Validate(); err != nil {
+			return fmt.Errorf("epp: %w", err)
+		}
 	}
 	return nil
 }
@@ -267,9 +284,14 @@ func NewPicker(cfg Config) (*Picker, error) {
 		return nil, fmt.Errorf("epp: policy: %w", err)
 	}
 	cons := policy.NewConstrained(pol)
+	var cal *calibrate.Config
+	if !cfg.NoCalibrate {
+		c := cfg.Calibration
+		cal = &c
+	}
 	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: cons,
 		Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL, DefaultOutputTokens: cfg.DefaultOutputTokens,
-		TreeMaxBlocks: cfg.TreeMaxBlocks})
+		TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal})
 	if err != nil {
 		return nil, fmt.Errorf("epp: router: %w", err)
 	}
@@ -298,12 +320,9 @@ func NewPicker(cfg Config) (*Picker, error) {
 	return p, nil
 }
 
-// loadProfile resolves a profile name or YAML path (as proxy does).
-func loadProfile(name string) (costmodel.Profile, error) {
-	if strings.HasSuffix(name, ".yaml") || strings.HasSuffix(name, ".yml") || strings.ContainsRune(name, os.PathSeparator) {
-		return costmodel.Load(name)
-	}
-	return costmodel.Lookup(name)
+// loadProfile resolves a profile spec (costmodel.Resolve, as proxy does).
+func loadProfile(spec string) (costmodel.Profile, error) {
+	return costmodel.Resolve(spec)
 }
 
 // Add adds a replica, or updates one of the same name (an address or a
@@ -340,6 +359,8 @@ func (p *Picker) Add(r Replica) {
 		_ = p.rt.CacheCleared(rep.id)
 		_ = p.rt.SetEvents(rep.id, r.KVEvents != "")
 		_ = p.rt.ReplicaLoad(rep.id, -1, -1, -1)
+		// Another pod: its speed is learnt afresh from the profile.
+		_ = p.rt.SetProfile(rep.id, p.prof)
 	}
 	_ = p.rt.SetUp(rep.id, r.Ready, now)
 	p.initKind(rep)
@@ -526,7 +547,7 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 		shed := true
 		for _, id := range p.cons.Allowed {
 			st, _ := p.rt.Replica(id)
-			if st.Queue() < p.cfg.MaxQueue {
+			if st.Queue() < p.cfg.MaxQueue { // the waiting queue (engine's, else requests not yet started), as GIE's saturation detector reads
 				shed = false
 				break
 			}
@@ -648,6 +669,14 @@ func (p *Picker) FirstToken(id uint64) {
 // Finished records the end of request id: outputTokens generated, the
 // cached prompt tokens the engine reported (-1 none), ok false if it failed.
 func (p *Picker) Finished(id uint64, outputTokens, cachedTokens int, ok bool) {
+	p.Finish(id, router.Finish{OutputTokens: outputTokens, CachedTokens: cachedTokens, OK: ok})
+}
+
+// Finish records the end of request id with everything the response path
+// told: Finished's figures, llama.cpp's timings and the stream's token gaps
+// (calibration learns from them).
+func (p *Picker) Finish(id uint64, fin router.Finish) {
+	ok, cachedTokens := fin.OK, fin.CachedTokens
 	p.mu.Lock()
 	f, found := p.flights[id]
 	if !found {
@@ -655,7 +684,7 @@ func (p *Picker) Finished(id uint64, outputTokens, cachedTokens int, ok bool) {
 		return
 	}
 	delete(p.flights, id)
-	if err := p.rt.Finished(id, outputTokens, cachedTokens, ok, time.Now()); err != nil {
+	if err := p.rt.Finish(id, fin, time.Now()); err != nil {
 		p.log.Warn("epp: router finished", "id", id, "err", err)
 	}
 	name, load, matched, hook := f.replica.Name, f.load, f.matched, p.onFinish

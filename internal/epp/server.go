@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -19,7 +20,9 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/router"
 )
 
 // The Endpoint Picker protocol's names (gateway-api-inference-extension,
@@ -365,7 +368,12 @@ func (x *exchange) finish(complete bool) {
 		ok = false
 	}
 	out, cached := x.watch.result()
-	x.s.p.Finished(x.pick.ID, out, cached, ok)
+	fin := router.Finish{OutputTokens: out, CachedTokens: cached, OK: ok}
+	if t := x.watch.timings; t != nil {
+		fin.Timings = &calibrate.Timings{PromptN: t.PromptN, PromptMs: t.PromptMs, PredictedN: t.PredictedN, PredictedMs: t.PredictedMs}
+	}
+	fin.ITL, fin.ITLSamples = x.watch.gaps.Median()
+	x.s.p.Finish(x.pick.ID, fin)
 }
 
 // immediate answers the request itself with an HTTP status and a JSON
@@ -402,6 +410,10 @@ type watcher struct {
 	usage   *proxy.Chunk   // the last chunk that reported usage
 	timings *proxy.Timings // the last llama.cpp timings seen (the final chunk's)
 	overrun bool
+	// gaps samples the time between body chunks that carried output
+	// tokens (a chunk is what Envoy forwarded at once): the decode step
+	// calibration learns.
+	gaps calibrate.Gaps
 }
 
 // feed reads b; it reports whether b carried the first output token.
@@ -415,18 +427,25 @@ func (w *watcher) feed(b []byte) (first bool) {
 		return false
 	}
 	w.line = append(w.line, b...)
+	output := false
 	for {
 		i := bytes.IndexByte(w.line, '\n')
 		if i < 0 {
 			if len(w.line) > w.max { // a runaway line: drop it
 				w.line = w.line[:0]
 			}
+			if output {
+				w.gaps.Token(time.Now())
+			}
 			return first
 		}
 		ln := bytes.TrimRight(w.line[:i], "\r")
 		if data, ok := bytes.CutPrefix(ln, []byte("data:")); ok {
-			if w.event(bytes.TrimSpace(data)) && w.tokens == 1 {
-				first = true
+			if w.event(bytes.TrimSpace(data)) {
+				output = true
+				if w.tokens == 1 {
+					first = true
+				}
 			}
 		}
 		w.line = w.line[i+1:]

@@ -274,6 +274,8 @@ type e2NodeReplica struct {
 
 type e2Replica struct {
 	hist              float64 // windowed prefill seconds (L's history term)
+	seed              float64 // TPOT seed from the replica's profile, seconds
+	seedOf            costmodel.Profile
 	mixPrompt, mixHit int
 	tpot              []float64
 	tpotNext          int
@@ -301,7 +303,6 @@ type E2 struct {
 	lastReb int64 // when rebalancing last ran (valid once rebalanced)
 	// rebalanced says whether rebalancing has run yet.
 	rebalanced bool
-	seed       float64 // TPOT seed from the profile, seconds
 
 	cands []Candidate
 	// pfMemo and stepMemos remember cost-model figures within one decision
@@ -366,14 +367,14 @@ func (s *e2Node) at(r int) *e2NodeReplica {
 func secs(d time.Duration) float64 { return d.Seconds() }
 
 // tpot returns replica r's median observed time per output token, seeded
-// from the profile's single-sequence decode step.
+// from its profile's single-sequence decode step.
 func (p *E2) tpot(r int, prof costmodel.Profile) float64 {
-	if p.seed == 0 {
-		p.seed = secs(prof.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: 1024}))
-	}
 	rs := p.rep(r)
 	if len(rs.tpot) == 0 {
-		return p.seed
+		if rs.seedOf != prof {
+			rs.seed, rs.seedOf = secs(prof.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: 1024})), prof
+		}
+		return rs.seed
 	}
 	if rs.tpotDirty > 0 {
 		buf := slices.Clone(rs.tpot)
@@ -406,7 +407,7 @@ func (p *E2) load(r int, v *View) float64 {
 	rp := &v.Replicas[r]
 	l := 0.0
 	if p.cfg.DecodeWeight > 0 {
-		l = p.cfg.DecodeWeight * p.decodeLoad(rp, v.Profile)
+		l = p.cfg.DecodeWeight * p.decodeLoad(rp, v.ProfileOf(r))
 	}
 	if p.cfg.HistoryWeight > 0 {
 		l += p.cfg.HistoryWeight * p.rep(r).hist
@@ -437,13 +438,13 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 		cost := 0.0
 		v.Victims(r, func(n *prefixtree.Node) bool {
 			if n.CachedCount() <= 1 {
-				cost += p.evictionCost(n, v, bt)
+				cost += p.evictionCost(n, v.ProfileOf(r), bt)
 			}
 			return true
 		})
 		return p.cfg.EvictionWeight * cost
 	}
-	capBlocks := v.Profile.KVCapacity() / bt
+	capBlocks := v.ProfileOf(r).KVCapacity() / bt
 	need := v.Tree.CachedBlocks(r) + (missedTokens+bt-1)/bt - capBlocks
 	if need <= 0 {
 		return 0
@@ -455,21 +456,22 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 			return true
 		}
 		freed += n.Own()
-		cost += p.evictionCost(n, v, bt)
+		cost += p.evictionCost(n, v.ProfileOf(r), bt)
 		return freed < need
 	})
 	return p.cfg.EvictionWeight * cost
 }
 
-// evictionCost is what evicting node n costs in M: for an important prefix
-// used in the window, one recompute of it (EvictionRecompute) or the paper's
-// missRate·count·T_prefill; nothing for other nodes.
-func (p *E2) evictionCost(n *prefixtree.Node, v *View, bt int) float64 {
+// evictionCost is what evicting node n costs in M, priced by the evicting
+// replica's profile prof: for an important prefix used in the window, one
+// recompute of it (EvictionRecompute) or the paper's missRate·count·T_prefill;
+// nothing for other nodes.
+func (p *E2) evictionCost(n *prefixtree.Node, prof costmodel.Profile, bt int) float64 {
 	s, ok := n.Ext.(*e2Node)
 	if !ok || !n.Important() || s.count <= 0 {
 		return 0
 	}
-	t := secs(v.Profile.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
+	t := secs(prof.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
 	if p.cfg.EvictionRecompute {
 		return t
 	}
@@ -485,7 +487,7 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 	c.Load = p.load(r, v)
 	c.Eviction = p.eviction(r, missed, v)
 	if p.cfg.IncludePrefill || p.cfg.InterferenceWeight > 0 {
-		pf := p.prefillMemo(v, missed, req.PromptTokens)
+		pf := p.prefillMemo(v, r, missed, req.PromptTokens)
 		if p.cfg.IncludePrefill {
 			c.Prefill = p.cfg.PrefillWeight * pf
 		}
@@ -504,7 +506,7 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 		if rp.Slots > 0 {
 			batch = min(batch, rp.Slots) // a slot cache decodes at most Slots at once
 		}
-		d := float64(req.OutputTokens-1) * p.stepMemo(v, batch, ctx)
+		d := float64(req.OutputTokens-1) * p.stepMemo(v, r, batch, ctx)
 		if p.cfg.DecodePrefillRate {
 			// Prefill arriving while this request decodes shares its
 			// iterations: the replica's recent prefill rate (GPU seconds of
@@ -520,8 +522,17 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 		rp := &v.Replicas[r]
 		if rp.Decoding > 0 {
 			ctx := rp.DecodeContextTokens / rp.Decoding
-			chunk := secs(v.Profile.Iteration(costmodel.Batch{Prefill: []costmodel.Chunk{{New: 512, Seq: 512}}}))
-			mixed := secs(v.Profile.Iteration(costmodel.Batch{Prefill: []costmodel.Chunk{{New: 512, Seq: 512}}, DecodeSeqs: rp.Decoding, DecodeContext: ctx * rp.Decoding}))
+			// A full chunk of the replica's engine budget (vLLM's
+			// max_num_batched_tokens: 512 in Preble's runs, 8192 on an
+			// H100): the bigger the chunk, the smaller the decodes' share.
+			prof := v.ProfileOf(r)
+			budget := costmodel.BatchingOf(prof).MaxBatchedTokens
+			if budget <= 0 {
+				budget = costmodel.DefaultBatching.MaxBatchedTokens
+			}
+			ch := []costmodel.Chunk{{New: budget, Seq: budget}}
+			chunk := secs(prof.Iteration(costmodel.Batch{Prefill: ch}))
+			mixed := secs(prof.Iteration(costmodel.Batch{Prefill: ch, DecodeSeqs: rp.Decoding, DecodeContext: ctx * rp.Decoding}))
 			if chunk > 0 {
 				f := mixed/chunk - 1
 				extra := f * (p.cfg.PendingWeight*secs(rp.PendingPrefill) + c.Prefill)
@@ -530,7 +541,7 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 		}
 	}
 	if p.cfg.SlotWait {
-		c.Load += p.slotWait(&v.Replicas[r], req, v)
+		c.Load += p.slotWait(r, req, v)
 	}
 	c.Score = c.Load + c.Eviction + c.Prefill
 	return c
@@ -544,7 +555,8 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 // batched decode step per token (an M/G/c-style estimate):
 //
 //	wait = (InFlight−Slots+1)/Slots · (pending prefill + decode tokens · T_step(Slots)) / InFlight
-func (p *E2) slotWait(rp *Replica, req *Request, v *View) float64 {
+func (p *E2) slotWait(r int, req *Request, v *View) float64 {
+	rp := &v.Replicas[r]
 	if rp.Slots <= 0 || rp.InFlight < rp.Slots {
 		return 0
 	}
@@ -552,7 +564,7 @@ func (p *E2) slotWait(rp *Replica, req *Request, v *View) float64 {
 	if rp.Decoding > 0 {
 		ctx = rp.DecodeContextTokens / rp.Decoding
 	}
-	owed := secs(rp.PendingPrefill) + float64(max(rp.DecodeTokens, 0))*p.stepMemo(v, rp.Slots, ctx)
+	owed := secs(rp.PendingPrefill) + float64(max(rp.DecodeTokens, 0))*p.stepMemo(v, r, rp.Slots, ctx)
 	ahead := float64(rp.InFlight - rp.Slots + 1)
 	return ahead / float64(rp.Slots) * owed / float64(rp.InFlight)
 }
@@ -566,36 +578,40 @@ const tieTolerance = 1e-3
 const memoSize = 8
 
 type memoEntry struct {
+	prof costmodel.Profile
 	a, b int
 	v    float64
 }
 
-// prefillMemo is secs(Profile.Prefill(missed, prompt)), remembered for the
-// current decision (Route clears the memo).
-func (p *E2) prefillMemo(v *View, missed, prompt int) float64 {
+// prefillMemo is secs(Prefill(missed, prompt)) on replica r's profile,
+// remembered for the current decision (Route clears the memo).
+func (p *E2) prefillMemo(v *View, r, missed, prompt int) float64 {
+	prof := v.ProfileOf(r)
 	for _, e := range p.pfMemo {
-		if e.a == missed && e.b == prompt {
+		if e.a == missed && e.b == prompt && e.prof == prof {
 			return e.v
 		}
 	}
-	x := secs(v.Profile.Prefill(missed, prompt))
+	x := secs(prof.Prefill(missed, prompt))
 	if len(p.pfMemo) < memoSize {
-		p.pfMemo = append(p.pfMemo, memoEntry{missed, prompt, x})
+		p.pfMemo = append(p.pfMemo, memoEntry{prof, missed, prompt, x})
 	}
 	return x
 }
 
 // stepMemo is the seconds of a decode-only iteration of batch sequences
-// with ctx tokens of context each, remembered for the current decision.
-func (p *E2) stepMemo(v *View, batch, ctx int) float64 {
+// with ctx tokens of context each on replica r's profile, remembered for
+// the current decision.
+func (p *E2) stepMemo(v *View, r, batch, ctx int) float64 {
+	prof := v.ProfileOf(r)
 	for _, e := range p.stepMemos {
-		if e.a == batch && e.b == ctx {
+		if e.a == batch && e.b == ctx && e.prof == prof {
 			return e.v
 		}
 	}
-	x := secs(v.Profile.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch}))
+	x := secs(prof.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch}))
 	if len(p.stepMemos) < memoSize {
-		p.stepMemos = append(p.stepMemos, memoEntry{batch, ctx, x})
+		p.stepMemos = append(p.stepMemos, memoEntry{prof, batch, ctx, x})
 	}
 	return x
 }
@@ -742,7 +758,7 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	*e = e2Entry{
 		id: req.ID, at: ns, node: node, replica: int32(r),
 		prompt: sat32(req.PromptTokens), hit: sat32(d.MatchedTokens), out: sat32(req.OutputTokens),
-		prefill: p.prefillMemo(v, req.PromptTokens-d.MatchedTokens, req.PromptTokens),
+		prefill: p.prefillMemo(v, r, req.PromptTokens-d.MatchedTokens, req.PromptTokens),
 		ttft:    -1, live: true, queued: true,
 	}
 	p.queue = append(p.queue, e)
@@ -967,7 +983,7 @@ func (p *E2) rebalance(v *View, ns int64) {
 	}
 	if !p.cfg.MovableLoadOnly {
 		for r := 0; r < n; r++ {
-			p.lrb[r] += p.decodeLoad(&v.Replicas[r], v.Profile)
+			p.lrb[r] += p.decodeLoad(&v.Replicas[r], v.ProfileOf(r))
 		}
 	}
 	p.order = p.order[:0]
@@ -1023,7 +1039,7 @@ func (p *E2) rebalance(v *View, ns int64) {
 				}
 				if p.cfg.MovableLoadOnly {
 					bt := v.BlockTokens()
-					recompute := secs(v.Profile.Prefill((nd.Depth()+nd.Own())*bt, (nd.Depth()+nd.Own())*bt))
+					recompute := secs(v.ProfileOf(l).Prefill((nd.Depth()+nd.Own())*bt, (nd.Depth()+nd.Own())*bt))
 					if ld <= recompute {
 						continue
 					}

@@ -107,7 +107,17 @@ func (c *cluster) request(tokens []uint32, now time.Time) (*policy.Request, *pol
 	c.id++
 	req := &policy.Request{ID: c.id, Keys: blocks.Keys(nil, tokens, bt), PromptTokens: len(tokens), OutputTokens: 100}
 	c.tree.Insert(req.Keys, now, &c.m)
+	for i := range c.reps {
+		c.reps[i].ActiveBlocks = c.tree.ActiveBlocks(i) // as the router's prepareView does
+	}
 	return req, &policy.View{Replicas: c.reps, Tree: c.tree, Match: &c.m, Profile: c.prof, Rand: c.rng}
+}
+
+// hold puts a request for tokens in flight on replica r (its path
+// referenced, as the router does when it commits a decision).
+func (c *cluster) hold(tokens []uint32, r int, now time.Time) {
+	c.tree.Insert(blocks.Keys(nil, tokens, bt), now, &c.m)
+	c.tree.AddRef(c.m.Path, r, 1)
 }
 
 // route decides, commits the decision to an Observer, and mirrors the

@@ -5,26 +5,71 @@ import (
 	"math"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/prefixtree"
 )
 
-// LLMDPrecise is llm-d's precise prefix-cache scorer set (llm-d
-// inference-scheduler, "precise-prefix-cache-scorer" with its kv-cache
-// indexer fed by vLLM KV events), combined as in llm-d's published benchmark:
+// The peers' policies below restate the peers' code at the commits their
+// doc comments name (repository, path @ commit). Where they depart from it,
+// the comment says so and why.
+
+// LLMDPrecise is llm-d's precise prefix-cache scorer set: the
+// "precise-prefix-cache-scorer" (llm-d/llm-d-inference-scheduler
+// pkg/plugins/scorer/precise_prefix_cache.go @
+// 17abea8af978e6d8b49ac03834e0317884f07525, its kv-cache index fed by the
+// engines' KV events) with GIE's queue and KV-cache utilization scorers,
+// weighted as in llm-d's published benchmark and GIE's default profile
+// (kubernetes-sigs/gateway-api-inference-extension
+// pkg/epp/config/loader/defaults.go @ 0c8fd519270ebd8422e0bbbfc03ac4d91fc2f1b0;
+// llm-d/llm-d guides/precise-prefix-cache-aware/gaie-kv-events/values.yaml @
+// bf8659b23aa1be08300ebf47c6e7d31a6c570f47):
 //
-//	score(r) = 3·prefix(r) + 2·(1 − kvUsage(r)) + 2·queue(r)
+//	score(r) = 3·prefix(r) + 2·kv(r) + 2·queue(r)
 //
-// prefix = longest run of the request's blocks that r holds / total blocks
-// (from the engine's cache as the tree knows it), queue = (maxQ − q)/(maxQ −
-// minQ) (1 when all are equal). Highest score wins; ties are broken at random.
+// prefix: each replica's longest run of the request's blocks from block 0
+// that it holds (llm-d/llm-d-kv-cache pkg/kvcache/kvblock_scorer.go @
+// 24d82ea07f5e1b454da8ccd2eef8672c718dfc77, LongestPrefixScorer), normalised
+// min-max over the replicas with any hit (llm-d-inference-scheduler
+// pkg/plugins/scorer/utils.go @ 2202f3ca54371e64d835b2257a4bb802b2184ecb,
+// indexedScoresToNormalizedScoredPods): (m − min)/(max − min), 1 for all when
+// min = max, 0 for a replica with no hit. So a lone replica with any hit
+// scores 1, and the one with the fewest hits among several scores 0, like
+// those with none. The minimum is taken over the up replicas (the
+// candidates), as the plugin's speculative path does (it looks up only the
+// candidate endpoints); its non-speculative path scores every pod the index
+// knows, so there a pod that is not a candidate can set the minimum too.
+//
+// kv and queue: see scoreLLMD. Scores are clamped to [0,1] and summed with
+// the weights (GIE pkg/epp/scheduling/framework/scheduler_profile.go @
+// b41c483eb9a1b32ec33587e91b73c0d68fb86e6e); the highest wins, ties at random
+// (GIE's max-score picker shuffles, then stable-sorts:
+// pkg/epp/scheduling/framework/plugins/picker/max_score_picker.go @
+// 45e59d012825971008b10dd3492744f516e434f5; here a reservoir sample).
+//
+// llm-d's newest precise guide (llm-d/llm-d
+// guides/precise-prefix-cache-aware/scheduler/precise-prefix-cache-aware.values.yaml
+// @ 955190d9d24fb78d8fb8d0bee3d7e6af4e5beb71) weighs 2/1/1 and turns
+// speculativeIndexing on: "llmd-precise:prefix_weight=2:kv_weight=1:queue_weight=1:speculative=true".
 type LLMDPrecise struct {
+	// PrefixWeight, KVWeight and QueueWeight weigh the prefix, KV-cache
+	// utilization and queue scorers (3, 2, 2).
 	PrefixWeight, KVWeight, QueueWeight float64
-	name                                string
+	// SpeculativeIndexing is the plugin's speculativeIndexing (default
+	// false): a routed prompt counts as cached on its replica until the
+	// engine's events confirm it (the router's speculative entries; see
+	// Speculator).
+	SpeculativeIndexing bool
+	name                string
+	prefix              []float64
 }
 
-var _ Policy = (*LLMDPrecise)(nil)
+var (
+	_ Policy     = (*LLMDPrecise)(nil)
+	_ Speculator = (*LLMDPrecise)(nil)
+)
 
-// NewLLMDPrecise returns llm-d's precise scorer with weights 3/2/2.
+// NewLLMDPrecise returns llm-d's precise scorer with weights 3/2/2 and no
+// speculative indexing (the plugin's default).
 func NewLLMDPrecise() *LLMDPrecise {
 	return &LLMDPrecise{PrefixWeight: 3, KVWeight: 2, QueueWeight: 2, name: "llmd-precise"}
 }
@@ -32,13 +77,52 @@ func NewLLMDPrecise() *LLMDPrecise {
 // Name implements Policy.
 func (p *LLMDPrecise) Name() string { return p.name }
 
+// Speculative implements Speculator: the plugin's speculativeIndexing.
+func (p *LLMDPrecise) Speculative() bool { return p.SpeculativeIndexing }
+
 // Route implements Policy.
 func (p *LLMDPrecise) Route(req *Request, v *View, now time.Time) (Decision, error) {
-	return scoreLLMD(req, v, v.Match.PerReplica, p.PrefixWeight, p.KVWeight, p.QueueWeight, "llmd-precise")
+	matched := v.Match.PerReplica
+	lo, hi := math.MaxInt, 0
+	for i := range v.Replicas {
+		if m := at(matched, i); v.Replicas[i].Up && m > 0 {
+			lo, hi = min(lo, m), max(hi, m)
+		}
+	}
+	p.prefix = resize(p.prefix, len(v.Replicas))
+	for i := range v.Replicas {
+		m := at(matched, i)
+		switch {
+		case !v.Replicas[i].Up || m == 0:
+			p.prefix[i] = 0
+		case hi == lo:
+			p.prefix[i] = 1
+		default:
+			p.prefix[i] = float64(m-lo) / float64(hi-lo)
+		}
+	}
+	return scoreLLMD(req, v, p.prefix, matched, p.PrefixWeight, p.KVWeight, p.QueueWeight, "llmd-precise")
 }
 
-// scoreLLMD applies llm-d's weighted scorers given per-replica matched blocks.
-func scoreLLMD(req *Request, v *View, matched []int, wp, wkv, wq float64, branch string) (Decision, error) {
+// scoreLLMD sums GIE's weighted scorers, given each replica's prefix score
+// (in [0,1]) and the blocks it is believed to hold, and picks the highest:
+//
+//   - kv = 1 − KV-cache usage (vllm:kv_cache_usage_perc): GIE
+//     pkg/epp/framework/plugins/scheduling/scorer/kvcacheutilization/kvcache_utilization.go
+//     @ 33173e4c83e87fece15b50f3ded861a3c0edb0ea. Unknown usage reads as 0
+//     (score 1), as GIE's unscraped metrics do.
+//   - queue = (maxQ − q)/(maxQ − minQ) over the up replicas, 1 for all when
+//     equal, with q = the waiting queue only (Replica.Queue): GIE
+//     pkg/epp/framework/plugins/scheduling/scorer/queuedepth/queue.go @
+//     cb1c67d325c9335dfa867050f81c1624ac8340ac reads WaitingQueueSize,
+//     filled from vllm:num_requests_waiting
+//     (pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go @
+//     1cf544386df8c93bf3e07fb42b7ef995bf0ea59a; SGLang: sglang:num_queue_reqs).
+//
+// Each score is clamped to [0,1] before weighting (scheduler_profile.go's
+// enforceScoreRange). Scores within 1e-12 of the best tie, and ties are
+// broken uniformly at random.
+func scoreLLMD(req *Request, v *View, prefix []float64, matched []int, wp, wkv, wq float64, branch string) (Decision, error) {
 	minQ, maxQ := math.MaxInt, -1
 	for i := range v.Replicas {
 		if !v.Replicas[i].Up {
@@ -58,31 +142,26 @@ func scoreLLMD(req *Request, v *View, matched []int, wp, wkv, wq float64, branch
 		if !rp.Up {
 			continue
 		}
-		prefix := 0.0
-		if len(req.Keys) > 0 && i < len(matched) {
-			prefix = float64(matched[i]) / float64(len(req.Keys))
+		pre := 0.0
+		if i < len(prefix) {
+			pre = clamp01(prefix[i])
 		}
 		kv := 1.0
 		if rp.KVUsage >= 0 && finite(rp.KVUsage) {
-			kv = 1 - math.Min(math.Max(rp.KVUsage, 0), 1)
+			kv = 1 - clamp01(rp.KVUsage)
 		}
 		queue := 1.0
 		if maxQ > minQ {
 			queue = float64(maxQ-rp.Queue()) / float64(maxQ-minQ)
 		}
-		s := wp*prefix + wkv*kv + wq*queue
-		m := 0
-		if i < len(matched) {
-			m = min(matched[i]*v.BlockTokens(), req.PromptTokens)
-		}
+		s := wp*pre + wkv*kv + wq*queue
+		m := min(at(matched, i)*v.BlockTokens(), req.PromptTokens)
 		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Score: s})
 		switch {
 		case s > best+1e-12:
 			best, ties = s, 1
 			d.Replica, d.MatchedTokens = i, m
 		case math.Abs(s-best) <= 1e-12:
-			// Reservoir-sample among equal scores, as llm-d's max-score
-			// picker shuffles ties.
 			ties++
 			if v.Rand.IntN(ties) == 0 {
 				d.Replica, d.MatchedTokens = i, m
@@ -92,10 +171,275 @@ func scoreLLMD(req *Request, v *View, matched []int, wp, wkv, wq float64, branch
 	return d, nil
 }
 
+// LLMDApprox is the Gateway API Inference Extension's approximate
+// "prefix-cache-scorer", llm-d's approximate prefix-cache routing
+// (kubernetes-sigs/gateway-api-inference-extension
+// pkg/epp/scheduling/framework/plugins/prefixcachescorer/plugin.go @
+// a172f54a01a5d54ae4933897316a175f880c30ad, its index
+// pkg/epp/framework/plugins/scheduling/scorer/prefix/indexer.go @
+// 66e1934970fc9fa4da073cfdb5091b2c578030e9), with GIE's KV-cache and queue
+// scorers (scoreLLMD), weighted 1/1/1 as in llm-d's published benchmark of
+// "approximate".
+//
+// The index is the router's own record of what it sent where: per replica an
+// LRU of block keys (capacity: the replica's KV capacity in blocks, GIE's
+// AutoTune default reading CacheNumGPUBlocks, else 31,250), and for each key
+// the replicas whose LRU holds it. It knows nothing of the engines'
+// evictions. Only a prompt's first MaxPrefixBlocks blocks (256) are hashed,
+// matched and recorded. The match walks the request's blocks from the first
+// and stops at the first block no replica holds, crediting each replica
+// with every block it holds along the way (not necessarily a run: a prompt's
+// LRU entries are added first block first, so its head is evicted before its
+// tail). prefix = credited blocks / hashed blocks, a fraction (no min-max).
+type LLMDApprox struct {
+	// PrefixWeight, KVWeight and QueueWeight weigh the scorers (1, 1, 1).
+	PrefixWeight, KVWeight, QueueWeight float64
+	// MaxPrefixBlocks bounds the blocks of a prompt that are matched and
+	// recorded (GIE's maxPrefixBlocksToMatch, 256; ≤ 0: no bound).
+	MaxPrefixBlocks int
+	// capacity is every replica's LRU capacity in blocks; 0: each replica's
+	// profile KV capacity (GIE's AutoTune).
+	capacity int
+	idx      gieIndex
+	name     string
+	prefix   []float64
+	matched  []int
+}
+
+var (
+	_ Policy   = (*LLMDApprox)(nil)
+	_ Observer = (*LLMDApprox)(nil)
+)
+
+// GIE's prefix-cache-scorer defaults (plugin.go @ a172f54a01a5d54ae4933897316a175f880c30ad).
+const (
+	gieMaxPrefixBlocks = 256   // DefaultMaxPrefixBlocks
+	gieLRUCapacity     = 31250 // DefaultLRUCapacityPerServer: a replica with no KV capacity known
+)
+
+// NewLLMDApprox returns the approximate scorer over keys of blockTokens
+// tokens. capacityBlocks > 0 bounds every replica's LRU at that many blocks
+// (GIE with AutoTune off); 0 sizes each replica's LRU at its own KV capacity
+// (View.ProfileOf(r).KVCapacity() / View.BlockTokens(), read when the
+// replica is first recorded, as GIE reads CacheNumGPUBlocks when it creates
+// a pod's LRU).
+func NewLLMDApprox(blockTokens, capacityBlocks int) (*LLMDApprox, error) {
+	if blockTokens < 1 {
+		return nil, fmt.Errorf("policy: llmd-approx: block tokens must be ≥ 1, got %d", blockTokens)
+	}
+	if capacityBlocks < 0 {
+		return nil, fmt.Errorf("policy: llmd-approx: per-replica history capacity must be ≥ 0 blocks (0: each replica's KV capacity), got %d", capacityBlocks)
+	}
+	return &LLMDApprox{
+		PrefixWeight: 1, KVWeight: 1, QueueWeight: 1,
+		MaxPrefixBlocks: gieMaxPrefixBlocks,
+		capacity:        capacityBlocks,
+		idx:             gieIndex{holders: make(map[blocks.Key]prefixtree.Set)},
+		name:            "llmd-approx",
+	}, nil
+}
+
+// Name implements Policy.
+func (p *LLMDApprox) Name() string { return p.name }
+
+// hashed is the part of req's keys GIE hashes.
+func (p *LLMDApprox) hashed(req *Request) []blocks.Key {
+	if p.MaxPrefixBlocks > 0 && len(req.Keys) > p.MaxPrefixBlocks {
+		return req.Keys[:p.MaxPrefixBlocks]
+	}
+	return req.Keys
+}
+
+// Route implements Policy.
+func (p *LLMDApprox) Route(req *Request, v *View, now time.Time) (Decision, error) {
+	keys := p.hashed(req)
+	p.matched = resize(p.matched, len(v.Replicas))
+	p.idx.match(keys, p.matched)
+	p.prefix = resize(p.prefix, len(v.Replicas))
+	if len(keys) > 0 {
+		for i, m := range p.matched {
+			p.prefix[i] = float64(m) / float64(len(keys))
+		}
+	}
+	return scoreLLMD(req, v, p.prefix, p.matched, p.PrefixWeight, p.KVWeight, p.QueueWeight, "llmd-approx")
+}
+
+// capacityOf is replica r's LRU capacity in blocks.
+func (p *LLMDApprox) capacityOf(v *View, r int) int {
+	if p.capacity > 0 {
+		return p.capacity
+	}
+	if prof := v.ProfileOf(r); prof != nil {
+		if c := prof.KVCapacity() / v.BlockTokens(); c > 0 {
+			return c
+		}
+	}
+	return gieLRUCapacity
+}
+
+// Routed implements Observer: the decision enters the index (GIE's
+// PreRequest).
+func (p *LLMDApprox) Routed(req *Request, d *Decision, v *View, now time.Time) {
+	if d.Replica < 0 {
+		return
+	}
+	p.idx.add(p.hashed(req), d.Replica, p.capacityOf(v, d.Replica))
+}
+
+// FirstToken implements Observer.
+func (p *LLMDApprox) FirstToken(uint64, int, time.Duration, time.Time) {}
+
+// Finished implements Observer.
+func (p *LLMDApprox) Finished(uint64, int, int, bool, time.Time) {}
+
+// ReplicaDown implements Observer: the replica's LRU is dropped (GIE's
+// RemovePod, which its pod clean-up runs for pods that left the pool).
+func (p *LLMDApprox) ReplicaDown(r int, now time.Time) { p.idx.removeReplica(r) }
+
+// gieIndex is GIE's approximate prefix index (indexer.go): for each block
+// key the replicas that hold it, and per replica an LRU of the keys it holds
+// whose evictions remove the replica from the key's holders.
+type gieIndex struct {
+	holders map[blocks.Key]prefixtree.Set
+	lrus    []*keyLRU // by replica; nil until the replica is first recorded
+}
+
+// match adds to counts[r] the blocks of keys replica r holds, walking from
+// the first key until one that no replica holds (matchLongestPrefix).
+func (x *gieIndex) match(keys []blocks.Key, counts []int) {
+	for _, k := range keys {
+		s, ok := x.holders[k]
+		if !ok || s.Empty() {
+			return
+		}
+		s.Each(func(r int) {
+			if r < len(counts) {
+				counts[r]++
+			}
+		})
+	}
+}
+
+// add records keys on replica r, in order, creating r's LRU with capacity
+// blocks if it has none (indexer.Add).
+func (x *gieIndex) add(keys []blocks.Key, r int, capacity int) {
+	for len(x.lrus) <= r {
+		x.lrus = append(x.lrus, nil)
+	}
+	l := x.lrus[r]
+	if l == nil {
+		l = newKeyLRU(max(capacity, 1))
+		x.lrus[r] = l
+	}
+	for _, k := range keys {
+		if old, evicted := l.add(k); evicted {
+			x.drop(old, r)
+		}
+		if s := x.holders[k]; !s.Has(r) {
+			s.Add(r)
+			x.holders[k] = s
+		}
+	}
+}
+
+// drop removes r from k's holders.
+func (x *gieIndex) drop(k blocks.Key, r int) {
+	s, ok := x.holders[k]
+	if !ok {
+		return
+	}
+	s.Remove(r)
+	if s.Empty() {
+		delete(x.holders, k)
+	} else {
+		x.holders[k] = s
+	}
+}
+
+// removeReplica forgets everything r holds (indexer.RemovePod).
+func (x *gieIndex) removeReplica(r int) {
+	if r < 0 || r >= len(x.lrus) || x.lrus[r] == nil {
+		return
+	}
+	for _, e := range x.lrus[r].e {
+		x.drop(e.key, r)
+	}
+	x.lrus[r] = nil
+}
+
+// keyLRU is a fixed-capacity LRU set of block keys (hashicorp/golang-lru's
+// Cache as GIE uses it: adding a present key moves it to the front; adding a
+// new one to a full cache evicts the least recently added or refreshed).
+type keyLRU struct {
+	capacity   int
+	slot       map[blocks.Key]int32
+	e          []lruEntry
+	head, tail int32 // head: most recent; -1 when empty
+}
+
+type lruEntry struct {
+	key        blocks.Key
+	prev, next int32
+}
+
+func newKeyLRU(capacity int) *keyLRU {
+	return &keyLRU{capacity: capacity, slot: make(map[blocks.Key]int32), head: -1, tail: -1}
+}
+
+// add puts k at the front and returns the key it evicted, if any.
+func (l *keyLRU) add(k blocks.Key) (blocks.Key, bool) {
+	if i, ok := l.slot[k]; ok {
+		l.unlink(i)
+		l.pushFront(i)
+		return 0, false
+	}
+	if len(l.e) < l.capacity {
+		i := int32(len(l.e))
+		l.e = append(l.e, lruEntry{key: k})
+		l.slot[k] = i
+		l.pushFront(i)
+		return 0, false
+	}
+	i := l.tail
+	old := l.e[i].key
+	l.unlink(i)
+	delete(l.slot, old)
+	l.e[i].key = k
+	l.slot[k] = i
+	l.pushFront(i)
+	return old, true
+}
+
+func (l *keyLRU) pushFront(i int32) {
+	l.e[i].prev, l.e[i].next = -1, l.head
+	if l.head >= 0 {
+		l.e[l.head].prev = i
+	}
+	l.head = i
+	if l.tail < 0 {
+		l.tail = i
+	}
+}
+
+func (l *keyLRU) unlink(i int32) {
+	e := &l.e[i]
+	if e.prev >= 0 {
+		l.e[e.prev].next = e.next
+	} else {
+		l.head = e.next
+	}
+	if e.next >= 0 {
+		l.e[e.next].prev = e.prev
+	} else {
+		l.tail = e.prev
+	}
+	e.prev, e.next = -1, -1
+}
+
 // history is a router's own record of what it sent where: a private prefix
-// tree whose "cached" marks mean "routed there", bounded per replica by LRU.
-// llm-d's approximate scorer and SGLang's router keep exactly this instead
-// of listening to the engines.
+// tree whose "cached" marks mean "routed there", bounded per replica by LRU
+// (deepest blocks first, so each replica's record stays prefix-closed).
+// SGLang's router keeps this instead of listening to the engines.
 type history struct {
 	tree     *prefixtree.Tree
 	capacity int // blocks per replica
@@ -125,6 +469,9 @@ func (h *history) lookup(req *Request, v *View) []int {
 
 // record notes that req was sent to r at now.
 func (h *history) record(req *Request, r int, now time.Time) {
+	if r < 0 {
+		return
+	}
 	for h.tree.Replicas() <= r {
 		h.tree.AddReplica()
 	}
@@ -141,56 +488,57 @@ func (h *history) forget(r int) {
 	}
 }
 
-// LLMDApprox is llm-d's approximate prefix-cache scorer (the Gateway API
-// Inference Extension's "prefix-cache-scorer"): the same scoring as
-// LLMDPrecise with weights 1/1/1, but "r holds the block" means the router
-// sent that prefix to r (a per-replica LRU of block keys, with no knowledge
-// of the engine's evictions).
-type LLMDApprox struct {
-	h *history
-}
+// SGLang's router defaults: cache_threshold 0.3, balance_abs_threshold 64,
+// balance_rel_threshold 1.5, max_tree_size 2^26 (sgl-project/sglang
+// sgl-model-gateway/bindings/python/src/sglang_router/router_args.py @
+// 6614f98405b9d58cf284fd1494dd9322e9d44f76, and the same in the Rust CLI,
+// sgl-model-gateway/src/main.rs @ f47e04e04c2a9408b8b106fb62612daa45d4b067;
+// CacheAwareConfig::default() in src/policies/mod.rs @
+// 01f6c92a0ae883504466f0be6235eb8e70651c46 has 0.5/32/1.1, but the CLI's are
+// what users get).
+const (
+	sglangCacheThreshold = 0.3
+	sglangBalanceAbs     = 64
+	sglangBalanceRel     = 1.5
+	sglangMaxTreeChars   = 1 << 26
+	// charsPerToken converts SGLang's character budget to tokens: GIE's
+	// estimate for the same purpose (averageCharactersPerToken, plugin.go
+	// @ a172f54a01a5d54ae4933897316a175f880c30ad).
+	charsPerToken = 4
+)
 
-var _ Policy = (*LLMDApprox)(nil)
-var _ Observer = (*LLMDApprox)(nil)
-
-// NewLLMDApprox returns the approximate scorer with a per-replica history of
-// capacityBlocks blocks.
-func NewLLMDApprox(blockTokens, capacityBlocks int) (*LLMDApprox, error) {
-	h, err := newHistory(blockTokens, capacityBlocks)
-	if err != nil {
-		return nil, err
-	}
-	return &LLMDApprox{h: h}, nil
-}
-
-// Name implements Policy.
-func (p *LLMDApprox) Name() string { return "llmd-approx" }
-
-// Route implements Policy.
-func (p *LLMDApprox) Route(req *Request, v *View, now time.Time) (Decision, error) {
-	d, err := scoreLLMD(req, v, p.h.lookup(req, v), 1, 1, 1, "llmd-approx")
-	return d, err
-}
-
-// Routed implements Observer: the decision enters the history.
-func (p *LLMDApprox) Routed(req *Request, d *Decision, v *View, now time.Time) {
-	p.h.record(req, d.Replica, now)
-}
-
-// FirstToken implements Observer.
-func (p *LLMDApprox) FirstToken(uint64, int, time.Duration, time.Time) {}
-
-// Finished implements Observer.
-func (p *LLMDApprox) Finished(uint64, int, int, bool, time.Time) {}
-
-// ReplicaDown implements Observer: the replica's history is dropped.
-func (p *LLMDApprox) ReplicaDown(r int, now time.Time) { p.h.forget(r) }
-
-// SGLang is SGLang's cache-aware router (sgl-router, defaults as of 2026):
-// if the cluster is imbalanced (max−min in-flight > BalanceAbs and max >
-// BalanceRel·min) the least loaded replica wins; else if the best history
-// match covers more than MatchThreshold of the prompt, that replica wins;
-// else the least loaded. Its tree is its own routing history, evicted LRU.
+// SGLang is SGLang's cache-aware router (sgl-project/sglang
+// sgl-model-gateway/src/policies/cache_aware.rs @
+// b93974f140de1e545d9134d87e77f0bd1fbf3014; the same rules in its successor,
+// lightseekorg/smg model_gateway/src/policies/cache_aware.rs @
+// 1cb059334667fd685127f616d08028b98f5863fc):
+//
+//   - load = the router's own in-flight count per replica; the cluster is
+//     imbalanced when max − min > BalanceAbs and max > BalanceRel·min; then
+//     the least loaded replica wins (branch "balance");
+//   - else the replica with the longest match in the router's history tree
+//     wins if its match covers strictly more than MatchThreshold of the
+//     prompt (branch "cache");
+//   - else the least loaded (branch "least-load").
+//
+// Least loaded: ties to the lowest ID, as Rust's min_by_key over the
+// healthy workers in list order. Several replicas with the longest match:
+// SGLang takes the first tenant its tree node's hash map yields (smg caches
+// it on the node) — arbitrary per prefix, but the same one every time; here
+// rendezvous hashing of the deepest matched block over the tied replicas,
+// arbitrary and stable in the same way.
+//
+// Departures: SGLang's tree is over characters and its match rate is matched
+// over input characters; here both are in blocks (matched blocks / the
+// prompt's full blocks), the partial last block being invisible. SGLang
+// takes min and max load over every worker it lists, healthy or not; here
+// over the up replicas, because a replica that is down here may have left
+// the pool for good, which SGLang would no longer list. SGLang bounds each
+// worker's share of the tree at max_tree_size characters, evicting LRU leaves
+// every eviction_interval (60 s); here at that size in blocks (2^26/4 tokens,
+// at 4 characters a token), evicting as soon as a replica exceeds it. That
+// is far more than any replica's KV cache: SGLang's router remembers
+// prefixes long after the engines evicted them, and so does this one.
 type SGLang struct {
 	BalanceAbs     int
 	BalanceRel     float64
@@ -198,16 +546,26 @@ type SGLang struct {
 	h              *history
 }
 
-var _ Policy = (*SGLang)(nil)
-var _ Observer = (*SGLang)(nil)
+var (
+	_ Policy   = (*SGLang)(nil)
+	_ Observer = (*SGLang)(nil)
+)
 
-// NewSGLang returns SGLang's router with its defaults (64, 1.5, 0.3).
+// NewSGLang returns SGLang's router with its CLI defaults (0.3, 64, 1.5),
+// its history over keys of blockTokens tokens bounded at capacityBlocks
+// blocks per replica (0: SGLang's max_tree_size, 2^26 characters, as blocks).
 func NewSGLang(blockTokens, capacityBlocks int) (*SGLang, error) {
+	if capacityBlocks < 0 {
+		return nil, fmt.Errorf("policy: sglang: per-replica history capacity must be ≥ 0 blocks (0: SGLang's max_tree_size), got %d", capacityBlocks)
+	}
+	if capacityBlocks == 0 && blockTokens > 0 {
+		capacityBlocks = sglangMaxTreeChars / charsPerToken / blockTokens
+	}
 	h, err := newHistory(blockTokens, capacityBlocks)
 	if err != nil {
 		return nil, err
 	}
-	return &SGLang{BalanceAbs: 64, BalanceRel: 1.5, MatchThreshold: 0.3, h: h}, nil
+	return &SGLang{BalanceAbs: sglangBalanceAbs, BalanceRel: sglangBalanceRel, MatchThreshold: sglangCacheThreshold, h: h}, nil
 }
 
 // Name implements Policy.
@@ -217,26 +575,30 @@ func (p *SGLang) Name() string { return "sglang" }
 func (p *SGLang) Route(req *Request, v *View, now time.Time) (Decision, error) {
 	matched := p.h.lookup(req, v)
 	minL, maxL := math.MaxInt, -1
-	best, bestM := -1, -1
+	bestM := -1
 	for i := range v.Replicas {
 		rp := &v.Replicas[i]
 		if !rp.Up {
 			continue
 		}
 		minL, maxL = min(minL, rp.InFlight), max(maxL, rp.InFlight)
-		m := 0
-		if i < len(matched) {
-			m = matched[i]
-		}
-		if m > bestM || (m == bestM && rp.InFlight < v.Replicas[best].InFlight) {
-			best, bestM = i, m
-		}
+		bestM = max(bestM, at(matched, i))
 	}
-	if best < 0 {
+	if maxL < 0 {
 		return Decision{}, ErrNoReplica
 	}
 	imbalanced := maxL-minL > p.BalanceAbs && float64(maxL) > p.BalanceRel*float64(minL)
-	if !imbalanced && len(req.Keys) > 0 && float64(bestM) > p.MatchThreshold*float64(len(req.Keys)) {
+	if !imbalanced && bestM > 0 && float64(bestM) > p.MatchThreshold*float64(len(req.Keys)) {
+		key := uint64(req.Keys[bestM-1])
+		best, bestW := -1, uint64(0)
+		for i := range v.Replicas {
+			if !v.Replicas[i].Up || at(matched, i) != bestM {
+				continue
+			}
+			if w := mix64(key ^ mix64(uint64(i)+1)); best < 0 || w > bestW {
+				best, bestW = i, w
+			}
+		}
 		return Decision{Replica: best, Branch: "cache", MatchedTokens: v.MatchedTokens(best, req)}, nil
 	}
 	d, err := LeastLoad{}.Route(req, v, now)
@@ -248,7 +610,8 @@ func (p *SGLang) Route(req *Request, v *View, now time.Time) (Decision, error) {
 	return d, err
 }
 
-// Routed implements Observer: the decision enters the history.
+// Routed implements Observer: the decision enters the history (SGLang
+// inserts the request into the chosen worker's tree in every branch).
 func (p *SGLang) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	p.h.record(req, d.Replica, now)
 }
@@ -259,86 +622,159 @@ func (p *SGLang) FirstToken(uint64, int, time.Duration, time.Time) {}
 // Finished implements Observer.
 func (p *SGLang) Finished(uint64, int, int, bool, time.Time) {}
 
-// ReplicaDown implements Observer.
+// ReplicaDown implements Observer: the replica's history is dropped
+// (SGLang's remove_worker → remove_tenant).
 func (p *SGLang) ReplicaDown(r int, now time.Time) { p.h.forget(r) }
 
 // DynamoConfig configures the Dynamo KV router's cost.
 type DynamoConfig struct {
-	// OverlapWeight weighs prefill blocks (1.0 in Dynamo).
+	// OverlapWeight weighs prefill blocks (overlap_score_weight, 1.0).
 	OverlapWeight float64
-	// Temperature > 0 samples by softmax over −cost instead of argmin.
+	// Temperature > 0 samples by softmax over the range-normalised costs
+	// instead of taking the cheapest (router_temperature, 0).
 	Temperature float64
 }
 
-// DefaultDynamoConfig returns Dynamo's defaults (weight 1, argmin).
+// DefaultDynamoConfig returns Dynamo's defaults: overlap_score_weight 1.0,
+// router_temperature 0.0 (ai-dynamo/dynamo lib/kv-router/src/config.rs @
+// 870abbd1e540664f8738c867c2b702e1d1ce629b).
 func DefaultDynamoConfig() DynamoConfig { return DynamoConfig{OverlapWeight: 1} }
 
-// Dynamo is NVIDIA Dynamo's KV-aware router cost (dynamo kv_router
-// "DefaultWorkerSelector"):
+// Dynamo is NVIDIA Dynamo's KV-aware router (ai-dynamo/dynamo
+// lib/llm/src/kv_router/scheduler.rs @ db19bd2a659d4cb04998fb4101cd0dbfbbeba9d4,
+// DefaultWorkerSelector; identical in lib/kv-router/src/scheduling/selector.rs
+// @ ccd1706e138fe41b54b85305598ad6b748f377fe; the newest,
+// lib/kv-router/src/scheduling/selector/default.rs @
+// a4bdb9bfa1eed0afd4d67331f0938f9d5e3b58ed, reduces to it with default
+// settings). Per replica, in blocks of B tokens, lower wins:
 //
-//	cost(r) = w·(prefill blocks not cached on r + r's active prefill blocks)
-//	          + r's active decode blocks
+//	logit(r) = w·prefill(r) + decode(r)
+//	prefill(r) = (prompt tokens − tokens r caches + r's active prefill tokens) / B
+//	decode(r)  = r's active blocks + the request's blocks not active on r
 //
-// lowest wins, or softmax sampling with a temperature.
+// (lib/llm/src/kv_router/sequence.rs @
+// 581ee33e434f3f99b84f6ea99fcf0a3fda26a685, potential_blocks_and_tokens).
+// Active prefill tokens are the uncached prompt tokens of r's requests that
+// have not finished prefill (Replica.PendingPrefillTokens); active blocks are
+// the distinct prompt blocks of all r's in-flight requests
+// (Replica.ActiveBlocks; output blocks count only with
+// router_track_output_blocks, off by default). The request's blocks not
+// active on r are those of its path no request on r references yet.
+//
+// Temperature 0 takes the lowest logit, ties uniformly at random (the newest
+// selector; the classic one broke ties by the smaller cache, then at
+// random). Temperature T > 0 samples p(r) ∝ exp(−(v − vmin)/((vmax − vmin)·T)),
+// uniformly when all are equal.
 type Dynamo struct {
-	cfg   DynamoConfig
-	costs []float64
+	cfg DynamoConfig
 }
 
 var _ Policy = (*Dynamo)(nil)
 
-// NewDynamo returns a Dynamo-style router.
+// NewDynamo returns a Dynamo KV router.
 func NewDynamo(cfg DynamoConfig) *Dynamo { return &Dynamo{cfg: cfg} }
 
 // Name implements Policy.
 func (p *Dynamo) Name() string { return "dynamo" }
 
-// Route implements Policy.
+// newBlocks is how many of req's blocks no in-flight request on replica r
+// passes through: the blocks of v.Match.Path that r does not reference, and
+// any the tree does not hold (when the view was looked up, not inserted).
+func newBlocks(v *View, req *Request, r int) int {
+	m := v.Match
+	n := max(len(req.Keys)-m.Blocks, 0)
+	for j, nd := range m.Path {
+		if nd.Ref(r) > 0 {
+			continue
+		}
+		if j == len(m.Path)-1 {
+			n += m.LastBlocks
+		} else {
+			n += nd.Own()
+		}
+	}
+	return n
+}
+
+// Route implements Policy. Candidate terms: Prefill = prefill(r), Load =
+// decode(r), Score = the logit.
 func (p *Dynamo) Route(req *Request, v *View, now time.Time) (Decision, error) {
 	bt := float64(v.BlockTokens())
-	total := float64(req.PromptTokens) / bt
 	d := Decision{Branch: "dynamo", Replica: -1, Candidates: make([]Candidate, 0, len(v.Replicas))}
-	p.costs = p.costs[:0]
 	for i := range v.Replicas {
 		rp := &v.Replicas[i]
 		if !rp.Up {
 			continue
 		}
 		m := v.MatchedTokens(i, req)
-		prefill := total - float64(m)/bt + float64(rp.PendingPrefillTokens)/bt
-		decode := float64(rp.DecodeContextTokens) / bt
+		prefill := float64(req.PromptTokens-m+max(rp.PendingPrefillTokens, 0)) / bt
+		decode := float64(max(rp.ActiveBlocks, 0) + newBlocks(v, req, i))
 		c := p.cfg.OverlapWeight*prefill + decode
 		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Prefill: prefill, Load: decode, Score: c})
 	}
 	if len(d.Candidates) == 0 {
 		return Decision{}, ErrNoReplica
 	}
+	lo, hi := math.Inf(1), math.Inf(-1)
+	for _, c := range d.Candidates {
+		lo, hi = math.Min(lo, c.Score), math.Max(hi, c.Score)
+	}
 	pick := 0
-	if p.cfg.Temperature > 0 {
-		lo := math.Inf(1)
-		for _, c := range d.Candidates {
-			lo = math.Min(lo, c.Score)
-		}
+	switch {
+	case p.cfg.Temperature > 0 && hi > lo:
 		sum := 0.0
 		for _, c := range d.Candidates {
-			sum += math.Exp(-(c.Score - lo) / (p.cfg.Temperature * math.Max(lo, 1)))
+			sum += math.Exp(-(c.Score - lo) / ((hi - lo) * p.cfg.Temperature))
 		}
 		x := v.Rand.Float64() * sum
+		pick = len(d.Candidates) - 1
 		for i, c := range d.Candidates {
-			x -= math.Exp(-(c.Score - lo) / (p.cfg.Temperature * math.Max(lo, 1)))
+			x -= math.Exp(-(c.Score - lo) / ((hi - lo) * p.cfg.Temperature))
 			if x <= 0 {
 				pick = i
 				break
 			}
 		}
-	} else {
+	case p.cfg.Temperature > 0:
+		pick = v.Rand.IntN(len(d.Candidates))
+	default:
+		ties := 0
 		for i, c := range d.Candidates {
-			if c.Score < d.Candidates[pick].Score {
-				pick = i
+			if c.Score == lo {
+				ties++
+				if ties == 1 || v.Rand.IntN(ties) == 0 {
+					pick = i
+				}
 			}
 		}
 	}
 	d.Replica = d.Candidates[pick].Replica
 	d.MatchedTokens = d.Candidates[pick].MatchedTokens
 	return d, nil
+}
+
+// at is s[i], or 0 past its end.
+func at(s []int, i int) int {
+	if i < 0 || i >= len(s) {
+		return 0
+	}
+	return s[i]
+}
+
+// resize returns s with length n, zeroed, reusing its array when it can.
+func resize[T int | float64](s []T, n int) []T {
+	if cap(s) < n {
+		return make([]T, n)
+	}
+	s = s[:n]
+	clear(s)
+	return s
+}
+
+// clamp01 clamps x to [0,1] (NaN to 0).
+func clamp01(x float64) float64 {
+	if !(x > 0) {
+		return 0
+	}
+	return math.Min(x, 1)
 }

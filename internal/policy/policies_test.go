@@ -133,9 +133,16 @@ func TestNewUnknownAndParse(t *testing.T) {
 	}
 	bad := []struct{ spec, want string }{
 		{"nope", "unknown policy"},
-		{"round-robin:x=1", "only e2 and e2-preble take settings"},
+		{"round-robin:x=1", "only e2, e2-preble, llmd-precise and llmd-approx take settings"},
 		{"e2:window", "not field=value"},
-		{"e2:nosuch=1", `unknown e2 field "nosuch"`},
+		{"e2:nosuch=1", `unknown e2 field "nosuch" (known: `},
+		{"llmd-precise:nosuch=1", `unknown llmd-precise setting "nosuch" (known: kv_weight, prefix_weight, queue_weight, speculative)`},
+		{"llmd-approx:speculative=true", `unknown llmd-approx setting "speculative" (known: kv_weight, prefix_weight, queue_weight)`},
+		{"llmd-precise:kv_weight=-1", "kv_weight must be a finite number ≥ 0"},
+		{"llmd-approx:prefix_weight=NaN", "prefix_weight must be a finite number ≥ 0"},
+		{"llmd-precise:queue_weight=lots", "queue_weight"},
+		{"llmd-precise:speculative=maybe", "speculative"},
+		{"llmd-precise:prefix_weight", "not field=value"},
 		{"e2:window=abc", "window"},
 		{"e2:mixing=maybe", "mixing"},
 		{"e2:window=-1s", "window must be > 0"},
@@ -153,10 +160,10 @@ func TestNewUnknownAndParse(t *testing.T) {
 	}
 	// Options that no policy could use are refused by its constructor.
 	o := policy.DefaultOptions()
-	o.ApproxCapacityBlocks = 0
+	o.ApproxCapacityBlocks = -1
 	for _, name := range []string{"llmd-approx", "sglang"} {
 		if _, err := policy.New(name, o); err == nil || !strings.Contains(err.Error(), "capacity") {
-			t.Errorf("New(%s) with no history capacity: %v", name, err)
+			t.Errorf("New(%s) with a negative history capacity: %v", name, err)
 		}
 	}
 }
@@ -305,17 +312,20 @@ func TestPrefixThreshold(t *testing.T) {
 	}
 }
 
-// TestLLMDPreciseByHand: score = 3·prefix + 2·(1−kv) + 2·queue.
+// TestLLMDPreciseByHand: score = 3·prefix + 2·(1−kv) + 2·queue, with
+// prefix min-max normalised over the replicas with a hit and queue over the
+// engines' waiting counts (running requests do not count).
 func TestLLMDPreciseByHand(t *testing.T) {
 	prompt := toks(1, 160) // 10 blocks
 	c := newCluster(t, 3, bigKV)
 	c.cache(prompt, 0, at(0))
 	c.cache(prompt[:80], 1, at(0))
 	c.reps[0].KVUsage, c.reps[0].Waiting, c.reps[0].Running = 0.9, 4, 0 // queue 4
-	c.reps[1].KVUsage, c.reps[1].Waiting, c.reps[1].Running = 0.2, 1, 1 // queue 2
-	c.reps[2].InFlight = 0                                              // unknown engine figures: kv 1, queue = in-flight 0
+	c.reps[1].KVUsage, c.reps[1].Waiting, c.reps[1].Running = 0.2, 1, 9 // queue 1: running does not count
+	c.reps[2].Prefilling, c.reps[2].InFlight = 2, 7                     // no scrape: kv 1, queue = not yet started 2
 	d, _ := c.route(policy.NewLLMDPrecise(), prompt, at(1))
-	want := []float64{3*1 + 2*0.1 + 0, 3*0.5 + 2*0.8 + 2*0.5, 0 + 2 + 2}
+	// prefix: 10 and 5 blocks among the hits → 1 and 0; queue: (4−q)/3.
+	want := []float64{3*1 + 2*0.1 + 2*0, 3*0 + 2*0.8 + 2*1, 3*0 + 2*1 + 2*(2.0/3)}
 	if d.Replica != 1 || len(d.Candidates) != 3 {
 		t.Fatalf("chose %d, want 1 (%s)", d.Replica, d.Explain())
 	}
@@ -327,11 +337,13 @@ func TestLLMDPreciseByHand(t *testing.T) {
 	if d.MatchedTokens != 80 {
 		t.Errorf("matched %d tokens, want 80", d.MatchedTokens)
 	}
-	// Out-of-range usage clamps; equal queues all score 1.
-	c.reps[0].KVUsage, c.reps[0].Waiting, c.reps[0].Running = 1.7, 1, 1
-	c.reps[2].Waiting, c.reps[2].Running = 2, 0
+	// Out-of-range usage clamps; equal queues all score 1; 0 and 1 now
+	// both hold the whole prompt (the mirror), so both score prefix 1.
+	c.reps[0].KVUsage, c.reps[0].Waiting, c.reps[0].Running = 1.7, 2, 0
+	c.reps[1].Waiting = 2
+	c.reps[2].Waiting, c.reps[2].Running = 2, 5
 	d, _ = c.route(policy.NewLLMDPrecise(), prompt, at(2))
-	want = []float64{3 + 0 + 2, 3 + 1.6 + 2, 0 + 2 + 2} // 1 now caches it (the mirror)
+	want = []float64{3 + 0 + 2, 3 + 1.6 + 2, 0 + 2 + 2}
 	for _, cd := range d.Candidates {
 		if math.Abs(cd.Score-want[cd.Replica]) > 1e-9 {
 			t.Errorf("clamped: replica %d scores %v, want %v", cd.Replica, cd.Score, want[cd.Replica])
@@ -358,8 +370,8 @@ func TestLLMDApproxLearnsFromHistory(t *testing.T) {
 	}
 	// Forgetting a replica that left drops its history.
 	p.(policy.Observer).ReplicaDown(first.Replica, at(3))
-	c.reps[other].InFlight = 10
-	c.reps[first.Replica].InFlight = 10
+	c.reps[other].Waiting = 10
+	c.reps[first.Replica].Waiting = 10
 	if d, _ := c.route(p, prompt, at(4)); d.Replica == first.Replica || d.Replica == other {
 		t.Errorf("after ReplicaDown the forgotten history still scores: chose %d", d.Replica)
 	}
@@ -428,35 +440,43 @@ func TestHistoryRoutedFirst(t *testing.T) {
 	}
 }
 
-// TestDynamoByHand: cost = (prefill blocks not cached + active prefill
-// blocks) + active decode blocks.
+// TestDynamoByHand: logit = (prompt − cached + active prefill tokens)/B
+// + active blocks + the request's blocks not active on the replica. Active
+// blocks are distinct: requests sharing a prefix count it once.
 func TestDynamoByHand(t *testing.T) {
 	prompt := toks(1, 160) // 10 blocks
 	c := newCluster(t, 3, bigKV)
 	c.cache(prompt, 0, at(0))
 	c.cache(prompt[:80], 2, at(0))
-	c.reps[0].PendingPrefillTokens, c.reps[0].DecodeContextTokens = 320, 160 // 0 + 20 + 10
-	c.reps[1].DecodeContextTokens = 800                                      // 10 + 0 + 50
-	c.reps[2].PendingPrefillTokens = 16                                      // 5 + 1 + 0
+	c.hold(toks(9, 64), 0, at(0))                              // replica 0: 4 unrelated active blocks
+	c.hold(cat(prompt[:80], toks(7, 80)), 1, at(0))            // replica 1: 10 active blocks, 5 of them the prompt's first 5
+	c.hold(prompt[:80], 1, at(0))                              // the same 5 again: still 10 distinct
+	c.reps[0].PendingPrefillTokens = 320                       // 20 blocks of prefill owed
+	c.reps[2].PendingPrefillTokens = 16                        // 1 block
+	c.reps[2].Decoding, c.reps[2].DecodeContextTokens = 3, 800 // not Dynamo's decode term
 	d, _ := c.route(policy.NewDynamo(policy.DefaultDynamoConfig()), prompt, at(1))
-	want := []float64{30, 60, 6}
+	want := []struct{ prefill, decode float64 }{
+		{0 + 20, 4 + 10}, // all cached; the prompt's 10 blocks are new on 0
+		{10 + 0, 10 + 5}, // nothing cached; 5 of its blocks already active on 1
+		{5 + 1, 0 + 10},
+	}
 	if d.Replica != 2 || d.MatchedTokens != 80 {
 		t.Fatalf("chose %d with %d matched, want 2 with 80 (%s)", d.Replica, d.MatchedTokens, d.Explain())
 	}
 	for _, cd := range d.Candidates {
-		if math.Abs(cd.Score-want[cd.Replica]) > 1e-9 {
-			t.Errorf("replica %d costs %v, want %v", cd.Replica, cd.Score, want[cd.Replica])
+		w := want[cd.Replica]
+		if cd.Prefill != w.prefill || cd.Load != w.decode || cd.Score != w.prefill+w.decode {
+			t.Errorf("replica %d: prefill %v decode %v logit %v, want %v %v %v", cd.Replica, cd.Prefill, cd.Load, cd.Score, w.prefill, w.decode, w.prefill+w.decode)
 		}
 	}
-	// With a temperature it samples, mostly the cheapest, never off the up set.
-	p := policy.NewDynamo(policy.DynamoConfig{OverlapWeight: 1, Temperature: 0.5})
-	c.reps[1].Up = false
-	seen := map[int]int{}
-	for i := 0; i < 200; i++ {
-		d, _ := c.route(p, prompt, at(2))
-		seen[d.Replica]++
+	if got := c.reps[1].ActiveBlocks; got != 10 {
+		t.Errorf("replica 1 has %d active blocks, want 10", got)
 	}
-	if seen[1] != 0 || seen[2] <= seen[0] {
-		t.Errorf("softmax choices %v", seen)
+	// The overlap weight scales the prefill term only.
+	d, _ = c.route(policy.NewDynamo(policy.DynamoConfig{OverlapWeight: 2}), prompt, at(2))
+	for _, cd := range d.Candidates {
+		if w := want[cd.Replica]; cd.Score != 2*cd.Prefill+cd.Load || cd.Load != w.decode {
+			t.Errorf("weight 2: replica %d logit %v from prefill %v decode %v", cd.Replica, cd.Score, cd.Prefill, cd.Load)
+		}
 	}
 }

@@ -66,6 +66,11 @@ type Replica struct {
 	// Decoding counts in-flight requests past their first token, and
 	// DecodeContextTokens the context (prompt + output so far) they hold.
 	Decoding, DecodeContextTokens int
+	// ActiveBlocks is the number of distinct prompt blocks of the requests
+	// in flight on the replica, each block counted once however many of
+	// them share it (prefixtree.Tree.ActiveBlocks; Dynamo's active blocks).
+	// The router fills it for each decision.
+	ActiveBlocks int
 	// Waiting and Running are the engine's own queue figures (scraped
 	// vllm:num_requests_waiting / running); -1 when unknown.
 	Waiting, Running int
@@ -78,13 +83,19 @@ type Replica struct {
 	Slots int
 }
 
-// Queue is the queue length the scorers use: the engine's waiting count when
-// known, else the router's own in-flight count.
+// Queue is the replica's waiting queue, what GIE's queue scorer and
+// saturation detector read (WaitingQueueSize, from vllm:num_requests_waiting
+// or sglang:num_queue_reqs): the engine's waiting count when scraped, else
+// the router's own count of requests routed to the replica that have not
+// produced a token (Prefilling). Running requests do not count. Prefilling
+// is the closest the router has to "waiting": like the engine's figure it
+// leaves out the decoding requests (which the engine counts as running),
+// and it over-counts only by the requests whose prefill is under way.
 func (r *Replica) Queue() int {
 	if r.Waiting >= 0 {
-		return r.Waiting + max(r.Running, 0)
+		return r.Waiting
 	}
-	return r.InFlight
+	return max(r.Prefilling, 0)
 }
 
 // View is the cluster as a policy sees it for one decision. The router fills
@@ -99,8 +110,14 @@ type View struct {
 	// Match is the request's path in Tree, with PerReplica holding how many
 	// leading blocks each replica cached before this request.
 	Match *prefixtree.Match
-	// Profile prices prefill and decode on a replica.
+	// Profile prices prefill and decode on a replica that has no profile of
+	// its own in Profiles.
 	Profile costmodel.Profile
+	// Profiles, when set, holds each replica's own profile by ID (a
+	// heterogeneous cluster, or a cost model calibrated per replica: see
+	// internal/calibrate); a nil entry, or an ID past its end, means
+	// Profile. Read it through ProfileOf.
+	Profiles []costmodel.Profile
 	// Rand is the decision's source of randomness (seeded by the caller).
 	Rand *rand.Rand
 	// Victims, when set, calls fn for the nodes replica r would stop
@@ -111,6 +128,15 @@ type View struct {
 
 // BlockTokens is the number of tokens per block key.
 func (v *View) BlockTokens() int { return v.Tree.BlockTokens() }
+
+// ProfileOf returns the profile that prices work on replica r: its own
+// (Profiles[r]) when it has one, else the cluster's (Profile).
+func (v *View) ProfileOf(r int) costmodel.Profile {
+	if r >= 0 && r < len(v.Profiles) && v.Profiles[r] != nil {
+		return v.Profiles[r]
+	}
+	return v.Profile
+}
 
 // MatchedTokens is how many prompt tokens replica r caches for this request.
 func (v *View) MatchedTokens(r int, req *Request) int {
@@ -197,8 +223,9 @@ type Observer interface {
 // confirm it (router.Config.SpeculativeTTL). It covers the event lag, but
 // it herds a purely sticky scorer: every request for a prefix that is new
 // everywhere follows the first one before any replica has computed it.
-// llm-d's precise scorer reads only the event index, so the peers' policies
-// do not speculate; e2, which prices the holder's queue, does.
+// llm-d's precise scorer does it only with its speculativeIndexing setting
+// (off by default; on in llm-d's newest precise-prefix-cache guide):
+// llmd-precise:speculative=true. e2, which prices the holder's queue, does.
 type Speculator interface {
 	// Speculative reports whether the policy wants speculative entries.
 	Speculative() bool
@@ -234,8 +261,10 @@ var constructors = map[string]func(Options) (Policy, error){
 type Options struct {
 	// BlockTokens is the block size of the keys (for policies with own trees).
 	BlockTokens int
-	// ApproxCapacityBlocks bounds the per-replica history of llmd-approx and
-	// sglang (their stand-in for each replica's cache size), in blocks.
+	// ApproxCapacityBlocks, when > 0, bounds the per-replica history of
+	// llmd-approx and sglang (their record of what they sent where) at that
+	// many blocks. 0, the default, leaves each its own bound: llmd-approx
+	// each replica's KV capacity (GIE's AutoTune), sglang its max_tree_size.
 	ApproxCapacityBlocks int
 	// PrefixThreshold is the share of the prompt the `prefix` policy needs
 	// matched to stick (else least-load).
@@ -248,7 +277,7 @@ type Options struct {
 func DefaultOptions() Options {
 	return Options{
 		BlockTokens:          blocks.DefaultBlockSize,
-		ApproxCapacityBlocks: 198516 / blocks.DefaultBlockSize,
+		ApproxCapacityBlocks: 0,
 		PrefixThreshold:      0.5,
 		E2:                   DefaultE2Config(),
 		E2Preble:             PrebleE2Config(),

@@ -3,29 +3,63 @@ package policy
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 )
 
-// Parse builds a policy from a spec "NAME[:field=value[:field=value...]]",
-// where fields are E2Config's JSON names (durations as Go durations, e.g.
-// "e2-preble:mixing=false:window=1m"). Fields apply to e2 and e2-preble only.
-// The policy keeps NAME as its reported name unless a name field is given.
+// Parse builds a policy from a spec "NAME[:key=value[:key=value...]]".
+// Settings apply to:
+//
+//   - e2 and e2-preble: E2Config's JSON field names, durations as Go
+//     durations ("e2-preble:mixing=false:window=1m");
+//   - llmd-precise and llmd-approx: prefix_weight, kv_weight and
+//     queue_weight (finite, ≥ 0), and for llmd-precise speculative (a bool:
+//     the plugin's speculativeIndexing), e.g. llm-d's newest guide,
+//     "llmd-precise:prefix_weight=2:kv_weight=1:queue_weight=1:speculative=true".
+//
+// A policy built with settings reports the whole spec as its name (an e2
+// "name" field overrides it); without, NAME. An unknown key is an error that
+// lists the known ones.
 func Parse(spec string, o Options) (Policy, error) {
-	name, rest, hasRest := strings.Cut(strings.TrimSpace(spec), ":")
+	spec = strings.TrimSpace(spec)
+	name, rest, hasRest := strings.Cut(spec, ":")
 	if !hasRest {
 		return New(name, o)
 	}
-	var cfg *E2Config
+	settings, err := splitSettings(spec, rest)
+	if err != nil {
+		return nil, err
+	}
 	switch name {
 	case "e2":
-		cfg = &o.E2
+		return parseE2(spec, o.E2, settings)
 	case "e2-preble":
-		cfg = &o.E2Preble
-	default:
-		return nil, fmt.Errorf("policy: %q: only e2 and e2-preble take settings", spec)
+		return parseE2(spec, o.E2Preble, settings)
+	case "llmd-precise", "llmd-approx":
+		return parseLLMD(spec, name, o, settings)
 	}
+	return nil, fmt.Errorf("policy: %q: only e2, e2-preble, llmd-precise and llmd-approx take settings", spec)
+}
+
+// setting is one key=value of a spec.
+type setting struct{ key, value string }
+
+func splitSettings(spec, rest string) ([]setting, error) {
+	var out []setting
+	for _, kv := range strings.Split(rest, ":") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return nil, fmt.Errorf("policy: %q: setting %q is not field=value", spec, kv)
+		}
+		out = append(out, setting{k, v})
+	}
+	return out, nil
+}
+
+// parseE2 applies settings to cfg through its JSON form.
+func parseE2(spec string, cfg E2Config, settings []setting) (Policy, error) {
 	cfg.Name = spec
 	raw, err := json.Marshal(cfg)
 	if err != nil {
@@ -35,14 +69,16 @@ func Parse(spec string, o Options) (Policy, error) {
 	if err := json.Unmarshal(raw, &fields); err != nil {
 		return nil, err
 	}
-	for _, kv := range strings.Split(rest, ":") {
-		k, v, ok := strings.Cut(kv, "=")
-		if !ok {
-			return nil, fmt.Errorf("policy: %q: setting %q is not field=value", spec, kv)
-		}
+	for _, st := range settings {
+		k, v := st.key, st.value
 		old, known := fields[k]
 		if !known {
-			return nil, fmt.Errorf("policy: %q: unknown e2 field %q", spec, k)
+			keys := make([]string, 0, len(fields))
+			for f := range fields {
+				keys = append(keys, f)
+			}
+			slices.Sort(keys)
+			return nil, fmt.Errorf("policy: %q: unknown e2 field %q (known: %s)", spec, k, strings.Join(keys, ", "))
 		}
 		switch old.(type) {
 		case bool:
@@ -79,4 +115,62 @@ func Parse(spec string, o Options) (Policy, error) {
 		return nil, fmt.Errorf("policy: %q: %w", spec, err)
 	}
 	return NewE2(out)
+}
+
+// parseLLMD builds llmd-precise or llmd-approx with the scorer weights (and
+// llmd-precise's speculative indexing) the settings give.
+func parseLLMD(spec, name string, o Options, settings []setting) (Policy, error) {
+	p, err := New(name, o)
+	if err != nil {
+		return nil, err
+	}
+	var wp, wkv, wq *float64
+	var speculative *bool
+	switch q := p.(type) {
+	case *LLMDPrecise:
+		wp, wkv, wq, speculative = &q.PrefixWeight, &q.KVWeight, &q.QueueWeight, &q.SpeculativeIndexing
+		q.name = spec
+	case *LLMDApprox:
+		wp, wkv, wq = &q.PrefixWeight, &q.KVWeight, &q.QueueWeight
+		q.name = spec
+	default:
+		return nil, fmt.Errorf("policy: %q: %s takes no settings", spec, name)
+	}
+	known := []string{"kv_weight", "prefix_weight", "queue_weight"}
+	if speculative != nil {
+		known = append(known, "speculative")
+	}
+	for _, st := range settings {
+		var w *float64
+		switch st.key {
+		case "prefix_weight":
+			w = wp
+		case "kv_weight":
+			w = wkv
+		case "queue_weight":
+			w = wq
+		case "speculative":
+			if speculative == nil {
+				break
+			}
+			b, err := strconv.ParseBool(st.value)
+			if err != nil {
+				return nil, fmt.Errorf("policy: %q: speculative: %w", spec, err)
+			}
+			*speculative = b
+			continue
+		}
+		if w == nil {
+			return nil, fmt.Errorf("policy: %q: unknown %s setting %q (known: %s)", spec, name, st.key, strings.Join(known, ", "))
+		}
+		f, err := strconv.ParseFloat(st.value, 64)
+		if err != nil {
+			return nil, fmt.Errorf("policy: %q: %s: %w", spec, st.key, err)
+		}
+		if !finite(f) || f < 0 {
+			return nil, fmt.Errorf("policy: %q: %s must be a finite number ≥ 0, got %v", spec, st.key, f)
+		}
+		*w = f
+	}
+	return p, nil
 }

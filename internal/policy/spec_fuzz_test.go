@@ -20,6 +20,9 @@ func FuzzParse(f *testing.F) {
 		"e2:window=-1s", "e2:balance_threshold=NaN", "e2:balance_threshold=1e309",
 		"e2:name=x:mixing=maybe", "e2:", "e2::", "e2:=", "nope:x=1",
 		"e2:window=0s:balance_threshold=0",
+		"llmd-precise:prefix_weight=2:kv_weight=1:queue_weight=1:speculative=true",
+		"llmd-approx:queue_weight=0:prefix_weight=1e308", "llmd-precise:kv_weight=-0",
+		"llmd-approx:speculative=true", "llmd-precise:speculative=1:speculative=0",
 	} {
 		f.Add(s)
 	}

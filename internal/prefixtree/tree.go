@@ -181,6 +181,12 @@ func ImportantAncestor(n *Node) *Node {
 type replicaInfo struct {
 	head, tail   *Node // LRU list of nodes this replica caches: head = MRU
 	cachedBlocks int
+	// activeBlocks sums Own over the nodes that at least one in-flight
+	// request on the replica references (ref > 0): AddRef counts a node when
+	// its ref goes 0→1 and uncounts it on 1→0. A split gives both halves the
+	// node's ref and keys are never merged, and the bound evicts only nodes
+	// no request references, so the sum stays exact without a walk.
+	activeBlocks int
 }
 
 // Tree is the global prefix tree. See the package comment for ownership.
@@ -254,6 +260,17 @@ func (t *Tree) CachedBlocks(r int) int {
 		return 0
 	}
 	return t.reps[r].cachedBlocks
+}
+
+// ActiveBlocks is the number of distinct blocks that in-flight requests on
+// replica r pass through (the blocks of the nodes r references): NVIDIA
+// Dynamo's active blocks of a worker, the prompt blocks of its requests
+// counted once however many requests share them. O(1).
+func (t *Tree) ActiveBlocks(r int) int {
+	if r < 0 || r >= len(t.reps) {
+		return 0
+	}
+	return t.reps[r].activeBlocks
 }
 
 // rep returns replica r's state on n, allocating n's per-replica state (for
@@ -579,8 +596,13 @@ func (t *Tree) split(n *Node, at int) *Node {
 	return low
 }
 
-// AddRef adds delta to replica r's in-flight count on every node of path.
+// AddRef adds delta to replica r's in-flight count on every node of path
+// (a count never goes below 0), keeping ActiveBlocks(r) up to date. A
+// replica index outside [0, Replicas()) is ignored.
 func (t *Tree) AddRef(path []*Node, r int, delta int) {
+	if r < 0 || r >= len(t.reps) || delta == 0 {
+		return
+	}
 	for _, n := range path {
 		if n.Evicted() {
 			continue
@@ -589,9 +611,18 @@ func (t *Tree) AddRef(path []*Node, r int, delta int) {
 			continue // no count to take from
 		}
 		s := t.rep(n, r)
+		was := s.ref
 		s.ref += int32(delta)
-		if s.ref <= 0 {
+		if s.ref < 0 {
 			s.ref = 0
+		}
+		switch {
+		case was == 0 && s.ref > 0:
+			t.reps[r].activeBlocks += len(n.keys)
+		case was > 0 && s.ref == 0:
+			t.reps[r].activeBlocks -= len(n.keys)
+		}
+		if s.ref == 0 {
 			t.release(n)
 		}
 	}
@@ -891,14 +922,23 @@ func (t *Tree) UncacheFrom(keys []blocks.Key, from int, r int) {
 	// so that a node never loses its cached bit before its children do.
 	var path []*Node
 	for i := from; n != nil; {
+		// How much of n's run is this prompt's: a node may run on past the
+		// prompt's end (a longer prompt shares it) or diverge from it (the
+		// prompt's next block lives on another branch, or nowhere). Keys
+		// are chained, so the run matches up to its first differing key.
+		own := 0
+		for own < len(n.keys) && i+own < len(keys) && n.keys[own] == keys[i+own] {
+			own++
+		}
+		if own < len(n.keys) {
+			// Keep the state of the run's tail, which is not this prompt's.
+			t.split(n, own)
+			path = append(path, n)
+			break
+		}
 		path = append(path, n)
-		i += len(n.keys)
+		i += own
 		if i >= len(keys) {
-			if i > len(keys) {
-				// The node runs on past the prompt (a longer prompt shares
-				// it): keep its tail's state.
-				t.split(n, len(n.keys)-(i-len(keys)))
-			}
 			break
 		}
 		next, noff, ok := t.Find(keys[i])

@@ -308,6 +308,7 @@ func checkTree(t *testing.T, op int, tr *Tree, m *naive, prompts [][]blocks.Key,
 		}
 	}
 	checkCachedKids(t, tr)
+	checkActiveBlocks(t, op, tr, m)
 	for r := range m.cached {
 		if got, want := tr.CachedBlocks(r), len(m.cached[r]); got != want {
 			t.Fatalf("op %d: replica %d caches %d blocks, want %d", op, r, got, want)
@@ -336,6 +337,38 @@ func checkTree(t *testing.T, op int, tr *Tree, m *naive, prompts [][]blocks.Key,
 	}
 	if idle && tr.Blocks() > maxBlocks {
 		t.Fatalf("op %d: tree holds %d blocks with nothing held, bound %d", op, tr.Blocks(), maxBlocks)
+	}
+}
+
+// checkActiveBlocks recounts each replica's active blocks two ways — the
+// model's keys with an in-flight request on the replica, and the tree's
+// nodes the replica references, walked from the root — and checks
+// ActiveBlocks against both.
+func checkActiveBlocks(t *testing.T, op int, tr *Tree, m *naive) {
+	t.Helper()
+	walked := make([]int, tr.Replicas())
+	var walk func(n *Node)
+	walk = func(n *Node) {
+		for r := range walked {
+			if n.Ref(r) > 0 {
+				walked[r] += n.Own()
+			}
+		}
+		for c := n.kid; c != nil; c = c.nextSib {
+			walk(c)
+		}
+	}
+	walk(tr.root)
+	for r := range m.refs {
+		want := 0
+		for _, c := range m.refs[r] {
+			if c > 0 {
+				want++
+			}
+		}
+		if got := tr.ActiveBlocks(r); got != want || got != walked[r] {
+			t.Fatalf("op %d: replica %d: ActiveBlocks = %d, the model holds %d referenced keys, the tree's referenced nodes %d blocks", op, r, got, want, walked[r])
+		}
 	}
 }
 

@@ -382,3 +382,65 @@ func TestUncacheFrom(t *testing.T) {
 		t.Errorf("replica 1 lost blocks: %v", m.PerReplica)
 	}
 }
+
+// TestUncacheFromDiverging: a prompt whose path leaves a node partway (its
+// next block is not in the tree) uncaches only its own part of that node;
+// the rest of the run belongs to another prompt and stays cached.
+func TestUncacheFromDiverging(t *testing.T) {
+	tr := newTree(t, 1, 0)
+	var m Match
+	now := time.Unix(1, 0)
+	tr.Insert(ks(1, 2, 3, 4), now, &m) // one node: 1 2 3 4
+	tr.SetPathCached(m.Path, 0, now)
+	tr.UncacheFrom(ks(1, 2, 9, 9), 1, 0) // shares 1 2; 9 9 were never stored
+	tr.Lookup(ks(1, 2, 3, 4), &m)
+	if got := m.PerReplica[0]; got != 1 || tr.CachedBlocks(0) != 3 {
+		t.Errorf("after uncaching the other prompt's block 2: match %d, cached %d; want 1, 3 (3 4 stay, unreachable until 2 returns)", got, tr.CachedBlocks(0))
+	}
+	if n, _, _ := tr.Find(ks(1, 2, 3, 4)[2]); n == nil || !n.Cached(0) || n.Own() != 2 {
+		t.Errorf("the diverging run's tail lost its state")
+	}
+}
+
+// TestActiveBlocks: a replica's active blocks count each block that its
+// in-flight requests pass through once, however many share it, and stay
+// exact across splits of a held node, a second replica, and releases.
+func TestActiveBlocks(t *testing.T) {
+	tr := newTree(t, 2, 0)
+	var m Match
+	now := time.Unix(1, 0)
+	hold := func(keys []blocks.Key, r int) []*Node {
+		tr.Insert(keys, now, &m)
+		p := slices.Clone(m.Path)
+		tr.AddRef(p, r, 1)
+		return p
+	}
+	hold(ks(1, 2, 3, 4), 0)         // 4 blocks
+	hold(ks(1, 2, 3, 9), 0)         // splits the held node after 3 blocks: 1 new block
+	c := hold(ks(1, 2, 7, 8, 6), 1) // on replica 1: 5 blocks (2 shared with replica 0's, counted there too)
+	steps := []struct {
+		name   string
+		do     func()
+		r0, r1 int
+	}{
+		{"three held", func() {}, 5, 5},
+		{"a held node split again", func() { tr.Isolate(ks(1, 2, 3, 4)[1]) }, 5, 5},
+		{"a released", func() { tr.Lookup(ks(1, 2, 3, 4), &m); tr.AddRef(m.Path, 0, -1) }, 4, 5},
+		{"b released twice (clamps)", func() {
+			tr.Lookup(ks(1, 2, 3, 9), &m)
+			tr.AddRef(m.Path, 0, -1)
+			tr.AddRef(m.Path, 0, -1)
+		}, 0, 5},
+		{"bad replicas ignored", func() { tr.AddRef(c, 5, 1); tr.AddRef(c, -1, 1) }, 0, 5},
+		{"c released", func() { tr.Lookup(ks(1, 2, 7, 8, 6), &m); tr.AddRef(m.Path, 1, -1) }, 0, 0},
+	}
+	for _, s := range steps {
+		s.do()
+		if got0, got1 := tr.ActiveBlocks(0), tr.ActiveBlocks(1); got0 != s.r0 || got1 != s.r1 {
+			t.Errorf("%s: ActiveBlocks = %d, %d; want %d, %d", s.name, got0, got1, s.r0, s.r1)
+		}
+	}
+	if tr.ActiveBlocks(2) != 0 || tr.ActiveBlocks(-1) != 0 {
+		t.Error("ActiveBlocks of a bad replica is not 0")
+	}
+}

@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 )
@@ -41,6 +42,11 @@ type Backend struct {
 	// every re-admission), "vllm", "sglang" or "llamacpp" ("":
 	// Config.BackendKind). See BackendKind.
 	Kind BackendKind `json:"kind,omitempty"`
+	// Profile is the replica's own cost profile ("": Config.Profile), for
+	// a cluster of mixed GPUs: a built-in name or a YAML file, optionally
+	// with scaled times (costmodel.Resolve). With Calibrate it is the prior
+	// the router corrects from what the replica does.
+	Profile string `json:"profile,omitempty"`
 }
 
 // Config configures a Proxy. DefaultConfig gives every default; a zero
@@ -53,9 +59,18 @@ type Config struct {
 	// Policy is the routing policy spec (policy.Parse: "e2",
 	// "e2-preble:mixing=false", "round-robin", ...).
 	Policy string
-	// Profile is the cost profile: a built-in name or a YAML file
-	// (costmodel.Lookup / costmodel.Load).
+	// Profile is the cost profile of the backends that name none: a
+	// built-in name or a YAML file, optionally with scaled times
+	// (costmodel.Resolve: "llama3.1-8b-h100:time_scale=2").
 	Profile string
+	// Calibrate makes the router learn each replica's real prefill and
+	// decode speed from the requests it serves (internal/calibrate: busy
+	// periods of first tokens, the median gap between streamed tokens,
+	// llama.cpp's timings), its profile being the prior, and price every
+	// policy's costs with what it learnt (on by default).
+	Calibrate bool
+	// Calibration tunes that learning (calibrate.DefaultConfig).
+	Calibration calibrate.Config
 	// BlockTokens is the tokens one routing key stands for: token-id
 	// prompts are keyed in blocks of BlockTokens, text in chunks of
 	// 4·BlockTokens bytes (ChunkKeyer).
@@ -165,6 +180,8 @@ func DefaultConfig() Config {
 		Listen:                "127.0.0.1:8080",
 		Policy:                "e2",
 		Profile:               costmodel.Llama31_8BH100,
+		Calibrate:             true,
+		Calibration:           calibrate.DefaultConfig(),
 		BlockTokens:           blocks.DefaultBlockSize,
 		Seed:                  1,
 		BackendKind:           BackendAuto,
@@ -246,6 +263,11 @@ func (c *Config) Validate() error {
 	}
 	if c.Profile == "" {
 		return bad("profile", "a cost profile is required")
+	}
+	if c.Calibrate {
+		if err := c.Calibration.Validate(); err != nil {
+			return bad("calibration", "%v", err)
+		}
 	}
 	for _, d := range []struct {
 		name string
@@ -392,38 +414,40 @@ func (d *duration) UnmarshalJSON(b []byte) error {
 // fileConfig is the YAML form of Config: snake_case names, durations as
 // strings, every field optional (absent fields keep their base value).
 type fileConfig struct {
-	Listen                *string    `json:"listen"`
-	Backends              *[]Backend `json:"backends"`
-	Policy                *string    `json:"policy"`
-	Profile               *string    `json:"profile"`
-	BlockTokens           *int       `json:"block_tokens"`
-	Seed                  *uint64    `json:"seed"`
-	BackendKind           *string    `json:"backend_kind"`
-	ConnectTimeout        *duration  `json:"connect_timeout"`
-	ResponseHeaderTimeout *duration  `json:"response_header_timeout"`
-	IdleTimeout           *duration  `json:"idle_timeout"`
-	RequestTimeout        *duration  `json:"request_timeout"`
-	ReadHeaderTimeout     *duration  `json:"read_header_timeout"`
-	BodyReadTimeout       *duration  `json:"body_read_timeout"`
-	ClientIdleTimeout     *duration  `json:"client_idle_timeout"`
-	MaxHeaderBytes        *int       `json:"max_header_bytes"`
-	MaxConcurrent         *int       `json:"max_concurrent"`
-	MaxPromptTokens       *int       `json:"max_prompt_tokens"`
-	HealthPath            *string    `json:"health_path"`
-	HealthInterval        *duration  `json:"health_interval"`
-	HealthTimeout         *duration  `json:"health_timeout"`
-	EjectAfter            *int       `json:"eject_after"`
-	ReadmitAfter          *int       `json:"readmit_after"`
-	MetricsPath           *string    `json:"metrics_path"`
-	ScrapeInterval        *duration  `json:"scrape_interval"`
-	MaxBodyBytes          *int64     `json:"max_body_bytes"`
-	MaxResponseBytes      *int64     `json:"max_response_bytes"`
-	MaxRetries            *int       `json:"max_retries"`
-	AdminToken            *string    `json:"admin_token"`
-	DrainTimeout          *duration  `json:"drain_timeout"`
-	SpeculativeTTL        *duration  `json:"speculative_ttl"`
-	TreeMaxBlocks         *int       `json:"tree_max_blocks"`
-	Tokenizer             *string    `json:"tokenizer"`
+	Listen                *string          `json:"listen"`
+	Backends              *[]Backend       `json:"backends"`
+	Policy                *string          `json:"policy"`
+	Profile               *string          `json:"profile"`
+	Calibrate             *bool            `json:"calibrate"`
+	Calibration           *json.RawMessage `json:"calibration"`
+	BlockTokens           *int             `json:"block_tokens"`
+	Seed                  *uint64          `json:"seed"`
+	BackendKind           *string          `json:"backend_kind"`
+	ConnectTimeout        *duration        `json:"connect_timeout"`
+	ResponseHeaderTimeout *duration        `json:"response_header_timeout"`
+	IdleTimeout           *duration        `json:"idle_timeout"`
+	RequestTimeout        *duration        `json:"request_timeout"`
+	ReadHeaderTimeout     *duration        `json:"read_header_timeout"`
+	BodyReadTimeout       *duration        `json:"body_read_timeout"`
+	ClientIdleTimeout     *duration        `json:"client_idle_timeout"`
+	MaxHeaderBytes        *int             `json:"max_header_bytes"`
+	MaxConcurrent         *int             `json:"max_concurrent"`
+	MaxPromptTokens       *int             `json:"max_prompt_tokens"`
+	HealthPath            *string          `json:"health_path"`
+	HealthInterval        *duration        `json:"health_interval"`
+	HealthTimeout         *duration        `json:"health_timeout"`
+	EjectAfter            *int             `json:"eject_after"`
+	ReadmitAfter          *int             `json:"readmit_after"`
+	MetricsPath           *string          `json:"metrics_path"`
+	ScrapeInterval        *duration        `json:"scrape_interval"`
+	MaxBodyBytes          *int64           `json:"max_body_bytes"`
+	MaxResponseBytes      *int64           `json:"max_response_bytes"`
+	MaxRetries            *int             `json:"max_retries"`
+	AdminToken            *string          `json:"admin_token"`
+	DrainTimeout          *duration        `json:"drain_timeout"`
+	SpeculativeTTL        *duration        `json:"speculative_ttl"`
+	TreeMaxBlocks         *int             `json:"tree_max_blocks"`
+	Tokenizer             *string          `json:"tokenizer"`
 }
 
 // ParseConfig applies the YAML document data over base and returns the
@@ -463,6 +487,17 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	}
 	setS(&c.Policy, f.Policy)
 	setS(&c.Profile, f.Profile)
+	if f.Calibrate != nil {
+		c.Calibrate = *f.Calibrate
+	}
+	if f.Calibration != nil {
+		// Over the base's settings, strictly: a misspelt field is an error.
+		dec := json.NewDecoder(bytes.NewReader(*f.Calibration))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&c.Calibration); err != nil {
+			return base, fmt.Errorf("proxy: parse config: calibration: %w", err)
+		}
+	}
 	setI(&c.BlockTokens, f.BlockTokens)
 	if f.Seed != nil {
 		c.Seed = *f.Seed
@@ -515,12 +550,10 @@ func LoadConfig(path string, base Config) (Config, error) {
 	return c, nil
 }
 
-// loadProfile resolves a profile name or YAML path.
-func loadProfile(name string) (costmodel.Profile, error) {
-	if strings.HasSuffix(name, ".yaml") || strings.HasSuffix(name, ".yml") || strings.ContainsRune(name, os.PathSeparator) {
-		return costmodel.Load(name)
-	}
-	return costmodel.Lookup(name)
+// loadProfile resolves a profile spec: a built-in name or a YAML file,
+// optionally with scaled times (costmodel.Resolve).
+func loadProfile(spec string) (costmodel.Profile, error) {
+	return costmodel.Resolve(spec)
 }
 
 // backendKind is backend b's configured kind: its own, else def (the

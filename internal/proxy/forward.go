@@ -15,7 +15,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/router"
 )
 
 // maxErrorBody bounds the body of a 5xx answer kept to replay to the client
@@ -334,6 +336,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 	rc := http.NewResponseController(x.w)
 	fr := newSSEFramer(body, 0)
 	var st streamState
+	var gaps calibrate.Gaps
 	first := false
 	fail := func(err error) result {
 		p.finish(id, st.tokens, -1, false)
@@ -382,6 +385,9 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 		if !fr.ready() {
 			_ = rc.Flush()
 		}
+		if token {
+			gaps.Token(time.Now())
+		}
 		if token && !first {
 			first = true
 			p.firstToken(id)
@@ -391,11 +397,12 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			break
 		}
 	}
-	out, cached := st.tokens, -1
+	fin := router.Finish{OutputTokens: st.tokens, CachedTokens: -1, OK: !st.upstreamError, Timings: engineTimings(st.timings)}
 	if st.usage != nil {
-		out, cached = st.usage.CompletionTokens, st.cached()
+		fin.OutputTokens, fin.CachedTokens = st.usage.CompletionTokens, st.cached()
 	}
-	x.done(id, d, b, out, cached, !st.upstreamError)
+	fin.ITL, fin.ITLSamples = gaps.Median()
+	x.doneWith(id, d, b, fin)
 	return result{}
 }
 
@@ -412,6 +419,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 	}
 	ok := resp.StatusCode < 400
 	out, cached := 0, -1
+	var timings *Timings
 	if int64(len(buf)) > limit {
 		x.writeHead(d, n, resp, -1)
 		_, _ = x.w.Write(buf)
@@ -433,14 +441,15 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 			p.finish(id, 0, -1, false)
 			return result{err: readFailure(fmt.Errorf("%w: response is not JSON", errGarbage)), retry: true}
 		}
+		timings = ParseTimings(c.Timings)
 		if c.Usage != nil {
-			out, cached = c.Usage.CompletionTokens, c.Usage.cachedWith(ParseTimings(c.Timings))
+			out, cached = c.Usage.CompletionTokens, c.Usage.cachedWith(timings)
 		}
 	}
 	x.writeHead(d, n, resp, len(buf))
 	_, _ = x.w.Write(buf)
 	if ok {
-		x.done(id, d, b, out, cached, true)
+		x.doneWith(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: true, Timings: engineTimings(timings)})
 	} else {
 		p.finish(id, out, -1, false)
 	}
@@ -449,12 +458,18 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 
 // done records a request that the replica answered.
 func (x *exchange) done(id uint64, d *policy.Decision, b *backend, out, cached int, ok bool) {
+	x.doneWith(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: ok})
+}
+
+// doneWith records a request that the replica answered, with what the
+// front door learnt of it.
+func (x *exchange) doneWith(id uint64, d *policy.Decision, b *backend, fin router.Finish) {
 	p := x.p
-	p.finish(id, out, cached, ok)
-	if ok {
+	p.finishWith(id, fin)
+	if fin.OK {
 		p.m.latency.WithLabelValues(b.name).Observe(time.Since(x.start).Seconds())
-		if cached >= 0 {
-			p.m.prediction(d.MatchedTokens, cached, p.cfg.BlockTokens)
+		if fin.CachedTokens >= 0 {
+			p.m.prediction(d.MatchedTokens, fin.CachedTokens, p.cfg.BlockTokens)
 		}
 	}
 }

@@ -35,6 +35,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/prefixlb/prefixlb/internal/calibrate"
+	"github.com/prefixlb/prefixlb/internal/calmetrics"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
@@ -155,8 +157,13 @@ func New(cfg Config) (*Proxy, error) {
 		return nil, fmt.Errorf("proxy: config: policy: %w", err)
 	}
 	ex := policy.NewConstrained(pol)
+	var cal *calibrate.Config
+	if cfg.Calibrate {
+		c := cfg.Calibration
+		cal = &c
+	}
 	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: ex, Seed: cfg.Seed,
-		SpeculativeTTL: cfg.SpeculativeTTL, TreeMaxBlocks: cfg.TreeMaxBlocks})
+		SpeculativeTTL: cfg.SpeculativeTTL, TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal})
 	if err != nil {
 		return nil, fmt.Errorf("proxy: new router: %w", err)
 	}
@@ -200,16 +207,26 @@ func New(cfg Config) (*Proxy, error) {
 	// The router's view of each replica's cache, and each replica's kind,
 	// read under the core's lock at scrape time (metrics.go).
 	p.m.reg.MustRegister(cacheCollector{p})
+	p.m.reg.MustRegister(calmetrics.Collector{Rows: p.calibrationRows})
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
 	}
 	if p.kv, err = newKVState(p.m.reg); err != nil {
 		return nil, fmt.Errorf("proxy: kv events metrics: %w", err)
 	}
-	for _, b := range cfg.Backends {
+	for i, b := range cfg.Backends {
 		u, _ := url.Parse(b.URL) // Validate parsed it
 		name := backendName(b)
 		id := rt.AddReplica(name, b.KVEvents != "")
+		if b.Profile != "" {
+			bp, err := loadProfile(b.Profile)
+			if err != nil {
+				return nil, fmt.Errorf("proxy: config: backends[%d].profile: %w", i, err)
+			}
+			if err := rt.SetProfile(id, bp); err != nil {
+				return nil, fmt.Errorf("proxy: config: backends[%d].profile: %w", i, err)
+			}
+		}
 		be := &backend{id: id, name: name, url: u}
 		if b.KVEvents != "" {
 			if err := p.addSubscriber(be, b); err != nil {
@@ -381,13 +398,39 @@ func (p *Proxy) firstToken(id uint64) {
 
 // finish reports the end of request id to the core.
 func (p *Proxy) finish(id uint64, outputTokens, cachedTokens int, ok bool) {
+	p.finishWith(id, router.Finish{OutputTokens: outputTokens, CachedTokens: cachedTokens, OK: ok})
+}
+
+// finishWith reports the end of request id to the core, with what the
+// replica measured (llama.cpp's timings) and the stream's token gaps.
+func (p *Proxy) finishWith(id uint64, fin router.Finish) {
 	now := time.Now()
 	p.mu.Lock()
-	err := p.rt.Finished(id, outputTokens, cachedTokens, ok, now)
+	err := p.rt.Finish(id, fin, now)
 	p.mu.Unlock()
 	if err != nil {
 		p.log.Warn("router finished", "id", id, "err", err)
 	}
+}
+
+// calibrationRows snapshots each replica's calibration for the metrics.
+func (p *Proxy) calibrationRows() []calmetrics.Row {
+	rows := make([]calmetrics.Row, len(p.backends))
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, b := range p.backends {
+		fit, st, ok := p.rt.Calibration(b.id)
+		rows[i] = calmetrics.Row{Replica: b.name, Calibrated: ok, Fit: fit, Stats: st}
+	}
+	return rows
+}
+
+// engineTimings converts llama.cpp's timings for calibration (nil for nil).
+func engineTimings(t *Timings) *calibrate.Timings {
+	if t == nil {
+		return nil
+	}
+	return &calibrate.Timings{PromptN: t.PromptN, PromptMs: t.PromptMs, PredictedN: t.PredictedN, PredictedMs: t.PredictedMs}
 }
 
 // checked records one health observation of replica id (an active check,

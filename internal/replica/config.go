@@ -25,11 +25,13 @@ const (
 
 // Defaults filled in by Config.Default.
 const (
-	// DefaultChunkBudget is the prefill token budget of an iteration, decodes
-	// included: vLLM's max_num_batched_tokens under chunked prefill and
-	// Preble's chunk_prefill_budget in its experiments.
-	DefaultChunkBudget = 512
-	// DefaultMaxRunning is vLLM's default max_num_seqs.
+	// DefaultChunkBudget is the prefill token budget of an iteration,
+	// decodes included, of a replica whose profile gives none: vLLM's
+	// max_num_batched_tokens when it cannot tell the GPU
+	// (costmodel.DefaultBatching). A profile's own (costmodel.BatchingOf:
+	// vLLM's rule by GPU memory for a roofline) comes first.
+	DefaultChunkBudget = 2048
+	// DefaultMaxRunning is vLLM's max_num_seqs for the same case.
 	DefaultMaxRunning = 256
 	// DefaultPriorityGroups is Preble's number of priority groups.
 	DefaultPriorityGroups = 10
@@ -76,10 +78,14 @@ type Config struct {
 	// chunked prefill; a prompt longer than what is left is prefilled over
 	// several iterations. NoChunking (-1) disables chunking and the limit.
 	// When chunking, it must be at least MaxRunning (vLLM requires
-	// max_num_batched_tokens >= max_num_seqs). Default DefaultChunkBudget.
+	// max_num_batched_tokens >= max_num_seqs). Default: the profile's
+	// engine batching (costmodel.BatchingOf: 8192 on an H100, 2048 on an
+	// A100, 512 for Preble's A6000 runs), DefaultChunkBudget without a
+	// profile.
 	ChunkBudget int
 	// MaxRunning is the most requests admitted at once (prefilling or
-	// decoding), vLLM's max_num_seqs. Default DefaultMaxRunning.
+	// decoding), vLLM's max_num_seqs. Default: the profile's (1024 on an
+	// H100, 256 elsewhere), DefaultMaxRunning without a profile.
 	MaxRunning int
 	// Local names the local scheduler that orders admission: LocalFCFS,
 	// LocalLPM or LocalPriority. Default LocalFCFS.
@@ -106,7 +112,9 @@ type Config struct {
 	SlotSimilarity float64
 }
 
-// DefaultConfig returns a Config with every default filled in and no Profile.
+// DefaultConfig returns a Config with every default filled in but those that
+// come from the profile (ChunkBudget and MaxRunning stay 0: New fills them
+// from the Profile set later) and no Profile.
 func DefaultConfig() Config {
 	var c Config
 	c.Default()
@@ -114,16 +122,20 @@ func DefaultConfig() Config {
 }
 
 // Default fills the zero fields that have a default. It leaves Profile and
-// KVCapacity (0 means the profile's) alone.
+// KVCapacity (0 means the profile's) alone, and ChunkBudget and MaxRunning
+// too while there is no Profile to take them from.
 func (c *Config) Default() {
 	if c.BlockSize == 0 {
 		c.BlockSize = blocks.DefaultBlockSize
 	}
-	if c.ChunkBudget == 0 {
-		c.ChunkBudget = DefaultChunkBudget
-	}
-	if c.MaxRunning == 0 {
-		c.MaxRunning = DefaultMaxRunning
+	if c.Profile != nil {
+		b := costmodel.BatchingOf(c.Profile)
+		if c.ChunkBudget == 0 {
+			c.ChunkBudget = cmpOr(b.MaxBatchedTokens, DefaultChunkBudget)
+		}
+		if c.MaxRunning == 0 {
+			c.MaxRunning = cmpOr(b.MaxSeqs, DefaultMaxRunning)
+		}
 	}
 	if c.Local == "" {
 		c.Local = LocalFCFS
@@ -137,6 +149,14 @@ func (c *Config) Default() {
 	if c.Slots > 0 && c.SlotSimilarity == 0 {
 		c.SlotSimilarity = DefaultSlotSimilarity
 	}
+}
+
+// cmpOr is v when positive, else def.
+func cmpOr(v, def int) int {
+	if v > 0 {
+		return v
+	}
+	return def
 }
 
 // Validate reports the first rule the config breaks, as an error wrapping

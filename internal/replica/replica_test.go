@@ -334,7 +334,7 @@ func TestTimelines(t *testing.T) {
 	}, {
 		// 1000 prompt tokens in chunks of 512: 6.12 + 5.88 ms.
 		name:     "chunked",
-		cfg:      Config{Profile: big},
+		cfg:      Config{Profile: big, ChunkBudget: 512},
 		arrivals: []arrival{{0, req(1, 1000, 2)}},
 		want: []string{
 			"0s Admitted #1 hit=0",
@@ -357,7 +357,7 @@ func TestTimelines(t *testing.T) {
 		// decode and 511 then 489 prompt tokens (6.12, 5.90 ms), so #1 keeps
 		// producing tokens; unchunked (next case) stalls #1 for 11.01 ms.
 		name: "chunked prefill beside a decode",
-		cfg:  Config{Profile: big},
+		cfg:  Config{Profile: big, ChunkBudget: 512},
 		arrivals: []arrival{
 			{0, req(1, 16, 10)},
 			{ms(2), req(2, 1000, 1)},
@@ -625,6 +625,7 @@ func TestSubmitErrors(t *testing.T) {
 func TestValidate(t *testing.T) {
 	ok := DefaultConfig()
 	ok.Profile = linear{kv: 1 << 20}
+	ok.Default()
 	if err := ok.Validate(); err != nil {
 		t.Fatalf("default config with a profile: %v", err)
 	}

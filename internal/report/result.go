@@ -81,6 +81,41 @@ type Result struct {
 	// PerReplica breaks the successful requests down by the replica that
 	// served them, sorted by replica name, when replicas are known.
 	PerReplica []ReplicaResult `json:"per_replica,omitempty"`
+	// Utilization is the share of the run the replicas spent computing,
+	// Σ busy / (replicas · span), when known (sim).
+	Utilization float64 `json:"utilization,omitempty"`
+	// ReplicaProfiles names each replica's true profile when they differ
+	// (sim --replica-profiles); RouterProfile the profile the router was
+	// told, when it is not each replica's own (sim --router-profile).
+	ReplicaProfiles []string `json:"replica_profiles,omitempty"`
+	RouterProfile   string   `json:"router_profile,omitempty"`
+	// Calibrated says the router learnt each replica's speed (sim
+	// --calibrate), and Calibration holds what it learnt by the end.
+	Calibrated  bool             `json:"calibrated,omitempty"`
+	Calibration []CalibrationFit `json:"calibration,omitempty"`
+}
+
+// CalibrationFit is what the router learnt of one replica's speed, next to
+// the profile it started from and, in a simulation, the replica's true one
+// (internal/calibrate; the reference points are a cold 1,000-token prefill
+// and one sequence decoding with 1,000 tokens of context).
+type CalibrationFit struct {
+	Replica string `json:"replica"`
+	// PrefillSecondsPer1K: fitted, the prior's and the true one (0 when
+	// not known).
+	PrefillSecondsPer1K      float64 `json:"prefill_seconds_per_1k_tokens"`
+	PriorPrefillSecondsPer1K float64 `json:"prior_prefill_seconds_per_1k_tokens"`
+	TruePrefillSecondsPer1K  float64 `json:"true_prefill_seconds_per_1k_tokens,omitempty"`
+	// DecodeStepSeconds: fitted, the prior's and the true one.
+	DecodeStepSeconds      float64 `json:"decode_step_seconds"`
+	PriorDecodeStepSeconds float64 `json:"prior_decode_step_seconds"`
+	TrueDecodeStepSeconds  float64 `json:"true_decode_step_seconds,omitempty"`
+	// PrefillSamples and DecodeSamples count the observations used;
+	// PrefillError and DecodeError are the fit's recent relative error.
+	PrefillSamples int64   `json:"prefill_samples"`
+	DecodeSamples  int64   `json:"decode_samples"`
+	PrefillError   float64 `json:"prefill_error"`
+	DecodeError    float64 `json:"decode_error"`
 }
 
 // ReplicaResult is the share of a run served by one replica.

@@ -14,15 +14,21 @@ import (
 // second, and errors. A "ttft/oracle" column is added when any result carries
 // TTFTVsOracle.
 func WriteTable(w io.Writer, results []Result) error {
-	oracle := false
+	oracle, busy := false, false
 	for _, r := range results {
 		if r.TTFTVsOracle > 0 {
 			oracle = true
+		}
+		if r.Utilization > 0 {
+			busy = true
 		}
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	cols := []string{"policy", "rate", "reqs", "ttft_ms mean", "p90", "p99",
 		"latency_ms mean", "p99", "hit", "req/s", "tok/s", "errors"}
+	if busy {
+		cols = append(cols, "busy")
+	}
 	if oracle {
 		cols = append(cols, "ttft/oracle")
 	}
@@ -48,6 +54,9 @@ func WriteTable(w io.Writer, results []Result) error {
 			strconv.FormatFloat(r.ThroughputRPS, 'f', 2, 64),
 			strconv.FormatFloat(r.OutputTokensPerS, 'f', 0, 64),
 			strconv.Itoa(r.Errors),
+		}
+		if busy {
+			cells = append(cells, strconv.FormatFloat(100*r.Utilization, 'f', 0, 64)+"%")
 		}
 		if oracle {
 			c := "-"

@@ -112,7 +112,7 @@ func (r *Router) CacheView(id int) (CacheView, error) {
 	v.Slots = c.slots.n()
 	v.Events = r.events[id]
 	v.CachedTokens = r.tree.CachedBlocks(id) * r.cfg.BlockTokens
-	v.ConfiguredCapacityTokens = r.cfg.MirrorCapacityTokens
+	v.ConfiguredCapacityTokens = r.configuredCapacity(id)
 	v.CapacityTokens = r.mirrorCapacity(id)
 	return v, nil
 }
@@ -136,6 +136,15 @@ func (r *Router) grow(id int) {
 func (r *Router) mirrorCapacity(id int) int {
 	if c := r.cache[id].capacityTokens; c > 0 {
 		return c
+	}
+	return r.configuredCapacity(id)
+}
+
+// configuredCapacity is the mirror capacity replica id starts from:
+// Config.MirrorCapacityTokens when given, else its profile's KV capacity.
+func (r *Router) configuredCapacity(id int) int {
+	if !r.mirrorSet && id < len(r.profiles) && r.profiles[id] != nil {
+		return r.profiles[id].KVCapacity()
 	}
 	return r.cfg.MirrorCapacityTokens
 }
@@ -211,7 +220,7 @@ func (r *Router) blockFeedback(id int, f *flight, reported int, now time.Time) b
 		}
 		return true
 	case d < -bt:
-		next := min(r.cfg.MirrorCapacityTokens, capTok-d)
+		next := min(r.configuredCapacity(id), capTok-d)
 		if next <= capTok {
 			return false
 		}

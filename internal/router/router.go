@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/prefixtree"
@@ -29,14 +30,21 @@ var (
 	ErrUnknownRequest  = errors.New("router: unknown request")
 	ErrBadLoad         = errors.New("router: invalid load figure")
 	ErrDuplicateFlight = errors.New("router: request id already in flight")
+	ErrReplicaBusy     = errors.New("router: replica has requests in flight")
 )
 
 // Config configures a Router.
 type Config struct {
 	// BlockTokens is the tokens per block key (the engines' block size).
 	BlockTokens int
-	// Profile prices prefill and decode on a replica.
+	// Profile prices prefill and decode on a replica that has no profile
+	// of its own (SetProfile).
 	Profile costmodel.Profile
+	// Calibrate, when set, learns each replica's real prefill and decode
+	// speed from the requests it serves, with its profile as the prior
+	// (internal/calibrate), and every policy prices work with what it
+	// learnt; nil prices with the profiles as configured.
+	Calibrate *calibrate.Config
 	// Policy decides; the router feeds it observations if it is an Observer.
 	Policy policy.Policy
 	// Seed seeds the decisions' random source.
@@ -45,7 +53,7 @@ type Config struct {
 	TreeMaxBlocks int
 	// MirrorCapacityTokens is the cache size the router assumes for replicas
 	// that publish no KV events, whose cache it mirrors from its own
-	// decisions (0: the profile's KV capacity).
+	// decisions (0: each replica's profile's KV capacity).
 	MirrorCapacityTokens int
 	// DefaultOutputTokens is the output length assumed for a request that
 	// gives no max_tokens (256).
@@ -87,6 +95,11 @@ func (c *Config) Validate() error {
 	case math.IsNaN(c.SlotSimilarity) || c.SlotSimilarity < 0 || c.SlotSimilarity >= 1:
 		return fmt.Errorf("router: slot_similarity must be in [0,1), got %v", c.SlotSimilarity)
 	}
+	if c.Calibrate != nil {
+		if err := c.Calibrate.Validate(); err != nil {
+			return fmt.Errorf("router: calibrate: %w", err)
+		}
+	}
 	return nil
 }
 
@@ -110,6 +123,8 @@ type flight struct {
 	slot       int
 	prevKeys   []blocks.Key
 	prevTokens int
+	// cal is the request's state in its replica's calibration tracker.
+	cal calibrate.Flight
 }
 
 // Router is the routing core. See the package comment for its concurrency.
@@ -133,6 +148,15 @@ type Router struct {
 	stats       Stats
 	spec        speculation
 	ext         []ExternalLoad // other routers' load by replica (SetExternalLoad)
+	// profiles holds each replica's configured profile; priced what the
+	// policies price its work with (its calibrated model when calibrating,
+	// else the profile); cal its calibration tracker (nil when off).
+	profiles []costmodel.Profile
+	priced   []costmodel.Profile
+	cal      []*calibrate.Tracker
+	// mirrorSet: Config.MirrorCapacityTokens was given (else each
+	// replica's profile's KV capacity).
+	mirrorSet bool
 }
 
 // Stats counts what the router has done, for metrics and reports.
@@ -151,7 +175,8 @@ func New(cfg Config) (*Router, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.MirrorCapacityTokens == 0 {
+	mirrorSet := cfg.MirrorCapacityTokens > 0
+	if !mirrorSet {
 		cfg.MirrorCapacityTokens = cfg.Profile.KVCapacity()
 	}
 	if cfg.DefaultOutputTokens == 0 {
@@ -168,12 +193,13 @@ func New(cfg Config) (*Router, error) {
 		return nil, err
 	}
 	r := &Router{
-		cfg:      cfg,
-		tree:     t,
-		pol:      cfg.Policy,
-		inflight: make(map[uint64]*flight),
-		spec:     newSpeculation(),
-		rng:      rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x5eed)),
+		cfg:       cfg,
+		tree:      t,
+		pol:       cfg.Policy,
+		inflight:  make(map[uint64]*flight),
+		spec:      newSpeculation(),
+		rng:       rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x5eed)),
+		mirrorSet: mirrorSet,
 	}
 	r.obs, _ = cfg.Policy.(policy.Observer)
 	if sp, ok := cfg.Policy.(policy.Speculator); ok && cfg.SpeculativeTTL > 0 {
@@ -199,8 +225,77 @@ func (r *Router) AddReplica(name string, events bool) int {
 	r.reps = append(r.reps, policy.Replica{ID: id, Name: name, Up: true, Waiting: -1, Running: -1, KVUsage: -1})
 	r.events = append(r.events, events)
 	r.grow(id)
+	r.profiles = append(r.profiles, nil)
+	r.priced = append(r.priced, nil)
+	r.cal = append(r.cal, nil)
+	r.setProfile(id, r.cfg.Profile)
 	return id
 }
+
+// SetProfile gives replica id its own cost profile (a heterogeneous
+// cluster), the prior of its calibration when calibrating. It fails with
+// ErrReplicaBusy while requests are in flight on the replica: set it before
+// routing to it.
+func (r *Router) SetProfile(id int, p costmodel.Profile) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if p == nil {
+		return errors.New("router: SetProfile: nil profile")
+	}
+	if r.reps[id].InFlight-r.ExternalLoad(id).InFlight > 0 {
+		return fmt.Errorf("%w: %d (set its profile before routing to it)", ErrReplicaBusy, id)
+	}
+	r.setProfile(id, p)
+	return nil
+}
+
+// setProfile installs p as replica id's profile and restarts its
+// calibration from it.
+func (r *Router) setProfile(id int, p costmodel.Profile) {
+	r.profiles[id], r.priced[id], r.cal[id] = p, p, nil
+	if r.cfg.Calibrate != nil {
+		// Config.Validate checked the calibration config; p is not nil.
+		m, err := calibrate.NewModel(p, *r.cfg.Calibrate)
+		if err == nil {
+			r.priced[id], r.cal[id] = m, calibrate.NewTracker(m)
+		}
+	}
+}
+
+// Profile returns replica id's configured profile (nil for an unknown id).
+func (r *Router) Profile(id int) costmodel.Profile {
+	if id < 0 || id >= len(r.profiles) {
+		return nil
+	}
+	return r.profiles[id]
+}
+
+// PricedProfile returns the profile the policies price replica id's work
+// with: its calibrated model when calibrating, else its profile (nil for
+// an unknown id).
+func (r *Router) PricedProfile(id int) costmodel.Profile {
+	if id < 0 || id >= len(r.priced) {
+		return nil
+	}
+	return r.priced[id]
+}
+
+// Calibration returns replica id's calibrated fit and its tracker's
+// counters; ok is false when the router does not calibrate, and fit is then
+// its profile's own figures (calibrate.FitOf).
+func (r *Router) Calibration(id int) (fit calibrate.Fit, st calibrate.Stats, ok bool) {
+	if id < 0 || id >= len(r.profiles) {
+		return calibrate.Fit{}, calibrate.Stats{}, false
+	}
+	if r.cal[id] == nil {
+		return calibrate.FitOf(r.profiles[id]), calibrate.Stats{}, false
+	}
+	return r.cal[id].Model().Fit(), r.cal[id].Stats(), true
+}
+
+// Calibrating reports whether the router learns its replicas' speed.
+func (r *Router) Calibrating() bool { return r.cfg.Calibrate != nil }
 
 // Replicas returns a snapshot of the replicas.
 func (r *Router) Replicas() []policy.Replica { return append([]policy.Replica(nil), r.reps...) }
@@ -223,6 +318,9 @@ func (r *Router) SetUp(id int, up bool, now time.Time) error {
 	r.reps[id].Up = up
 	if was && !up && r.obs != nil {
 		r.obs.ReplicaDown(id, now)
+	}
+	if was && !up && r.cal[id] != nil {
+		r.cal[id].Down(now)
 	}
 	return nil
 }
@@ -299,7 +397,11 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 // into r.match): the replicas' snapshot, and for slot-cache replicas what
 // the slot the request would land on holds.
 func (r *Router) prepareView(keys []blocks.Key) {
+	for i := range r.reps {
+		r.reps[i].ActiveBlocks = r.tree.ActiveBlocks(i)
+	}
 	r.view.Replicas = r.reps
+	r.view.Profiles = r.priced
 	r.view.Victims = nil
 	if r.hasSlots() {
 		r.slotMatches(keys)
@@ -324,7 +426,7 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	missed := req.PromptTokens - matched
 	*f = flight{
 		keys: req.Keys, replica: id, prompt: req.PromptTokens, matched: matched,
-		pendingTokens: missed, pendingPrefill: r.cfg.Profile.Prefill(missed, req.PromptTokens),
+		pendingTokens: missed, pendingPrefill: r.priced[id].Prefill(missed, req.PromptTokens),
 		out: req.OutputTokens, routedAt: now, slot: noSlot,
 	}
 	if mb := r.match.PerReplica[id]; mb > 0 && !r.events[id] {
@@ -346,6 +448,12 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	rp.DecodeTokens += f.out
 	path := r.match.Path
 	r.tree.AddRef(path, id, 1)
+	if t := r.cal[id]; t != nil && r.slotted(id) == nil {
+		// A block cache's engine queue is opaque: the request's prefill
+		// (as calibration counts it) starts now. A slot cache's starts
+		// when it takes a slot (occupy).
+		t.Start(&f.cal, f.prompt, missed, f.out, now)
+	}
 	if c := r.slotted(id); c != nil {
 		// A slot cache: the request takes the slot llama.cpp would give it,
 		// or waits for one (requests_deferred).
@@ -393,6 +501,9 @@ func (r *Router) FirstToken(id uint64, now time.Time) error {
 		return nil
 	}
 	f.prefilled = true
+	if t := r.cal[f.replica]; t != nil {
+		t.FirstToken(&f.cal, now)
+	}
 	rp := &r.reps[f.replica]
 	rp.Prefilling--
 	rp.PendingPrefill -= f.pendingPrefill
@@ -409,9 +520,39 @@ func (r *Router) FirstToken(id uint64, now time.Time) error {
 // cached prompt tokens the engine reported (-1 if it reported none). ok is
 // false for a failed request.
 func (r *Router) Finished(id uint64, outputTokens, cachedTokens int, ok bool, now time.Time) error {
+	return r.Finish(id, Finish{OutputTokens: outputTokens, CachedTokens: cachedTokens, OK: ok}, now)
+}
+
+// Finish is what the router learns when a request ends.
+type Finish struct {
+	// OutputTokens is the number of tokens generated.
+	OutputTokens int
+	// CachedTokens is the prompt tokens the engine reported it served from
+	// its cache, -1 if it reported none.
+	CachedTokens int
+	// OK is false for a failed request.
+	OK bool
+	// Timings is the engine's own measurement of the request (llama.cpp's
+	// timings), nil when it sent none; calibration learns from it.
+	Timings *calibrate.Timings
+	// ITL is the median gap between the request's streamed tokens as the
+	// caller saw them (0: not measured), over ITLSamples gaps; calibration
+	// learns the replica's decode step from it.
+	ITL        time.Duration
+	ITLSamples int
+}
+
+// Finish records the end of request id (Finished with the engine's
+// timings when it sent some).
+func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
+	outputTokens, cachedTokens, ok := fin.OutputTokens, fin.CachedTokens, fin.OK
 	f, found := r.inflight[id]
 	if !found {
 		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
+	}
+	if t := r.cal[f.replica]; t != nil {
+		t.Finished(&f.cal, calibrate.Report{OK: ok, OutputTokens: outputTokens, CachedTokens: cachedTokens,
+			Timings: fin.Timings, ITL: fin.ITL, ITLSamples: fin.ITLSamples}, now)
 	}
 	if !f.prefilled {
 		rp := &r.reps[f.replica]
@@ -576,6 +717,9 @@ func (r *Router) SetExternalLoad(id int, l ExternalLoad) error {
 		r.ext = append(r.ext, ExternalLoad{})
 	}
 	old := r.ext[id]
+	if t := r.cal[id]; t != nil {
+		t.SetExternal(l.InFlight > 0)
+	}
 	rp := &r.reps[id]
 	rp.InFlight += l.InFlight - old.InFlight
 	rp.Prefilling += l.Prefilling - old.Prefilling

@@ -154,6 +154,10 @@ func (r *Router) occupy(id int, c *slotCache, s int, f *flight, path []*prefixtr
 	sl.used = c.clock
 	sl.busy = true
 	r.tree.SetPathCached(path, id, now)
+	if t := r.cal[id]; t != nil {
+		// Its prefill starts now: waiting for a slot is not prefill.
+		t.Start(&f.cal, f.prompt, f.pendingTokens, f.out, now)
+	}
 }
 
 // dropSlotTail uncaches the part of slot s's prompt that neither keys nor

@@ -10,9 +10,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/replica"
@@ -25,13 +27,27 @@ import (
 type Config struct {
 	// Replicas is the number of replicas.
 	Replicas int
-	// Replica configures every replica (its Profile is set from Profile).
-	// With Replica.Slots > 0 the replicas model llama.cpp's slot cache, and
-	// the router is told so (router.SetCacheSlots), as `prefixlb serve` is
-	// told by a llama-server's /props.
+	// Replica configures every replica (its Profile is set from Profile or
+	// Profiles; a zero ChunkBudget or MaxRunning becomes each replica's
+	// profile's engine batching). With Replica.Slots > 0 the replicas model
+	// llama.cpp's slot cache, and the router is told so
+	// (router.SetCacheSlots), as `prefixlb serve` is told by a
+	// llama-server's /props.
 	Replica replica.Config
 	// Profile prices the replicas' work and the router's estimates.
 	Profile costmodel.Profile
+	// Profiles, when set, gives each replica its own true profile (one per
+	// replica): a heterogeneous cluster. Profile then only labels results
+	// and prices the oracle.
+	Profiles []costmodel.Profile
+	// RouterProfiles, when set, is the profile the router's cost model
+	// takes for each replica (one per replica); else each replica's true
+	// one. With Calibrate it is the prior the router corrects.
+	RouterProfiles []costmodel.Profile
+	// Calibrate, when set, makes the router learn each replica's speed
+	// from what it observes (router.Config.Calibrate): first tokens and
+	// finishes, and for slot replicas the timings llama.cpp reports.
+	Calibrate *calibrate.Config
 	// Policy routes; use a fresh one per run (policies keep state).
 	Policy policy.Policy
 	// KVEvents feeds the router the replicas' cache events (after EventLag)
@@ -69,8 +85,38 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("sim: event lag must be ≥ 0, got %v", c.EventLag)
 	case c.HostCores < 0:
 		return fmt.Errorf("sim: host cores must be ≥ 0, got %d", c.HostCores)
+	case len(c.Profiles) != 0 && len(c.Profiles) != c.Replicas:
+		return fmt.Errorf("sim: %d replica profiles for %d replicas", len(c.Profiles), c.Replicas)
+	case len(c.RouterProfiles) != 0 && len(c.RouterProfiles) != c.Replicas:
+		return fmt.Errorf("sim: %d router profiles for %d replicas", len(c.RouterProfiles), c.Replicas)
+	}
+	for i, p := range c.Profiles {
+		if p == nil {
+			return fmt.Errorf("sim: replica %d has no profile", i)
+		}
+	}
+	for i, p := range c.RouterProfiles {
+		if p == nil {
+			return fmt.Errorf("sim: replica %d has no router profile", i)
+		}
 	}
 	return nil
+}
+
+// profile is replica i's true profile.
+func (c *Config) profile(i int) costmodel.Profile {
+	if len(c.Profiles) > 0 {
+		return c.Profiles[i]
+	}
+	return c.Profile
+}
+
+// routerProfile is the profile the router starts from for replica i.
+func (c *Config) routerProfile(i int) costmodel.Profile {
+	if len(c.RouterProfiles) > 0 {
+		return c.RouterProfiles[i]
+	}
+	return c.profile(i)
 }
 
 // Result is what a run produced.
@@ -91,6 +137,19 @@ type Result struct {
 	// Events counts cache events delivered to the router, and Unknown those
 	// whose parent it did not know.
 	Events, UnknownParents int
+	// Calibration holds, per replica, the router's calibrated fit and its
+	// counters at the end (Config.Calibrate; empty otherwise).
+	Calibration []ReplicaCalibration
+}
+
+// ReplicaCalibration is one replica's calibration at the end of a run, with
+// the true profile's figures at the same reference points.
+type ReplicaCalibration struct {
+	Fit   calibrate.Fit
+	Stats calibrate.Stats
+	// TruePrefillSecondsPer1K and TrueDecodeStepSeconds are the replica's
+	// true profile at Fit's reference points.
+	TruePrefillSecondsPer1K, TrueDecodeStepSeconds float64
 }
 
 // epoch is virtual time zero.
@@ -141,8 +200,16 @@ type reqState struct {
 	finish   time.Time
 	hit      int
 	admitted bool
-	out      int
-	err      string
+	// admittedAt is when its prefill began (the iteration that admitted
+	// it): llama.cpp's timings measure prompt_ms from there.
+	admittedAt time.Time
+	out        int
+	err        string
+	// lastTok and gaps follow the request's token stream when the router
+	// calibrates: the gaps between its tokens, as a streaming client sees
+	// them (their median is the decode step calibration learns).
+	lastTok time.Time
+	gaps    []time.Duration
 }
 
 type runner struct {
@@ -158,6 +225,7 @@ type runner struct {
 	res      *Result
 	done     int
 	free     []*event
+	freeGaps [][]time.Duration
 }
 
 // Run simulates reqs (sorted by Arrival) on the configured cluster.
@@ -169,9 +237,10 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 	if bt == 0 {
 		bt = blocks.DefaultBlockSize
 	}
-	rt, err := router.New(router.Config{BlockTokens: bt, Profile: cfg.Profile, Policy: cfg.Policy, Seed: cfg.Seed,
+	rt, err := router.New(router.Config{BlockTokens: bt, Profile: cfg.routerProfile(0), Policy: cfg.Policy, Seed: cfg.Seed,
 		SpeculativeTTL:       cfg.SpeculativeTTL,
-		MirrorCapacityTokens: cfg.Replica.KVCapacity})
+		MirrorCapacityTokens: cfg.Replica.KVCapacity,
+		Calibrate:            cfg.Calibrate})
 	if err != nil {
 		return nil, err
 	}
@@ -179,7 +248,7 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		res: &Result{Branches: map[string]int{}}}
 	for i := 0; i < cfg.Replicas; i++ {
 		rc := cfg.Replica
-		rc.Profile = cfg.Profile
+		rc.Profile = cfg.profile(i)
 		rc.BlockSize = bt
 		rp, err := replica.New(rc)
 		if err != nil {
@@ -187,6 +256,9 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		}
 		rn.reps = append(rn.reps, rp)
 		id := rt.AddReplica(fmt.Sprintf("replica-%d", i), cfg.KVEvents)
+		if err := rt.SetProfile(id, cfg.routerProfile(i)); err != nil {
+			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
+		}
 		if rc.Slots > 0 {
 			if err := rt.SetCacheSlots(id, rc.Slots); err != nil {
 				return nil, fmt.Errorf("sim: replica %d: %w", i, err)
@@ -321,16 +393,47 @@ func (rn *runner) apply(r int, ev replica.Event) {
 		if !s.admitted {
 			s.admitted = true
 			s.hit = ev.HitTokens
+			s.admittedAt = ev.At
 		}
 	case replica.FirstToken:
 		s := &rn.st[ev.RequestID]
 		s.first = ev.At
+		s.lastTok = ev.At
 		_ = rn.rt.FirstToken(ev.RequestID, ev.At)
+	case replica.Token:
+		if rn.cfg.Calibrate != nil {
+			s := &rn.st[ev.RequestID]
+			if !s.lastTok.IsZero() {
+				if s.gaps == nil {
+					if n := len(rn.freeGaps); n > 0 {
+						s.gaps, rn.freeGaps = rn.freeGaps[n-1][:0], rn.freeGaps[:n-1]
+					}
+				}
+				s.gaps = append(s.gaps, ev.At.Sub(s.lastTok))
+			}
+			s.lastTok = ev.At
+		}
 	case replica.Finished:
 		s := &rn.st[ev.RequestID]
 		s.finish = ev.At
 		s.out = ev.N
-		_ = rn.rt.Finished(ev.RequestID, ev.N, s.hit, true, ev.At)
+		fin := router.Finish{OutputTokens: ev.N, CachedTokens: s.hit, OK: true}
+		if rn.cfg.Replica.Slots > 0 && !s.first.IsZero() {
+			// llama-server reports its own timings (server.cpp at
+			// c392e50): prompt_ms from the slot starting the prompt to
+			// the first token, predicted_ms from there to the last.
+			fin.Timings = &calibrate.Timings{
+				PromptN: len(rn.reqs[ev.RequestID].Tokens) - s.hit, PromptMs: ms(s.first.Sub(s.admittedAt)),
+				PredictedN: ev.N, PredictedMs: ms(ev.At.Sub(s.first)),
+			}
+		}
+		if len(s.gaps) > 0 {
+			slices.Sort(s.gaps)
+			fin.ITL, fin.ITLSamples = s.gaps[len(s.gaps)/2], len(s.gaps)
+			rn.freeGaps = append(rn.freeGaps, s.gaps)
+			s.gaps = nil
+		}
+		_ = rn.rt.Finish(ev.RequestID, fin, ev.At)
 		rn.done++
 		if rn.cfg.Progress != nil && rn.done%500 == 0 {
 			rn.cfg.Progress(rn.done, len(rn.reqs))
@@ -397,7 +500,27 @@ func (rn *runner) finish() {
 	for i, rp := range rn.reps {
 		res.Replicas = append(res.Replicas, rp.Stats())
 		res.RouterCachedBlocks = append(res.RouterCachedBlocks, rn.rt.Tree().CachedBlocks(i))
+		if fit, st, ok := rn.rt.Calibration(i); ok {
+			p := rn.cfg.profile(i)
+			res.Calibration = append(res.Calibration, ReplicaCalibration{Fit: fit, Stats: st,
+				TruePrefillSecondsPer1K: p.Prefill(calibrate.RefPrefillTokens, calibrate.RefPrefillTokens).Seconds(),
+				TrueDecodeStepSeconds:   p.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: calibrate.RefDecodeContext}).Seconds(),
+			})
+		}
 	}
+}
+
+// Utilization is the share of the run's span the replicas spent computing,
+// over all of them: Σ busy time / (replicas · span).
+func (r *Result) Utilization() float64 {
+	if r.Span <= 0 || len(r.Replicas) == 0 {
+		return 0
+	}
+	var busy time.Duration
+	for _, st := range r.Replicas {
+		busy += st.BusyTime
+	}
+	return busy.Seconds() / (float64(len(r.Replicas)) * r.Span.Seconds())
 }
 
 func replicaName(r int) string {
