@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -35,6 +36,12 @@ type llamaOptions struct {
 	context int
 	rounds  int
 	logDir  string
+	// calibrate and timings: the router learns each replica's speed, and
+	// from llama.cpp's timings too (else from its own clock only).
+	calibrate, timings bool
+	// records, when set, is a file that gets every request's record with
+	// the timings llama.cpp reported for it, one JSON object a line.
+	records string
 	// changed reports whether the user gave a flag (cobra's
 	// FlagSet.Changed); nil: none given.
 	changed func(name string) bool
@@ -73,6 +80,9 @@ func (l *llamaOptions) addFlags(fs *pflag.FlagSet) {
 	fs.IntVar(&l.context, "llama-context", 16384, "--engine llamacpp: context per llama-server in tokens (-c), split between its slots")
 	fs.IntVar(&l.rounds, "rounds", 1, "--engine llamacpp: run every policy this many times, interleaved (policy order rotates each round); figures pool the rounds")
 	fs.StringVar(&l.logDir, "llama-logs", "", "--engine llamacpp: write each llama-server's output to a file in this folder")
+	fs.BoolVar(&l.calibrate, "calibrate", true, "--engine llamacpp: the router learns each replica's speed (serve's --calibrate); what it learnt is printed against llama.cpp's own timings")
+	fs.StringVar(&l.records, "records", "", "--engine llamacpp: write every request's record and llama.cpp's timings of it to this file, one JSON object a line")
+	fs.BoolVar(&l.timings, "calibrate-timings", true, "--engine llamacpp: calibration learns from llama.cpp's timings too (false: from the router's own clock only, busy periods and token gaps; the timings then only check it)")
 }
 
 // resolve fills the binary and model from the environment (building the
@@ -156,6 +166,11 @@ func runLlamaDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer)
 	for _, pol := range pols {
 		results = append(results, poolLlamaRuns(o, pol, runs[pol]))
 	}
+	if l.records != "" {
+		if err := writeLlamaRecords(l.records, pols, runs); err != nil {
+			return err
+		}
+	}
 	fmt.Fprintln(stdout)
 	if err := report.WriteTable(stdout, results); err != nil {
 		return err
@@ -170,6 +185,7 @@ type llamaRun struct {
 	out     loadgen.Output
 	prefill map[string]float64 // replica → llamacpp:prompt_seconds_total
 	prompt  map[string]float64 // replica → llamacpp:prompt_tokens_total
+	cal     []report.CalibrationFit
 }
 
 // llamaDemoRun starts o.replicas llama-servers and a router with policy pol,
@@ -223,6 +239,8 @@ func llamaDemoRun(ctx context.Context, o *demoOptions, pol string, reqs []worklo
 	pc.Logger = logger
 	pc.ScrapeInterval = 200 * time.Millisecond
 	pc.HealthInterval = time.Second
+	pc.Calibrate = l.calibrate
+	pc.Calibration.NoTimings = !l.timings
 	p, err := proxy.New(pc)
 	if err != nil {
 		return llamaRun{}, err
@@ -259,6 +277,23 @@ func llamaDemoRun(ctx context.Context, o *demoOptions, pol string, reqs []worklo
 		return llamaRun{}, err
 	}
 	run := llamaRun{out: out, prefill: map[string]float64{}, prompt: map[string]float64{}}
+	if l.calibrate {
+		for _, r := range p.Replicas() {
+			c := report.CalibrationFit{Replica: r.Name,
+				PrefillSecondsPer1K: r.Speed.PrefillSecondsPer1K, PriorPrefillSecondsPer1K: r.Speed.PriorPrefillSecondsPer1K,
+				DecodeStepSeconds: r.Speed.DecodeStepSeconds, PriorDecodeStepSeconds: r.Speed.PriorDecodeStepSeconds,
+				PrefillSamples: r.Speed.PrefillSamples, DecodeSamples: r.Speed.DecodeSamples,
+				PrefillError: r.Speed.PrefillError, DecodeError: r.Speed.DecodeError}
+			if st := r.Learnt; st != nil {
+				c.TimingsPrefillRatio, c.TimingsDecodeRatio = st.TimedPrefill.Ratio(), st.TimedDecode.Ratio()
+				c.TimedRequests = st.TimedPrefill.N
+			}
+			run.cal = append(run.cal, c)
+			fmt.Fprintf(stderr, "%-14s   %s learnt: prefill %.3g s/1k tokens (profile %.3g), decode step %.3g ms (profile %.3g); predicted/timings prefill %.2f, decode %.2f over %d requests\n",
+				pol, r.Name, c.PrefillSecondsPer1K, c.PriorPrefillSecondsPer1K, 1e3*c.DecodeStepSeconds, 1e3*c.PriorDecodeStepSeconds,
+				c.TimingsPrefillRatio, c.TimingsDecodeRatio, c.TimedRequests)
+		}
+	}
 	for i, s := range servers {
 		m, err := llamacpp.Metrics(ctx, s.URL)
 		if err != nil {
@@ -302,6 +337,11 @@ func poolLlamaRuns(o *demoOptions, pol string, runs []llamaRun) report.Result {
 	res.Workload = o.wl.Describe()
 	res.Replicas = o.replicas
 	res.Profile = o.profile
+	if n := len(runs); n > 0 && len(runs[n-1].cal) > 0 {
+		// What the router learnt in the last round (each round starts
+		// fresh servers and a fresh router).
+		res.Calibrated, res.Calibration = true, runs[n-1].cal
+	}
 	names := make([]string, 0, len(prefill))
 	for k := range prefill {
 		names = append(names, k)
@@ -368,4 +408,39 @@ func waitReplicasUp(ctx context.Context, p *proxy.Proxy, timeout time.Duration) 
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// llamaRecord is one line of --records: a request's record, the round it
+// ran in, and llama.cpp's timings of it (nil: none).
+type llamaRecord struct {
+	report.RequestRecord
+	Round   int              `json:"round"`
+	Timings *loadgen.Timings `json:"timings"`
+}
+
+// writeLlamaRecords writes every run's requests to path as JSON lines.
+func writeLlamaRecords(path string, pols []string, runs map[string][]llamaRun) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("demo: --records: %w", err)
+	}
+	enc := json.NewEncoder(f)
+	for _, pol := range pols {
+		for round, r := range runs[pol] {
+			for i, rec := range r.out.Records {
+				lr := llamaRecord{RequestRecord: rec, Round: round}
+				if i < len(r.out.Timings) {
+					lr.Timings = r.out.Timings[i]
+				}
+				if err := enc.Encode(lr); err != nil {
+					f.Close()
+					return fmt.Errorf("demo: --records: %w", err)
+				}
+			}
+		}
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("demo: --records: %w", err)
+	}
+	return nil
 }

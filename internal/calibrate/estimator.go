@@ -23,18 +23,19 @@ func dot(a, b vec) float64 {
 // estimator fits y ≈ θ·x by weighted least squares with exponential
 // forgetting, in information form, stabilised towards a prior:
 //
-//	R ← λ·R + (1−λ)·R₀ + w·x·xᵀ
-//	b ← λ·b + (1−λ)·R₀·θ₀ + w·x·y
-//	θ = R⁻¹·b
+//	R ← λ·R + w·x·xᵀ,   b ← λ·b + w·x·y
+//	θ = (R₀ + R)⁻¹·(R₀·θ₀ + b)
 //
 // R₀ = diag(prec) is the prior's information and θ₀ its mean. Without data
-// θ = θ₀; at steady state R = R₀ + Σₖ λᵏ·wₖ·xₖ·xₖᵀ, so the prior keeps the
-// weight of a few observations for ever (Kulhavý and Zarrop, "On a general
-// concept of forgetting", Int. J. Control 58, 1993: stabilised forgetting)
-// while recent data dominate, and a direction the data stop exciting drifts
-// back to the prior instead of winding up — the failure of plain
-// exponential-forgetting RLS (Ljung, "System Identification", §11.2) when
-// every request is alike for a while.
+// θ = θ₀; the prior keeps the weight of a few observations for ever while
+// recent data (about 1/(1−λ) of them) dominate, and a direction the data
+// stop exciting drifts back to the prior instead of winding up — the failure
+// of plain exponential-forgetting RLS (Ljung, "System Identification",
+// §11.2) when every request is alike for a while. It is the stabilised
+// forgetting of Kulhavý and Zarrop ("On a general concept of forgetting",
+// Int. J. Control 58, 1993: R ← λR + (1−λ)R₀ + w·x·xᵀ) with R started at R₀,
+// written so that θ₀ may move — a replica's fit is pulled towards its
+// pool's as it is now, not as it was.
 //
 // Observations are relative: x and y are divided by norm, the prior's
 // prediction of y, so that a 10 ms prefill and a 10 s one count alike.
@@ -43,15 +44,21 @@ func dot(a, b vec) float64 {
 // robust scales the weight falls as k·s/|r|, so a prefill that waited
 // behind work the router could not see moves the fit only a little.
 //
-// The solve is a 4×4 Cholesky factorisation: a few hundred flops per
-// observation, none per routing decision.
+// The solve is a 4×4 Cholesky factorisation, done after each of the first
+// solveWarmup observations and then every solveEvery-th: between solves θ
+// lags by a few observations of the ~200 it weighs, and the router pays a
+// solve per several requests instead of two per request (BenchmarkRoute-
+// Calibration in internal/router).
 type estimator struct {
-	theta, prior, prec vec
-	info               mat
-	b                  vec
-	forget             float64 // λ
-	k                  float64 // Huber's threshold in robust scales
-	scale              float64 // robust scale of relative residuals: EWMA of min(|r|, 4·scale)
+	// prior is the mean the fit is pulled towards (it may move: a
+	// replica's fit is pulled towards its pool's); ref the profile's own
+	// coefficients, which the prior figures (errPrior, priorSum) report.
+	theta, prior, ref, prec vec
+	info                    mat
+	b                       vec
+	forget                  float64 // λ
+	k                       float64 // Huber's threshold in robust scales
+	scale                   float64 // robust scale of relative residuals: EWMA of min(|r|, 4·scale)
 	// errFit and errPrior are EWMAs of |ŷ/y − 1| for the fit (before the
 	// observation updates it) and for the prior.
 	errFit, errPrior float64
@@ -62,6 +69,7 @@ type estimator struct {
 	// per observation.
 	predSum, priorSum, obsSum float64
 	n                         int64 // observations used
+	stale                     int   // observations since θ was solved
 }
 
 // Robust-scale bounds and the EWMA rate of the error figures.
@@ -70,18 +78,17 @@ const (
 	scaleFloor = 0.02
 	ewmaRate   = 0.05
 	sumDecay   = 0.99
+	// solveWarmup observations are each solved at once (the fit moves most
+	// then); after them θ is solved every solveEvery observations.
+	solveWarmup = 16
+	solveEvery  = 8
 	// maxFeature bounds a normalised feature (a 1-token prefill's share of
 	// a per-request constant can be huge): the estimate stays finite.
 	maxFeature = 1e4
 )
 
 func newEstimator(prior, prec vec, forget, k float64) estimator {
-	e := estimator{theta: prior, prior: prior, prec: prec, forget: forget, k: k, scale: scaleInit}
-	for i := range prec {
-		e.info[i][i] = prec[i]
-		e.b[i] = prec[i] * prior[i]
-	}
-	return e
+	return estimator{theta: prior, prior: prior, ref: prior, prec: prec, forget: forget, k: k, scale: scaleInit}
 }
 
 // update adds the observation y ≈ θ·x with weight w in (0, 1]; norm > 0 is
@@ -102,13 +109,13 @@ func (e *estimator) update(x vec, y, norm, w float64) bool {
 	yn := y / norm
 	pred := dot(e.theta, xn)
 	e.predSum = sumDecay*e.predSum + pred*norm
-	e.priorSum = sumDecay*e.priorSum + dot(e.prior, xn)*norm
+	e.priorSum = sumDecay*e.priorSum + dot(e.ref, xn)*norm
 	e.obsSum = sumDecay*e.obsSum + y
 	if e.n == 0 {
-		e.errFit, e.errPrior = relErr(pred, yn), relErr(dot(e.prior, xn), yn)
+		e.errFit, e.errPrior = relErr(pred, yn), relErr(dot(e.ref, xn), yn)
 	} else {
 		e.errFit += ewmaRate * (relErr(pred, yn) - e.errFit)
-		e.errPrior += ewmaRate * (relErr(dot(e.prior, xn), yn) - e.errPrior)
+		e.errPrior += ewmaRate * (relErr(dot(e.ref, xn), yn) - e.errPrior)
 	}
 	r := (yn - pred) / math.Max(math.Abs(pred), 0.05)
 	ar := math.Abs(r)
@@ -123,14 +130,27 @@ func (e *estimator) update(x vec, y, norm, w float64) bool {
 		for j := 0; j < dim; j++ {
 			e.info[i][j] = l*e.info[i][j] + w*xn[i]*xn[j]
 		}
-		e.info[i][i] += (1 - l) * e.prec[i]
-		e.b[i] = l*e.b[i] + (1-l)*e.prec[i]*e.prior[i] + w*xn[i]*yn
-	}
-	if th, ok := solve(e.info, e.b); ok {
-		e.theta = th
+		e.b[i] = l*e.b[i] + w*xn[i]*yn
 	}
 	e.n++
+	e.stale++
+	if e.n <= solveWarmup || e.stale >= solveEvery {
+		e.refresh()
+	}
 	return true
+}
+
+// refresh solves θ from the information gathered so far and the prior.
+func (e *estimator) refresh() {
+	a, rhs := e.info, e.b
+	for i := 0; i < dim; i++ {
+		a[i][i] += e.prec[i]
+		rhs[i] += e.prec[i] * e.prior[i]
+	}
+	if th, ok := solve(a, rhs); ok {
+		e.theta = th
+	}
+	e.stale = 0
 }
 
 // relErr is |pred/y − 1|, capped at 10 (a figure for dashboards, not an

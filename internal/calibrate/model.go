@@ -59,10 +59,20 @@ type Config struct {
 	// Forget is λ, the weight each observation leaves to the ones before:
 	// the fit remembers about 1/(1−λ) observations (0.995: 200).
 	Forget float64 `json:"forget"`
-	// PriorWeight is what the prior's speed (θ₀ = φ₀ = 1) is worth, in
-	// observations (0.1): a replica uniformly faster or slower than its
-	// profile is learnt without bias once a few observations are in.
+	// PriorWeight is what the profile's speed (θ₀ = φ₀ = 1) is worth to
+	// the pool's fit, in observations (0.25): a cluster uniformly faster or
+	// slower than its profile is learnt without bias once a few
+	// observations are in.
 	PriorWeight float64 `json:"prior_weight"`
+	// PoolWeight is what the pool's fit is worth to each replica's, in
+	// observations (8). Replicas told the same profile form a pool whose
+	// fit learns from all of them; each replica's own fit is pulled towards
+	// the pool's, so a replica that has been seen little, or unluckily
+	// (a few slow observations on a loaded machine), is priced like its
+	// peers until its own observations say otherwise — and a policy that
+	// avoids a replica it wrongly thinks slow does not starve it of the
+	// observations that would correct it.
+	PoolWeight float64 `json:"pool_weight"`
 	// ShapeWeight is what the prior's shape (no correction terms) is
 	// worth, in observations, per term (10): the fit prefers changing the
 	// speed to changing the shape, and a shape the data stop showing
@@ -91,7 +101,7 @@ type Config struct {
 // DefaultConfig returns prefixlb's calibration settings.
 func DefaultConfig() Config {
 	return Config{
-		Forget: 0.995, PriorWeight: 0.1, ShapeWeight: 10, Huber: 2,
+		Forget: 0.995, PriorWeight: 0.25, PoolWeight: 8, ShapeWeight: 10, Huber: 2,
 		MinRatio: 0.01, MaxRatio: 100, MinDecodeTokens: 4, MaxPrefillShare: 0.5,
 	}
 }
@@ -107,6 +117,8 @@ func (c Config) Validate() error {
 		return bad("forget", "must be in (0, 1], got %v", c.Forget)
 	case !ok(c.PriorWeight) || c.PriorWeight <= 0:
 		return bad("prior_weight", "must be > 0, got %v", c.PriorWeight)
+	case !ok(c.PoolWeight) || c.PoolWeight <= 0:
+		return bad("pool_weight", "must be > 0, got %v", c.PoolWeight)
 	case !ok(c.ShapeWeight) || c.ShapeWeight <= 0:
 		return bad("shape_weight", "must be > 0, got %v", c.ShapeWeight)
 	case !ok(c.Huber) || c.Huber <= 0:
@@ -139,9 +151,17 @@ const (
 type Model struct {
 	prior    costmodel.Profile
 	cfg      Config
-	refP     float64 // seconds: prior P(1024, 1024)
-	refD     float64 // seconds: prior D(1, 1024)
-	budget   int     // prior's max_num_batched_tokens: the chunk a prefill iteration carries
+	refP     float64   // seconds: prior P(1024, 1024)
+	refD     float64   // seconds: prior D(1, 1024)
+	budget   int       // prior's max_num_batched_tokens: the chunk a prefill iteration carries
+	pre, dec estimator // the replica's own fit, pulled towards pool's
+	pool     *pool
+	memo     *priorMemo // the prior's figures, shared with Siblings
+}
+
+// pool is the fit of every replica told the same profile (a Model and its
+// Siblings): it learns from all their observations, from the profile.
+type pool struct {
 	pre, dec estimator
 }
 
@@ -159,16 +179,58 @@ func NewModel(prior costmodel.Profile, cfg Config) (*Model, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	m := &Model{prior: prior, cfg: cfg,
+	m := &Model{prior: prior, cfg: cfg, memo: newPriorMemo(prior),
 		refP:   secs(prior.Prefill(1024, 1024)),
 		refD:   secs(prior.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: 1024})),
 		budget: costmodel.BatchingOf(prior).MaxBatchedTokens,
 	}
 	theta := vec{1, 0, 0, 0}
 	prec := vec{cfg.PriorWeight, cfg.ShapeWeight, cfg.ShapeWeight, cfg.ShapeWeight}
-	m.pre = newEstimator(theta, prec, cfg.Forget, cfg.Huber)
-	m.dec = newEstimator(theta, prec, cfg.Forget, cfg.Huber)
+	m.pool = &pool{pre: newEstimator(theta, prec, cfg.Forget, cfg.Huber), dec: newEstimator(theta, prec, cfg.Forget, cfg.Huber)}
+	m.own()
 	return m, nil
+}
+
+// own gives m a fit of its own with no observations, pulled towards its
+// pool's.
+func (m *Model) own() {
+	theta := vec{1, 0, 0, 0}
+	prec := vec{m.cfg.PoolWeight, m.cfg.ShapeWeight, m.cfg.ShapeWeight, m.cfg.ShapeWeight}
+	m.pre = newEstimator(theta, prec, m.cfg.Forget, m.cfg.Huber)
+	m.dec = newEstimator(theta, prec, m.cfg.Forget, m.cfg.Huber)
+}
+
+// Sibling returns a new model of the same prior and config for another
+// replica told the same profile: its own fit has no observations, it
+// shares m's pool (see Config.PoolWeight) and m's memo of the prior's
+// figures (the models of replicas that share a profile evaluate it once
+// between them).
+func (m *Model) Sibling() *Model {
+	s := *m
+	s.own()
+	return &s
+}
+
+// preTheta and decTheta are the coefficients the model prices with: its
+// own fit once it has observations, the pool's before (nil: the prior's).
+func (m *Model) preTheta() *vec {
+	switch {
+	case m.pre.n > 0:
+		return &m.pre.theta
+	case m.pool.pre.n > 0:
+		return &m.pool.pre.theta
+	}
+	return nil
+}
+
+func (m *Model) decTheta() *vec {
+	switch {
+	case m.dec.n > 0:
+		return &m.dec.theta
+	case m.pool.dec.n > 0:
+		return &m.pool.dec.theta
+	}
+	return nil
 }
 
 // Prior returns the profile the model corrects.
@@ -185,12 +247,13 @@ func (m *Model) Batching() costmodel.Batching { return costmodel.BatchingOf(m.pr
 
 // Prefill implements costmodel.Profile with the fitted prefill.
 func (m *Model) Prefill(newTokens, seqTokens int) time.Duration {
-	p := m.prior.Prefill(newTokens, seqTokens)
-	if m.pre.n == 0 || newTokens <= 0 {
+	p := m.memo.prefillOf(newTokens, seqTokens)
+	th := m.preTheta()
+	if th == nil || newTokens <= 0 {
 		return p
 	}
 	f := m.prefillFeatures(secs(p), 1, float64(newTokens), float64(newTokens)*float64(max(seqTokens, newTokens)))
-	return m.clamp(dot(m.pre.theta, f), p)
+	return m.clamp(dot(*th, f), p)
 }
 
 // Iteration implements costmodel.Profile: a decode-only batch at the
@@ -200,7 +263,25 @@ func (m *Model) Prefill(newTokens, seqTokens int) time.Duration {
 // m·I + (a−m)·P + (d−m)·D with m = min(a, d), at least a·P and d·D — exact
 // for pure batches, a·I when both ratios agree, and monotone.
 func (m *Model) Iteration(b costmodel.Batch) time.Duration {
-	if m.pre.n == 0 && m.dec.n == 0 {
+	if len(b.Prefill) == 1 && b.DecodeSeqs > 0 && b.Prefill[0].New > 0 {
+		// One chunk beside decodes (what E2 asks to price the decodes'
+		// share of a prefill iteration): every part from the memo.
+		c := b.Prefill[0]
+		all, pp, pd := m.memo.mixedOf(c.New, c.Seq, b.DecodeSeqs, b.DecodeContext)
+		th := m.preTheta()
+		if th == nil && m.decTheta() == nil {
+			return all
+		}
+		fp := pp
+		if th != nil {
+			fp = m.clamp(dot(*th, m.prefillFeatures(secs(pp), 1, float64(c.New), float64(c.New)*float64(max(c.Seq, c.New)))), pp)
+		}
+		return m.mix(all, pp, pd, fp, m.decodeStep(b.DecodeSeqs, b.DecodeContext))
+	}
+	if m.preTheta() == nil && m.decTheta() == nil {
+		if len(b.Prefill) == 0 {
+			return m.memo.decodeOf(b.DecodeSeqs, b.DecodeContext)
+		}
 		return m.prior.Iteration(b)
 	}
 	chunks, nw, nws := 0, 0.0, 0.0
@@ -220,16 +301,21 @@ func (m *Model) Iteration(b costmodel.Batch) time.Duration {
 	}
 	pb := costmodel.Batch{Prefill: b.Prefill}
 	pp := m.prior.Iteration(pb)
-	fp := m.clamp(dot(m.pre.theta, m.prefillFeatures(secs(pp), float64(chunks), nw, nws)), pp)
-	if m.pre.n == 0 {
-		fp = pp
+	fp := pp
+	if th := m.preTheta(); th != nil {
+		fp = m.clamp(dot(*th, m.prefillFeatures(secs(pp), float64(chunks), nw, nws)), pp)
 	}
 	if !hasD {
 		return fp
 	}
-	pd := m.prior.Iteration(costmodel.Batch{DecodeSeqs: b.DecodeSeqs, DecodeContext: b.DecodeContext})
-	fd := m.decodeStep(b.DecodeSeqs, b.DecodeContext)
-	all := m.prior.Iteration(b)
+	pd := m.memo.decodeOf(b.DecodeSeqs, b.DecodeContext)
+	return m.mix(m.prior.Iteration(b), pp, pd, fp, m.decodeStep(b.DecodeSeqs, b.DecodeContext))
+}
+
+// mix is a mixed iteration's fitted time from the prior's time of the whole
+// (all), of its prefill part (pp) and of its decode part (pd), and the
+// fitted times fp and fd of those parts (see Iteration).
+func (m *Model) mix(all, pp, pd, fp, fd time.Duration) time.Duration {
 	if pp <= 0 || pd <= 0 {
 		return all
 	}
@@ -241,11 +327,12 @@ func (m *Model) Iteration(b costmodel.Batch) time.Duration {
 
 // decodeStep is the fitted time of a decode-only iteration.
 func (m *Model) decodeStep(seqs, context int) time.Duration {
-	p := m.prior.Iteration(costmodel.Batch{DecodeSeqs: seqs, DecodeContext: context})
-	if m.dec.n == 0 {
+	p := m.memo.decodeOf(seqs, context)
+	th := m.decTheta()
+	if th == nil {
 		return p
 	}
-	return m.clamp(dot(m.dec.theta, m.decodeFeatures(secs(p), float64(seqs), float64(max(context, 0)))), p)
+	return m.clamp(dot(*th, m.decodeFeatures(secs(p), float64(seqs), float64(max(context, 0)))), p)
 }
 
 // prefillFeatures are the prefill features of chunks requests computing nw
@@ -310,7 +397,7 @@ func (m *Model) ObservePrefill(works []Work, seconds, decodeBatch, decodeContext
 		}
 		norm += stretch * p
 	}
-	return m.pre.update(x, seconds, norm, weight)
+	return m.learn(&m.pool.pre, &m.pre, x, seconds, norm, weight)
 }
 
 // stretch is the prior's ratio of an iteration that computes a full prefill
@@ -342,7 +429,23 @@ func (m *Model) ObserveDecode(seconds, batch, context, weight float64) bool {
 	b := math.Max(batch, 1)
 	c := math.Max(context, 0)
 	p := secs(m.prior.Iteration(costmodel.Batch{DecodeSeqs: int(math.Round(b)), DecodeContext: int(math.Round(c))}))
-	return m.dec.update(m.decodeFeatures(p, b, c), seconds, p, weight)
+	return m.learn(&m.pool.dec, &m.dec, m.decodeFeatures(p, b, c), seconds, p, weight)
+}
+
+// learn adds an observation to the pool's fit, then to the replica's own,
+// pulled towards the pool's as it now is.
+func (m *Model) learn(pool, own *estimator, x vec, y, norm, w float64) bool {
+	if !pool.update(x, y, norm, w) {
+		return false
+	}
+	if pool.stale > 0 {
+		pool.refresh() // the replica's pull must be towards the pool's latest
+	}
+	own.prior = pool.theta
+	if own.n == 0 {
+		own.theta = pool.theta // its first prediction is the pool's
+	}
+	return own.update(x, y, norm, w)
 }
 
 // Fit is a snapshot of a Model for metrics, dashboards and reports.

@@ -10,12 +10,17 @@ import (
 // the Tracker's methods; the zero Flight is a request not yet started.
 type Flight struct {
 	prompt int // prompt tokens
+	seq    int // the sequence its prefill is priced at (≥ prompt: a slot cache's span)
 	ctx    int // decode context it counts for (prompt + half its output)
 	guess  int // prompt tokens the router predicted the replica computes
 
 	started, first, tainted bool
-	firstAt                 time.Time
-	period                  *period
+	// unary: the client asked for no stream, so no first token will be
+	// seen; its prefill is taken to end at unaryEnd (the model's estimate).
+	unary    bool
+	unaryEnd time.Time
+	firstAt  time.Time
+	period   *period
 	// The tracker's integrals when the first token came.
 	decode0, ctx0, busy0 float64
 }
@@ -92,11 +97,51 @@ type Stats struct {
 	// and DecodeRequests decode observations from the median gap between
 	// streamed tokens, from timings, and from the router's clock (first
 	// token to end).
-	PrefillPeriods, PrefillTimings           int64
-	DecodeITL, DecodeTimings, DecodeRequests int64
+	PrefillPeriods int64 `json:"prefill_periods"`
+	PrefillTimings int64 `json:"prefill_timings"`
+	DecodeITL      int64 `json:"decode_itl"`
+	DecodeTimings  int64 `json:"decode_timings"`
+	DecodeRequests int64 `json:"decode_clock"`
+	// TimedPrefill and TimedDecode hold the model as it is now against
+	// llama.cpp's own measurements (timings) of the last requests that
+	// carried them (up to timedKept), whether or not the model learns from
+	// timings (Config.NoTimings): how well the fit reproduces what the
+	// engine measured over that stretch of its work.
+	TimedPrefill Agreement `json:"timings_prefill"`
+	TimedDecode  Agreement `json:"timings_decode"`
 	// Skipped counts what could not be used, by reason (the Skip
 	// constants).
-	Skipped map[string]int64
+	Skipped map[string]int64 `json:"skipped"`
+}
+
+// Agreement compares a model's predictions with measurements of the same
+// requests: the sums of predicted and measured seconds.
+type Agreement struct {
+	Predicted float64 `json:"predicted_s"`
+	Measured  float64 `json:"measured_s"`
+	// N counts the requests compared.
+	N int64 `json:"requests"`
+}
+
+// Ratio is predicted over measured seconds (1: the model agrees), 0 with
+// nothing compared.
+func (a Agreement) Ratio() float64 { return ratioOf(a.Predicted, a.Measured) }
+
+// timedKept is how many requests with timings a Tracker keeps to hold its
+// model against (Stats.TimedPrefill).
+const timedKept = 256
+
+// timedObs is one request's llama.cpp timings, in the terms of the model:
+// its prefill (new tokens n ending a sequence of s, beside decodes that
+// stretched it by stretch) took prefill seconds; its decode steps over an
+// average batch of b sequences holding c tokens took step seconds each.
+type timedObs struct {
+	n, s           int
+	stretch        float64
+	prefill        float64
+	b, c           int
+	step           float64
+	hasPre, hasDec bool
 }
 
 // Tracker turns one replica's request events into observations for its
@@ -117,6 +162,9 @@ type Tracker struct {
 	external                   bool
 	free                       []*period
 	one                        [1]Work
+	timed                      []timedObs // ring of the last timedKept
+	timedNext                  int
+	unary                      []*Flight // non-streamed requests still counted as prefilling
 }
 
 // NewTracker returns a tracker feeding m.
@@ -127,12 +175,25 @@ func NewTracker(m *Model) *Tracker {
 // Model returns the model the tracker feeds.
 func (t *Tracker) Model() *Model { return t.m }
 
-// Stats returns the tracker's counters (a copy).
+// Stats returns the tracker's counters (a copy), with the model as it is
+// now held against the timings it kept.
 func (t *Tracker) Stats() Stats {
 	s := t.stats
 	s.Skipped = make(map[string]int64, len(t.stats.Skipped))
 	for k, v := range t.stats.Skipped {
 		s.Skipped[k] = v
+	}
+	for _, o := range t.timed {
+		if o.hasPre {
+			s.TimedPrefill.Predicted += t.m.Prefill(o.n, o.s).Seconds() * o.stretch
+			s.TimedPrefill.Measured += o.prefill
+			s.TimedPrefill.N++
+		}
+		if o.hasDec {
+			s.TimedDecode.Predicted += t.m.decodeStep(o.b, o.c).Seconds()
+			s.TimedDecode.Measured += o.step
+			s.TimedDecode.N++
+		}
 	}
 	return s
 }
@@ -145,6 +206,27 @@ func (t *Tracker) advance(now time.Time) {
 		t.last = now
 		return
 	}
+	// Non-streamed requests whose prefill should be over by now stop
+	// counting as prefilling at their estimated end.
+	for len(t.unary) > 0 {
+		k := 0
+		for i, f := range t.unary {
+			if f.unaryEnd.Before(t.unary[k].unaryEnd) {
+				k = i
+			}
+		}
+		f := t.unary[k]
+		if f.unaryEnd.After(now) {
+			break
+		}
+		t.integrate(f.unaryEnd)
+		t.endUnary(k)
+	}
+	t.integrate(now)
+}
+
+// integrate brings the integrals to now.
+func (t *Tracker) integrate(now time.Time) {
 	dt := now.Sub(t.last).Seconds()
 	if dt <= 0 {
 		return
@@ -157,18 +239,47 @@ func (t *Tracker) advance(now time.Time) {
 	t.last = now
 }
 
+// endUnary ends the prefill of t.unary[k] (a non-streamed request) as if
+// its first token came now: it counts as decoding from then on, and teaches
+// nothing (its prefill's end was not seen).
+func (t *Tracker) endUnary(k int) {
+	f := t.unary[k]
+	t.unary[k] = t.unary[len(t.unary)-1]
+	t.unary[len(t.unary)-1] = nil
+	t.unary = t.unary[:len(t.unary)-1]
+	t.endPrefill(f, t.last)
+	f.first, f.tainted, f.firstAt = true, true, t.last
+	t.decoding++
+	t.decodeCtx += f.ctx
+	f.decode0, f.ctx0, f.busy0 = t.intDecode, t.intCtx, t.intBusy
+}
+
+// dropUnary forgets f if it is on the non-streamed list.
+func (t *Tracker) dropUnary(f *Flight) {
+	for i, g := range t.unary {
+		if g == f {
+			t.unary[i] = t.unary[len(t.unary)-1]
+			t.unary[len(t.unary)-1] = nil
+			t.unary = t.unary[:len(t.unary)-1]
+			return
+		}
+	}
+}
+
 // Start records that request f begins to prefill on the replica at now:
 // when it is routed to a replica with a block cache (the engine's queue is
 // opaque: waiting there is part of the busy period), or when it takes a
 // slot on one with slots (waiting for a slot is not prefill). prompt is its
-// prompt tokens, guess the tokens the router predicts the replica computes,
-// out its expected output tokens.
-func (t *Tracker) Start(f *Flight, prompt, guess, out int, now time.Time) {
+// prompt tokens, seq the sequence its prefill is priced at (the prompt, or
+// on a slot cache every slot's tokens with it: policy.Replica.SlotSpan),
+// guess the tokens the router predicts the replica computes, out its
+// expected output tokens.
+func (t *Tracker) Start(f *Flight, prompt, seq, guess, out int, now time.Time) {
 	if f.started || f.first {
 		return
 	}
 	t.advance(now)
-	*f = Flight{prompt: prompt, guess: guess, ctx: prompt + out/2, started: true}
+	*f = Flight{prompt: prompt, seq: max(seq, prompt), guess: guess, ctx: prompt + out/2, started: true}
 	if t.prefilling == 0 || t.open == nil {
 		t.open = t.newPeriod(now)
 		if t.external {
@@ -178,6 +289,23 @@ func (t *Tracker) Start(f *Flight, prompt, guess, out int, now time.Time) {
 	t.prefilling++
 	f.period = t.open
 	t.open.members++
+}
+
+// StartUnary is Start for a request whose client asked for no stream: the
+// front door will see only its end, not its first token. Its busy period
+// cannot be an observation (it holds work whose end is not seen), and so
+// that it does not hold the replica "prefilling" until it finishes, its
+// prefill is taken to end when the model says it would: the other requests'
+// periods and decodes after that stay usable.
+func (t *Tracker) StartUnary(f *Flight, prompt, seq, guess, out int, now time.Time) {
+	if f.started || f.first {
+		return
+	}
+	t.Start(f, prompt, seq, guess, out, now)
+	f.unary = true
+	f.unaryEnd = now.Add(t.m.Prefill(max(guess, 1), f.seq))
+	f.period.setTaint(SkipNoFirstToken)
+	t.unary = append(t.unary, f)
 }
 
 func (t *Tracker) newPeriod(now time.Time) *period {
@@ -233,12 +361,18 @@ func (t *Tracker) endPrefill(f *Flight, now time.Time) {
 // and learns what it can from it.
 func (t *Tracker) Finished(f *Flight, rep Report, now time.Time) {
 	t.advance(now)
+	if f.unary && !f.first {
+		t.dropUnary(f)
+	}
 	if f.started && !f.first {
 		t.endPrefill(f, now)
 	}
 	if f.first {
 		t.decoding--
 		t.decodeCtx -= f.ctx
+	}
+	if rep.OK && rep.Timings != nil && f.started {
+		t.agree(f, rep, now)
 	}
 	tm := rep.Timings
 	if t.cfg.NoTimings {
@@ -260,7 +394,7 @@ func (t *Tracker) Finished(f *Flight, rep Report, now time.Time) {
 			if rep.CachedTokens >= 0 {
 				computed = f.prompt - min(rep.CachedTokens, f.prompt)
 			}
-			p.works = append(p.works, Work{New: computed, Seq: f.prompt})
+			p.works = append(p.works, Work{New: computed, Seq: f.seq})
 		}
 		p.members--
 		if p.closed && p.members == 0 {
@@ -273,13 +407,49 @@ func (t *Tracker) Finished(f *Flight, rep Report, now time.Time) {
 	*f = Flight{}
 }
 
+// agree keeps llama.cpp's timings of request f, in the model's terms, to
+// hold the model against (Stats): its prefill, stretched by the decodes
+// beside it now, against prompt_ms; its decode step over the batch it
+// decoded with, against predicted_ms over predicted_n − 1 steps less the
+// prefill the replica ran meanwhile.
+func (t *Tracker) agree(f *Flight, rep Report, now time.Time) {
+	tm := rep.Timings
+	var o timedObs
+	if tm.PromptMs > 0 && tm.PromptN > 0 {
+		o.n, o.s, o.prefill, o.hasPre = tm.PromptN, f.seq, tm.PromptMs/1e3, true
+		o.stretch = t.m.stretch(float64(t.decoding), float64(t.decodeCtx))
+	}
+	if wall := now.Sub(f.firstAt).Seconds(); f.first && tm.PredictedN >= 2 && tm.PredictedMs > 0 && wall > 0 {
+		busy := t.intBusy - f.busy0
+		batch := (t.intDecode - f.decode0) / wall
+		ctx := (t.intCtx - f.ctx0) / wall
+		span := tm.PredictedMs / 1e3
+		prefill := 0.0
+		if busy > 0 {
+			prefill = busy / t.m.stretch(batch, ctx) * span / wall
+		}
+		if step := (span - prefill) / float64(tm.PredictedN-1); step > 0 && !math.IsInf(step, 0) {
+			o.b, o.c, o.step, o.hasDec = int(math.Round(math.Max(batch, 1))), int(math.Round(ctx)), step, true
+		}
+	}
+	if !o.hasPre && !o.hasDec {
+		return
+	}
+	if len(t.timed) < timedKept {
+		t.timed = append(t.timed, o)
+		return
+	}
+	t.timed[t.timedNext] = o
+	t.timedNext = (t.timedNext + 1) % timedKept
+}
+
 // observeTimedPrefill learns from llama.cpp's own prefill measurement.
 func (t *Tracker) observeTimedPrefill(f *Flight, rep Report, tm *Timings) {
 	computed := tm.PromptN
 	if computed <= 0 {
 		computed = f.guess
 	}
-	t.one[0] = Work{New: computed, Seq: f.prompt}
+	t.one[0] = Work{New: computed, Seq: f.seq}
 	batch, ctx := 0.0, 0.0
 	if t.decoding > 0 {
 		// Who decoded beside it is not recorded per request; the replica's

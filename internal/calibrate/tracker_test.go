@@ -63,7 +63,7 @@ func TestTrackerSeparatesQueueing(t *testing.T) {
 	for _, e := range evs {
 		switch e.kind {
 		case 0:
-			tr.Start(&fl[e.i], prompts[e.i], prompts[e.i], 1, e.at)
+			tr.Start(&fl[e.i], prompts[e.i], prompts[e.i], prompts[e.i], 1, e.at)
 		case 1:
 			tr.FirstToken(&fl[e.i], e.at)
 		case 2:
@@ -92,7 +92,7 @@ func TestTrackerDecode(t *testing.T) {
 		for i := 0; i < 200; i++ {
 			var f Flight
 			prompt := 500 + 10*i
-			tr.Start(&f, prompt, prompt, 64, now)
+			tr.Start(&f, prompt, prompt, prompt, 64, now)
 			now = now.Add(truth.Prefill(prompt, prompt))
 			tr.FirstToken(&f, now)
 			// Alone on the replica: a batch of one whose context is the
@@ -133,7 +133,7 @@ func TestTrackerSkips(t *testing.T) {
 	t.Run("non-streamed", func(t *testing.T) {
 		tr := NewTracker(newModel(t, prior))
 		var f Flight
-		tr.Start(&f, 1000, 1000, 10, epoch)
+		tr.Start(&f, 1000, 1000, 1000, 10, epoch)
 		tr.Finished(&f, Report{OK: true, OutputTokens: 10, CachedTokens: -1}, epoch.Add(time.Second))
 		st := tr.Stats()
 		if st.PrefillPeriods != 0 || st.Skipped[SkipNoFirstToken] != 1 {
@@ -143,7 +143,7 @@ func TestTrackerSkips(t *testing.T) {
 	t.Run("failed", func(t *testing.T) {
 		tr := NewTracker(newModel(t, prior))
 		var f Flight
-		tr.Start(&f, 1000, 1000, 10, epoch)
+		tr.Start(&f, 1000, 1000, 1000, 10, epoch)
 		tr.FirstToken(&f, epoch.Add(100*time.Millisecond))
 		tr.Finished(&f, Report{OK: false, OutputTokens: 3, CachedTokens: -1}, epoch.Add(time.Second))
 		st := tr.Stats()
@@ -155,7 +155,7 @@ func TestTrackerSkips(t *testing.T) {
 		tr := NewTracker(newModel(t, prior))
 		tr.SetExternal(true)
 		var f Flight
-		tr.Start(&f, 1000, 1000, 1, epoch)
+		tr.Start(&f, 1000, 1000, 1000, 1, epoch)
 		tr.FirstToken(&f, epoch.Add(100*time.Millisecond))
 		tr.Finished(&f, Report{OK: true, OutputTokens: 1, CachedTokens: 0}, epoch.Add(100*time.Millisecond))
 		if st := tr.Stats(); st.PrefillPeriods != 0 || st.Skipped[SkipExternal] != 1 {
@@ -165,7 +165,7 @@ func TestTrackerSkips(t *testing.T) {
 	t.Run("replica down", func(t *testing.T) {
 		tr := NewTracker(newModel(t, prior))
 		var f Flight
-		tr.Start(&f, 1000, 1000, 1, epoch)
+		tr.Start(&f, 1000, 1000, 1000, 1, epoch)
 		tr.Down(epoch.Add(time.Millisecond))
 		tr.Finished(&f, Report{OK: false, CachedTokens: -1}, epoch.Add(2*time.Millisecond))
 		if st := tr.Stats(); st.PrefillPeriods != 0 || st.Skipped[SkipReplicaDown] != 1 {
@@ -175,7 +175,7 @@ func TestTrackerSkips(t *testing.T) {
 	t.Run("short decode", func(t *testing.T) {
 		tr := NewTracker(newModel(t, prior))
 		var f Flight
-		tr.Start(&f, 1000, 1000, 2, epoch)
+		tr.Start(&f, 1000, 1000, 1000, 2, epoch)
 		tr.FirstToken(&f, epoch.Add(100*time.Millisecond))
 		tr.Finished(&f, Report{OK: true, OutputTokens: 2, CachedTokens: 0}, epoch.Add(110*time.Millisecond))
 		if st := tr.Stats(); st.DecodeRequests != 0 || st.Skipped[SkipShortDecode] != 1 || st.PrefillPeriods != 1 {
@@ -185,10 +185,10 @@ func TestTrackerSkips(t *testing.T) {
 	t.Run("prefill share", func(t *testing.T) {
 		tr := NewTracker(newModel(t, prior))
 		var a, b Flight
-		tr.Start(&a, 1000, 1000, 20, epoch)
+		tr.Start(&a, 1000, 1000, 1000, 20, epoch)
 		tr.FirstToken(&a, epoch.Add(10*time.Millisecond))
 		// b prefills for most of a's decode.
-		tr.Start(&b, 8000, 8000, 1, epoch.Add(11*time.Millisecond))
+		tr.Start(&b, 8000, 8000, 8000, 1, epoch.Add(11*time.Millisecond))
 		tr.FirstToken(&b, epoch.Add(200*time.Millisecond))
 		tr.Finished(&b, Report{OK: true, OutputTokens: 1, CachedTokens: 0}, epoch.Add(200*time.Millisecond))
 		tr.Finished(&a, Report{OK: true, OutputTokens: 20, CachedTokens: 0}, epoch.Add(210*time.Millisecond))
@@ -199,7 +199,7 @@ func TestTrackerSkips(t *testing.T) {
 	t.Run("unseen start", func(t *testing.T) {
 		tr := NewTracker(newModel(t, prior))
 		var a, b Flight
-		tr.Start(&a, 1000, 1000, 1, epoch)
+		tr.Start(&a, 1000, 1000, 1000, 1, epoch)
 		tr.FirstToken(&b, epoch.Add(5*time.Millisecond)) // b never started in the router's model
 		tr.FirstToken(&a, epoch.Add(10*time.Millisecond))
 		tr.Finished(&a, Report{OK: true, OutputTokens: 1, CachedTokens: 0}, epoch.Add(10*time.Millisecond))
@@ -219,7 +219,7 @@ func TestTrackerUsesReportedCachedTokens(t *testing.T) {
 	for i := 0; i < 300; i++ {
 		var f Flight
 		// The router guessed a full miss; the replica had 3,000 cached.
-		tr.Start(&f, 4000, 4000, 1, now)
+		tr.Start(&f, 4000, 4000, 4000, 1, now)
 		now = now.Add(truth.Prefill(1000, 4000))
 		tr.FirstToken(&f, now)
 		tr.Finished(&f, Report{OK: true, OutputTokens: 1, CachedTokens: 3000}, now)
@@ -252,7 +252,7 @@ func FuzzTracker(f *testing.F) {
 			now = now.Add(time.Duration(op&0x7) * 3 * time.Millisecond)
 			switch op & 0x7 {
 			case 0, 5:
-				tr.Start(&fl[k], 100+int(op), 50+int(op), int(op%9), now)
+				tr.Start(&fl[k], 100+int(op), 100+int(op), 50+int(op), int(op%9), now)
 			case 1, 6:
 				tr.FirstToken(&fl[k], now)
 			case 2, 7:
@@ -279,4 +279,28 @@ func FuzzTracker(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A non-streamed request in flight does not stop the replica's other
+// requests from teaching: its prefill is taken to end when the model says.
+func TestTrackerUnaryDoesNotBlock(t *testing.T) {
+	truth := lookup(t, "llama3.1-8b-h100")
+	tr := NewTracker(newModel(t, truth))
+	var u Flight
+	tr.StartUnary(&u, 150, 150, 150, 200, epoch)
+	now := epoch.Add(50 * time.Millisecond)
+	for i := 0; i < 8; i++ {
+		var f Flight
+		tr.Start(&f, 1000, 1000, 1000, 8, now)
+		now = now.Add(truth.Prefill(1000, 1000))
+		tr.FirstToken(&f, now)
+		now = now.Add(7 * 10 * time.Millisecond)
+		tr.Finished(&f, Report{OK: true, OutputTokens: 8, CachedTokens: 0, ITL: 10 * time.Millisecond, ITLSamples: 7}, now)
+		now = now.Add(20 * time.Millisecond)
+	}
+	tr.Finished(&u, Report{OK: true, OutputTokens: 200, CachedTokens: 0}, now)
+	st := tr.Stats()
+	if st.PrefillPeriods != 8 || st.DecodeITL != 8 || st.Skipped[SkipNoFirstToken] != 1 {
+		t.Errorf("stats %+v, want 8 periods and 8 decode observations learnt, and the unary request's period skipped", st)
+	}
 }

@@ -54,6 +54,9 @@ var (
 	descObservations = prometheus.NewDesc("prefixlb_replica_calibration_observations_total",
 		"Observations the calibrated model learnt from, by phase and source: prefill from busy periods (period) or llama.cpp's timings (timings); decode from the median gap between streamed tokens (itl), timings, or first token to end (clock).",
 		[]string{"replica", "phase", "source"}, nil)
+	descTimings = prometheus.NewDesc("prefixlb_replica_calibration_timings_ratio",
+		"The calibrated model as it is now, predicted over llama.cpp's measured seconds (its timings: prompt_ms, and predicted_ms per step less the prefill beside it) of the last 256 requests that carried timings; 1: the model reproduces what the engine measured. Only for replicas whose responses carry timings.",
+		[]string{"replica", "phase"}, nil)
 	descSkipped = prometheus.NewDesc("prefixlb_replica_calibration_skipped_total",
 		"Observations calibration could not use, by reason (no_first_token: a non-streamed request; failed; external: other routers' requests on the replica; replica_down; prefill_share: a decode mostly spent beside prefill; short_decode; unusable).",
 		[]string{"replica", "reason"}, nil)
@@ -62,7 +65,7 @@ var (
 // Describe implements prometheus.Collector.
 func (c Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descPrefill, descDecode, descProfilePrefill, descProfileDecode,
-		descError, descProfileError, descObservations, descSkipped} {
+		descError, descProfileError, descObservations, descTimings, descSkipped} {
 		ch <- d
 	}
 }
@@ -97,6 +100,12 @@ func (c Collector) Collect(ch chan<- prometheus.Metric) {
 		n(descObservations, st.DecodeITL, r.Replica, "decode", "itl")
 		n(descObservations, st.DecodeTimings, r.Replica, "decode", "timings")
 		n(descObservations, st.DecodeRequests, r.Replica, "decode", "clock")
+		if st.TimedPrefill.N > 0 {
+			g(descTimings, st.TimedPrefill.Ratio(), r.Replica, "prefill")
+		}
+		if st.TimedDecode.N > 0 {
+			g(descTimings, st.TimedDecode.Ratio(), r.Replica, "decode")
+		}
 		reasons := make([]string, 0, len(st.Skipped))
 		for k := range st.Skipped {
 			reasons = append(reasons, k)

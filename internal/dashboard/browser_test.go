@@ -112,9 +112,19 @@ func (s *scriptedSource) Snapshot() Snapshot {
 			KVUsage: 0.3 + 0.05*float64(i) + 0.01*float64(n%10), HitRatio: 0.6 + 0.05*float64(i), LoadSeconds: 0.4 * float64(n+i),
 			PendingPrefillS: 0.05 * float64(i+1), CachedBlocks: 20000 + 1000*i + 37*n,
 			Kind: "vllm", PredictionErrorTokens: float64(16 * (i - 1))}
+		// Calibrated on llama3.1-8b-h100: each replica slower than its
+		// profile says, by its own factor, the fit settling as samples come.
+		r.Profile, r.Calibrated = "llama3.1-8b-h100", true
+		r.ProfilePrefillSPer1K, r.ProfileDecodeStepS = 0.0315, 0.00894
+		r.PrefillSPer1K = r.ProfilePrefillSPer1K * (2.2 + 0.4*float64(i))
+		r.DecodeStepS = r.ProfileDecodeStepS * (1.3 + 0.1*float64(i))
+		r.PrefillError, r.DecodeError = 0.02+0.3/float64(n+2), 0.01+0.2/float64(n+2)
+		r.CalibrationSamples = int64(14*n + 3*i)
 		if i == s.replicas-1 { // a llama.cpp replica: a slot cache, mirrored from reports
 			r.Kind, r.Slots, r.CachedBlocks = "llamacpp", 4, 96
 			r.PredictionErrorTokens, r.CapacityTokens, r.Corrections = 310-float64(n%7)*20, 16384, n/3
+			r.Profile, r.ProfilePrefillSPer1K, r.ProfileDecodeStepS = "llamacpp-tiny-cpu", 9.8, 0.071
+			r.PrefillSPer1K, r.DecodeStepS = 12.4, 0.083
 		}
 		if i == 1 && n >= s.downAt {
 			r.Up, r.InFlight = false, 0
@@ -190,6 +200,8 @@ func TestBrowserDashboard(t *testing.T) {
 		t.Errorf("r0 row does not show in-flight %d after %d updates: %s", 10*updates, updates, row)
 	}
 	for _, want := range []string{"replica r1 went down", "replicated to r2", `class="replicated" data-prefix="9f3a61c0d2b4e5f7"`,
+		`<tr class="speed" data-speed="r0">`, `<tr class="speed down" data-speed="r1">`, "prefill 69.3 ms/1k (profile 31.5)",
+		"decode 11.6 ms (profile 8.94)", "prefill 12.4 s/1k (profile 9.8)",
 		`data-series="exploit"`, `data-series="rebalance"`, `data-series="predicted"`, "branch=exploit; matched=6144", "policy e2"} {
 		if !strings.Contains(dom, want) {
 			t.Errorf("DOM lacks %q", want)
@@ -238,9 +250,22 @@ func (s *smallSource) Snapshot() Snapshot {
 	for i := range 4 {
 		name := fmt.Sprintf("replica-%d", i)
 		names = append(names, name)
-		snap.Replicas = append(snap.Replicas, Replica{Name: name, Up: true, InFlight: (n + i) % 2, Running: (n + i) % 2,
+		r := Replica{Name: name, Up: true, InFlight: (n + i) % 2, Running: (n + i) % 2,
 			KVUsage: 0.01 * float64(i), HitRatio: 0.5, LoadSeconds: 0.01, CachedBlocks: 3 + i,
-			Kind: "llamacpp", Slots: 2, PredictionErrorTokens: -12.4 + 40*float64(i), CapacityTokens: 8192, Corrections: n})
+			Kind: "llamacpp", Slots: 2, PredictionErrorTokens: -12.4 + 40*float64(i), CapacityTokens: 8192, Corrections: n,
+			Profile: "llamacpp-tiny-cpu", Calibrated: true, ProfilePrefillSPer1K: 9.8, ProfileDecodeStepS: 0.071}
+		r.PrefillSPer1K, r.DecodeStepS = r.ProfilePrefillSPer1K, r.ProfileDecodeStepS
+		switch i {
+		case 0: // learnt: prefill in ms against a profile's in s
+			r.PrefillSPer1K, r.DecodeStepS, r.PrefillError, r.DecodeError, r.CalibrationSamples = 0.942, 0.0134, 0.036, 0.017, 120
+		case 1: // calibrating, nothing learnt yet
+		case 2: // calibration off
+			r.Calibrated = false
+		case 3: // learnt, a long profile name (a YAML file) and one sample
+			r.Profile = "/etc/prefixlb/profiles/llama-server-q4-k-m-ryzen-9-7950x-16-threads.yaml:time_scale=1.5"
+			r.PrefillSPer1K, r.DecodeStepS, r.PrefillError, r.CalibrationSamples = 31.4, 0.212, 1.25, 1
+		}
+		snap.Replicas = append(snap.Replicas, r)
 	}
 	for k := range 6 {
 		snap.Prefixes = append(snap.Prefixes, Prefix{ID: fmt.Sprintf("%016x", 0x9f3a61c0d2b4e5f7+uint64(k)), Tokens: 512,
@@ -256,8 +281,9 @@ func (s *smallSource) Snapshot() Snapshot {
 // dashboard's Content-Security-Policy) that shows the dashboard in a
 // 1400 px frame and, once it has updated %d times, measures it from the
 // same origin and writes what it found into #result as JSON: elements
-// sticking out of their card, each chart's y tick labels, and the text of
-// replica-0's row.
+// sticking out of their card, each chart's y tick labels, the text of
+// replica-0's row, and each replica's speed line with the number of lines
+// it takes.
 const layoutHarness = `<!DOCTYPE html>
 <html><body style="margin:0">
 <iframe id="f" src="/ui/" style="width:1400px;height:1600px;border:0"></iframe>
@@ -268,7 +294,7 @@ const f = document.getElementById("f");
 function check() {
   const d = f.contentDocument, app = d && d.getElementById("app");
   if (!app || Number(app.dataset.updates) < want) { setTimeout(check, 100); return; }
-  const res = { width: d.documentElement.clientWidth, overflow: [], ticks: {}, row: "" };
+  const res = { width: d.documentElement.clientWidth, overflow: [], ticks: {}, row: "", speed: {}, speedLines: {} };
   for (const card of d.querySelectorAll(".card")) {
     const c = card.getBoundingClientRect();
     const title = card.querySelector("h2").firstChild.textContent.trim();
@@ -285,6 +311,11 @@ function check() {
   for (const s of d.querySelectorAll("svg.chart")) res.ticks[s.id] = [...s.querySelectorAll("text.ytick")].map((t) => t.textContent);
   const row = d.querySelector('tr[data-replica="replica-0"]');
   res.row = row ? row.textContent : "";
+  for (const tr of d.querySelectorAll("tr.speed")) {
+    const parts = [...tr.querySelectorAll(".part")];
+    res.speed[tr.dataset.speed] = tr.textContent;
+    res.speedLines[tr.dataset.speed] = new Set(parts.map((p) => Math.round(p.getBoundingClientRect().top))).size;
+  }
   document.getElementById("result").textContent = JSON.stringify(res);
 }
 check();
@@ -293,9 +324,12 @@ check();
 
 // TestBrowserLayout loads the dashboard of a quiet cluster at 1400 px wide
 // and checks its layout from JavaScript: no element of any card (the
-// hottest prefixes' chips above all) sticks out of its card, no chart has
-// two adjacent tick labels that read the same, and the replicas table shows
-// each replica's kind, slots, prediction error and learned capacity.
+// hottest prefixes' chips and the replicas' speed lines above all) sticks
+// out of its card, no chart has two adjacent tick labels that read the
+// same, the replicas table shows each replica's kind, slots, prediction
+// error and learned capacity, and each replica's speed line its fitted and
+// profile figures in fitting units (calibrated, learning, or off), on one
+// line unless its profile's name is long.
 func TestBrowserLayout(t *testing.T) {
 	chromiumPath(t)
 	const updates = 6
@@ -318,10 +352,12 @@ func TestBrowserLayout(t *testing.T) {
 		t.Fatalf("the harness measured nothing (fewer than %d updates?):\n%s", updates, dom)
 	}
 	var res struct {
-		Width    int                 `json:"width"`
-		Overflow []string            `json:"overflow"`
-		Ticks    map[string][]string `json:"ticks"`
-		Row      string              `json:"row"`
+		Width      int                 `json:"width"`
+		Overflow   []string            `json:"overflow"`
+		Ticks      map[string][]string `json:"ticks"`
+		Row        string              `json:"row"`
+		Speed      map[string]string   `json:"speed"`
+		SpeedLines map[string]int      `json:"speedLines"`
 	}
 	if err := json.Unmarshal([]byte(html.UnescapeString(m[1])), &res); err != nil {
 		t.Fatalf("harness result: %v\n%s", err, m[1])
@@ -349,6 +385,34 @@ func TestBrowserLayout(t *testing.T) {
 		if !strings.Contains(res.Row, want) {
 			t.Errorf("replica-0's row %q lacks %q", res.Row, want)
 		}
+	}
+	t.Logf("speed lines %q, lines %v", res.Speed, res.SpeedLines)
+	for _, tc := range []struct {
+		replica string
+		want    []string
+		lines   int // at most
+	}{
+		{"replica-0", []string{"speed prefill 942 ms/1k (profile 9.8 s) · decode 13.4 ms (profile 71) · fit error 4% · 120 samples · profile llamacpp-tiny-cpu"}, 1},
+		{"replica-1", []string{"prefill 9.8 s/1k · decode 71 ms · learning: no samples yet · profile llamacpp-tiny-cpu"}, 1},
+		{"replica-2", []string{"prefill 9.8 s/1k · decode 71 ms · profile only: llamacpp-tiny-cpu"}, 1},
+		{"replica-3", []string{"prefill 31.4 s/1k (profile 9.8)", "decode 212 ms (profile 71)", "fit error 125% · 1 sample · profile /etc/"}, 2},
+	} {
+		got, ok := res.Speed[tc.replica]
+		if !ok {
+			t.Errorf("%s: no speed line", tc.replica)
+			continue
+		}
+		for _, want := range tc.want {
+			if !strings.Contains(got, want) {
+				t.Errorf("%s: speed line %q lacks %q", tc.replica, got, want)
+			}
+		}
+		if n := res.SpeedLines[tc.replica]; n < 1 || n > tc.lines {
+			t.Errorf("%s: speed line on %d lines, want 1–%d", tc.replica, n, tc.lines)
+		}
+	}
+	if strings.Contains(res.Speed["replica-1"], "(profile") || strings.Contains(res.Speed["replica-2"], "(profile") {
+		t.Errorf("unlearnt replicas show the profile's figures twice: %q", res.Speed)
 	}
 }
 

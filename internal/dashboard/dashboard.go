@@ -97,6 +97,32 @@ type Replica struct {
 	// Corrections counts reports that changed the router's view of the
 	// replica's cache.
 	Corrections int `json:"corrections"`
+	// Profile names the replica's configured cost profile.
+	Profile string `json:"profile"`
+	// Calibrated is true when the router learns the replica's prefill and
+	// decode speed from the requests it serves (internal/calibrate), with
+	// its profile as the prior; false when it prices with the profile
+	// alone (the speed figures below are then the profile's).
+	Calibrated bool `json:"calibrated"`
+	// PrefillSPer1K is the time, in seconds, the router prices a cold
+	// prefill of 1,000 tokens at on the replica (fitted when Calibrated),
+	// and ProfilePrefillSPer1K the profile's.
+	PrefillSPer1K        float64 `json:"prefill_s_per_1k"`
+	ProfilePrefillSPer1K float64 `json:"profile_prefill_s_per_1k"`
+	// DecodeStepS is the time, in seconds, of one decode step of one
+	// sequence with 1,000 tokens of context (fitted when Calibrated), and
+	// ProfileDecodeStepS the profile's.
+	DecodeStepS        float64 `json:"decode_step_s"`
+	ProfileDecodeStepS float64 `json:"profile_decode_step_s"`
+	// PrefillError and DecodeError are the fit's recent relative error:
+	// |predicted/observed − 1|, a moving average over about the last 20
+	// observations, each predicted before the fit learnt from it; 0 before
+	// any observation and when not Calibrated.
+	PrefillError float64 `json:"prefill_error"`
+	DecodeError  float64 `json:"decode_error"`
+	// CalibrationSamples counts the prefill and decode observations the
+	// fit learnt from (0 when not Calibrated).
+	CalibrationSamples int64 `json:"calibration_samples"`
 }
 
 // Prefix is one prefix unit of the router's tree with its placement.
@@ -248,6 +274,9 @@ func normalize(s Snapshot) Snapshot {
 		r.KVUsage, r.HitRatio = finite(r.KVUsage), finite(r.HitRatio)
 		r.LoadSeconds, r.PendingPrefillS = finite(r.LoadSeconds), finite(r.PendingPrefillS)
 		r.PredictionErrorTokens = finite(r.PredictionErrorTokens)
+		r.PrefillSPer1K, r.ProfilePrefillSPer1K = finite(r.PrefillSPer1K), finite(r.ProfilePrefillSPer1K)
+		r.DecodeStepS, r.ProfileDecodeStepS = finite(r.DecodeStepS), finite(r.ProfileDecodeStepS)
+		r.PrefillError, r.DecodeError = finite(r.PrefillError), finite(r.DecodeError)
 		if r.Kind == "" {
 			r.Kind = "unknown"
 		}

@@ -25,8 +25,11 @@ func sampleSnapshot() Snapshot {
 		Policy: "e2",
 		Replicas: []Replica{
 			{Name: "r0", Up: true, InFlight: 3, Waiting: 1, Running: 2, KVUsage: 0.5, HitRatio: 0.75, LoadSeconds: 1.5, PendingPrefillS: 0.25, CachedBlocks: 100,
-				Kind: "llamacpp", Slots: 2, PredictionErrorTokens: 96.5, CapacityTokens: 16384, Corrections: 4},
-			{Name: "r1", Up: false, Waiting: -1, Running: -1, KVUsage: -1, Kind: "vllm"},
+				Kind: "llamacpp", Slots: 2, PredictionErrorTokens: 96.5, CapacityTokens: 16384, Corrections: 4,
+				Profile: "llamacpp-tiny-cpu", Calibrated: true, PrefillSPer1K: 2.5, ProfilePrefillSPer1K: 1.75, DecodeStepS: 0.0625,
+				ProfileDecodeStepS: 0.05, PrefillError: 0.125, DecodeError: 0.0625, CalibrationSamples: 120},
+			{Name: "r1", Up: false, Waiting: -1, Running: -1, KVUsage: -1, Kind: "vllm",
+				Profile: "llama3.1-8b-h100", PrefillSPer1K: 0.03125, ProfilePrefillSPer1K: 0.03125, DecodeStepS: 0.0078125, ProfileDecodeStepS: 0.0078125},
 		},
 		Prefixes:        []Prefix{{ID: "00000000000000ff", Tokens: 4096, Requests: 12, RequestsPerS: 0.4, Assigned: []string{"r0", "r1"}, CachedOn: []string{"r0"}}},
 		Branches:        map[string]float64{"exploit": 2, "explore": 0.5},
@@ -102,7 +105,10 @@ func TestStateJSONSchema(t *testing.T) {
 	check("replicas[0]", doc["replicas"].([]any)[0], want{"name": "string", "up": "bool", "in_flight": "number",
 		"waiting": "number", "running": "number", "kv_usage": "number", "hit_ratio": "number", "load_seconds": "number",
 		"pending_prefill_s": "number", "cached_blocks": "number", "kind": "string", "slots": "number",
-		"prediction_error_tokens": "number", "capacity_tokens": "number", "corrections": "number"})
+		"prediction_error_tokens": "number", "capacity_tokens": "number", "corrections": "number",
+		"profile": "string", "calibrated": "bool", "prefill_s_per_1k": "number", "profile_prefill_s_per_1k": "number",
+		"decode_step_s": "number", "profile_decode_step_s": "number", "prefill_error": "number", "decode_error": "number",
+		"calibration_samples": "number"})
 	check("prefixes[0]", doc["prefixes"].([]any)[0], want{"id": "string", "tokens": "number", "requests": "number",
 		"requests_per_s": "number", "assigned": "array", "cached_on": "array"})
 	check("cache_prediction", doc["cache_prediction"], want{"predicted_tokens": "number", "reported_tokens": "number",
@@ -128,7 +134,8 @@ func TestStateJSONSchema(t *testing.T) {
 // TestStateJSONEmpty: an empty snapshot has [] and {} rather than null, and
 // non-finite numbers never break the encoding.
 func TestStateJSONEmpty(t *testing.T) {
-	s := Snapshot{Replicas: []Replica{{Name: "r", HitRatio: math.NaN(), KVUsage: math.Inf(1), LoadSeconds: math.NaN(), PredictionErrorTokens: math.Inf(-1)}},
+	s := Snapshot{Replicas: []Replica{{Name: "r", HitRatio: math.NaN(), KVUsage: math.Inf(1), LoadSeconds: math.NaN(), PredictionErrorTokens: math.Inf(-1),
+		PrefillSPer1K: math.Inf(1), DecodeStepS: math.NaN(), PrefillError: math.NaN()}},
 		Prefixes: []Prefix{{ID: "x"}}, Branches: map[string]float64{"explore": math.Inf(1)}}
 	w := get(t, Handler(fixedSource{s}), "/ui/state.json")
 	if w.Code != 200 {
@@ -136,7 +143,8 @@ func TestStateJSONEmpty(t *testing.T) {
 	}
 	body := w.Body.String()
 	for _, want := range []string{`"recent":[]`, `"assigned":[]`, `"cached_on":[]`, `"hit_ratio":0`, `"explore":0`,
-		`"prediction_error_tokens":0`, `"kind":"unknown"`} {
+		`"prediction_error_tokens":0`, `"kind":"unknown"`, `"prefill_s_per_1k":0`, `"decode_step_s":0`, `"prefill_error":0`,
+		`"profile":""`, `"calibrated":false`} {
 		if !strings.Contains(body, want) {
 			t.Errorf("state.json lacks %s: %s", want, body)
 		}

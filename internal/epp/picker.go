@@ -93,9 +93,11 @@ type Config struct {
 	// Fallbacks is how many endpoints follow the primary in the answer, for
 	// the gateway to retry on (default 2; negative: none).
 	Fallbacks int
-	// MaxQueue sheds load: when every candidate's queue (the engine's
-	// waiting+running, else the routers' in-flight count) is at least
-	// MaxQueue, Pick fails with ErrShed (429). 0: never shed.
+	// MaxQueue sheds load: when every candidate's queue (policy.Replica.
+	// Queue: the engine's waiting requests, vllm:num_requests_waiting, as
+	// GIE's saturation detector reads; else the routers' requests not yet
+	// started on it) is at least MaxQueue, Pick fails with ErrShed (429).
+	// 0: never shed.
 	MaxQueue int
 	// DefaultOutputTokens is the output assumed without max_tokens (256).
 	DefaultOutputTokens int
@@ -482,7 +484,7 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 		session = pr.User
 	}
 	req := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: promptTokens,
-		OutputTokens: pr.MaxTokens, Session: session}
+		OutputTokens: pr.MaxTokens, Session: session, Unary: !pr.Stream}
 	if req.OutputTokens == 0 {
 		req.OutputTokens = p.cfg.DefaultOutputTokens
 	}

@@ -487,7 +487,7 @@ func (p *E2) cost(r int, req *Request, v *View) Candidate {
 	c.Load = p.load(r, v)
 	c.Eviction = p.eviction(r, missed, v)
 	if p.cfg.IncludePrefill || p.cfg.InterferenceWeight > 0 {
-		pf := p.prefillMemo(v, r, missed, req.PromptTokens)
+		pf := p.prefillMemo(v, r, missed, v.SeqFor(r, req))
 		if p.cfg.IncludePrefill {
 			c.Prefill = p.cfg.PrefillWeight * pf
 		}
@@ -758,7 +758,7 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	*e = e2Entry{
 		id: req.ID, at: ns, node: node, replica: int32(r),
 		prompt: sat32(req.PromptTokens), hit: sat32(d.MatchedTokens), out: sat32(req.OutputTokens),
-		prefill: p.prefillMemo(v, r, req.PromptTokens-d.MatchedTokens, req.PromptTokens),
+		prefill: p.prefillMemo(v, r, req.PromptTokens-d.MatchedTokens, v.SeqFor(r, req)),
 		ttft:    -1, live: true, queued: true,
 	}
 	p.queue = append(p.queue, e)

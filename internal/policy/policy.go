@@ -40,6 +40,10 @@ type Request struct {
 	OutputTokens int
 	// Session is a session key for affinity ("" if none).
 	Session string
+	// Unary says the client asked for a response that is not streamed:
+	// the front door will see its end but not its first token (the router
+	// then cannot time its prefill; internal/calibrate).
+	Unary bool
 }
 
 // Replica is a snapshot of one replica as the router sees it.
@@ -81,6 +85,14 @@ type Replica struct {
 	// Slots is the number of prompt slots of a slot cache (llama.cpp's
 	// -np: one cached prompt per slot); 0 for a block cache (vLLM, SGLang).
 	Slots int
+	// SlotSpan is, for a slot cache, the tokens of KV the replica would
+	// hold with the request in the slot it would land on: its prompt and
+	// every other slot's cached tokens, idle slots' included. llama.cpp's
+	// attention runs over all of them, so a prefill there costs
+	// Prefill(missed, SlotSpan), which is what the replica's profile
+	// measures (docs/profiles.md, llamacpp-tiny-cpu). 0 for a block cache;
+	// set per decision by the router (SeqFor reads it).
+	SlotSpan int
 }
 
 // Queue is the replica's waiting queue, what GIE's queue scorer and
@@ -128,6 +140,16 @@ type View struct {
 
 // BlockTokens is the number of tokens per block key.
 func (v *View) BlockTokens() int { return v.Tree.BlockTokens() }
+
+// SeqFor is the sequence length a prefill of req is priced at on replica r:
+// the replica's slot span on a slot cache (Replica.SlotSpan), else the
+// prompt.
+func (v *View) SeqFor(r int, req *Request) int {
+	if r >= 0 && r < len(v.Replicas) && v.Replicas[r].SlotSpan > req.PromptTokens {
+		return v.Replicas[r].SlotSpan
+	}
+	return req.PromptTokens
+}
 
 // ProfileOf returns the profile that prices work on replica r: its own
 // (Profiles[r]) when it has one, else the cluster's (Profile).

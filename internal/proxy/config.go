@@ -264,10 +264,9 @@ func (c *Config) Validate() error {
 	if c.Profile == "" {
 		return bad("profile", "a cost profile is required")
 	}
-	if c.Calibrate {
-		if err := c.Calibration.Validate(); err != nil {
-			return bad("calibration", "%v", err)
-		}
+	// Checked even with calibrate off: a bad value is an error either way.
+	if err := c.Calibration.Validate(); err != nil {
+		return bad("calibration", "%v", err)
 	}
 	for _, d := range []struct {
 		name string

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/dashboard"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/prefixtree"
@@ -107,9 +108,14 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	bt := tree.BlockTokens()
 	cachedBlocks := make([]int, len(reps))
 	views := make([]router.CacheView, len(reps))
+	speeds := make([]replicaSpeed, len(reps))
 	for i := range reps {
 		cachedBlocks[i] = tree.CachedBlocks(i)
 		views[i], _ = p.rt.CacheView(i)
+		speeds[i].fit, _, speeds[i].calibrated = p.rt.Calibration(i)
+		if pr := p.rt.Profile(i); pr != nil {
+			speeds[i].profile = pr.Name()
+		}
 	}
 	kinds := make([]BackendKind, len(reps))
 	for i := range reps {
@@ -162,6 +168,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 			Kind: string(kinds[i]), Slots: views[i].Slots, PredictionErrorTokens: views[i].ErrorTokens,
 			CapacityTokens: views[i].CapacityTokens, Corrections: views[i].Corrections,
 		}
+		speeds[i].fill(&r)
 		if hits != nil && hits[i].prompt > 0 {
 			r.HitRatio = float64(hits[i].matched) / float64(hits[i].prompt)
 		}
@@ -215,6 +222,26 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 			MatchedTokens: e.d.MatchedTokens, PromptTokens: e.prompt, Explain: e.d.Explain()})
 	}
 	return s
+}
+
+// replicaSpeed is a replica's speed as the router prices it, copied under
+// the lock.
+type replicaSpeed struct {
+	profile    string
+	calibrated bool
+	fit        calibrate.Fit // the profile's own figures when not calibrated
+}
+
+// fill sets r's profile and speed fields.
+func (sp *replicaSpeed) fill(r *dashboard.Replica) {
+	f := &sp.fit
+	r.Profile, r.Calibrated = sp.profile, sp.calibrated
+	r.PrefillSPer1K, r.ProfilePrefillSPer1K = f.PrefillSecondsPer1K, f.PriorPrefillSecondsPer1K
+	r.DecodeStepS, r.ProfileDecodeStepS = f.DecodeStepSeconds, f.PriorDecodeStepSeconds
+	if sp.calibrated {
+		r.PrefillError, r.DecodeError = f.PrefillError, f.DecodeError
+		r.CalibrationSamples = f.PrefillSamples + f.DecodeSamples
+	}
 }
 
 // branchCount counts the decisions of one branch.

@@ -3,7 +3,9 @@ package proxy
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
@@ -11,8 +13,11 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/calibrate"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/dashboard"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/router"
 )
 
 // getState fetches path with the bearer token (none when "").
@@ -107,6 +112,12 @@ func TestDashboardSnapshot(t *testing.T) {
 	if blocks == 0 {
 		t.Error("no cached blocks: the router mirrors what it routed")
 	}
+	for _, r := range s.Replicas { // calibrating by default (TestDashboardSnapshotSpeed checks the figures)
+		if r.Profile != cfg.Profile || !r.Calibrated || !(r.PrefillSPer1K > 0) || !(r.ProfileDecodeStepS > 0) {
+			t.Errorf("%s: profile %q, calibrated %v, prefill %v s/1k, profile's decode step %v s", r.Name, r.Profile, r.Calibrated,
+				r.PrefillSPer1K, r.ProfileDecodeStepS)
+		}
+	}
 	if len(s.Prefixes) == 0 {
 		t.Fatal("no prefixes")
 	}
@@ -144,6 +155,127 @@ func TestDashboardRingWraps(t *testing.T) {
 	})
 	if len(got) != dashRingSize || got[0] != dashRingSize+9 || got[len(got)-1] != 10 {
 		t.Errorf("ring holds %d entries, %d..%d", len(got), got[0], got[len(got)-1])
+	}
+}
+
+// TestDashboardSnapshotSpeed: each replica's speed in state.json is what
+// the router prices it with. With calibration on, replica a serves
+// requests whose llama.cpp timings say its prefill takes 3× and its decode
+// steps 1.5× its profile's, and the snapshot shows the fit that learnt it
+// beside the profile's figures; b serves none and shows its profile's
+// figures, calibrated but with no samples. With calibration off, both show
+// their profile's figures whatever a served.
+func TestDashboardSnapshotSpeed(t *testing.T) {
+	const prefillX, decodeX, n = 3.0, 1.5, 60
+	for _, calibrated := range []bool{true, false} {
+		t.Run(fmt.Sprintf("calibrate=%v", calibrated), func(t *testing.T) {
+			cfg := testConfig(newFakeReplica(t, "a"), newFakeReplica(t, "b"))
+			cfg.Calibrate = calibrated
+			p, err := New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			prof := p.rt.Profile(0)
+			profFit := calibrate.FitOf(prof)
+
+			// Drive the router as the proxy would, on a clock of the test's
+			// own: one request at a time, all on a (b is down meanwhile).
+			var fitA calibrate.Fit
+			func() {
+				p.mu.Lock()
+				defer p.mu.Unlock()
+				now := time.Now()
+				if err := p.rt.SetUp(1, false, now); err != nil {
+					t.Fatal(err)
+				}
+				bt := p.cfg.BlockTokens
+				for i := range n {
+					prompt, out := 256*(1+i%8), 32+16*(i%3)
+					keys := make([]blocks.Key, prompt/bt)
+					for j := range keys {
+						keys[j] = blocks.Key(uint64(i+1)<<32 | uint64(j+1))
+					}
+					d, err := p.rt.Route(policy.Request{ID: uint64(i + 1), Keys: keys, PromptTokens: prompt, OutputTokens: out}, now)
+					if err != nil || d.Replica != 0 {
+						t.Fatalf("route %d: replica %d, %v", i, d.Replica, err)
+					}
+					prefill := time.Duration(prefillX * float64(prof.Prefill(prompt, prompt)))
+					step := decodeX * prof.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: prompt + out/2}).Seconds()
+					decode := time.Duration(step * float64(out-1) * float64(time.Second))
+					now = now.Add(prefill)
+					if err := p.rt.FirstToken(uint64(i+1), now); err != nil {
+						t.Fatal(err)
+					}
+					now = now.Add(decode)
+					tm := &calibrate.Timings{PromptN: prompt, PromptMs: float64(prefill) / 1e6, PredictedN: out, PredictedMs: float64(decode) / 1e6}
+					if err := p.rt.Finish(uint64(i+1), router.Finish{OutputTokens: out, CachedTokens: 0, OK: true, Timings: tm}, now); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := p.rt.SetUp(1, true, now); err != nil {
+					t.Fatal(err)
+				}
+				fitA, _, _ = p.rt.Calibration(0)
+			}()
+
+			w := httptest.NewRecorder()
+			dashboard.Handler(p).ServeHTTP(w, httptest.NewRequest("GET", "/ui/state.json", nil))
+			var s dashboard.Snapshot
+			if err := json.Unmarshal(w.Body.Bytes(), &s); err != nil {
+				t.Fatalf("state.json: %v\n%s", err, w.Body)
+			}
+			if len(s.Replicas) != 2 {
+				t.Fatalf("replicas %+v", s.Replicas)
+			}
+			a, b := s.Replicas[0], s.Replicas[1]
+			for _, r := range []dashboard.Replica{a, b} {
+				if r.Profile != costmodel.Llama31_8BH100 || r.Calibrated != calibrated ||
+					r.ProfilePrefillSPer1K != profFit.PrefillSecondsPer1K || r.ProfileDecodeStepS != profFit.DecodeStepSeconds ||
+					!(r.ProfilePrefillSPer1K > 0) || !(r.ProfileDecodeStepS > 0) {
+					t.Errorf("%s: profile %q calibrated %v, profile's prefill %v s/1k and decode step %v s, want %q %v %v %v",
+						r.Name, r.Profile, r.Calibrated, r.ProfilePrefillSPer1K, r.ProfileDecodeStepS,
+						costmodel.Llama31_8BH100, calibrated, profFit.PrefillSecondsPer1K, profFit.DecodeStepSeconds)
+				}
+			}
+			// b served nothing; without calibration neither learnt anything.
+			unlearnt := []dashboard.Replica{b}
+			if !calibrated {
+				unlearnt = append(unlearnt, a)
+			}
+			for _, r := range unlearnt {
+				if r.PrefillSPer1K != r.ProfilePrefillSPer1K || r.DecodeStepS != r.ProfileDecodeStepS ||
+					r.PrefillError != 0 || r.DecodeError != 0 || r.CalibrationSamples != 0 {
+					t.Errorf("%s learnt nothing, but shows %+v", r.Name, r)
+				}
+			}
+			if !calibrated {
+				return
+			}
+			if a.PrefillSPer1K != fitA.PrefillSecondsPer1K || a.DecodeStepS != fitA.DecodeStepSeconds ||
+				a.PrefillError != fitA.PrefillError || a.DecodeError != fitA.DecodeError ||
+				a.CalibrationSamples != fitA.PrefillSamples+fitA.DecodeSamples {
+				t.Errorf("a shows %+v, the router's fit is %+v", a, fitA)
+			}
+			// Every request is one prefill and one decode observation.
+			if a.CalibrationSamples != 2*n {
+				t.Errorf("a: %d samples, want %d", a.CalibrationSamples, 2*n)
+			}
+			if got := a.PrefillSPer1K / a.ProfilePrefillSPer1K; math.Abs(got/prefillX-1) > 0.05 {
+				t.Errorf("a: prefill %.4f s/1k, %.2f× its profile's, want %.1f×", a.PrefillSPer1K, got, prefillX)
+			}
+			if got := a.DecodeStepS / a.ProfileDecodeStepS; math.Abs(got/decodeX-1) > 0.05 {
+				t.Errorf("a: decode step %.4f s, %.2f× its profile's, want %.1f×", a.DecodeStepS, got, decodeX)
+			}
+			// The errors started at the profile's (2/3 and 1/3) and fell
+			// as the fit learnt.
+			if !(a.PrefillError > 0 && a.PrefillError < 0.2) || !(a.DecodeError > 0 && a.DecodeError < 0.2) {
+				t.Errorf("a: prefill error %v, decode error %v, want in (0, 0.2)", a.PrefillError, a.DecodeError)
+			}
+			t.Logf("a: prefill %.1f ms/1k (profile %.1f), decode %.2f ms (profile %.2f), errors %.3f %.3f, %d samples",
+				1e3*a.PrefillSPer1K, 1e3*a.ProfilePrefillSPer1K, 1e3*a.DecodeStepS, 1e3*a.ProfileDecodeStepS,
+				a.PrefillError, a.DecodeError, a.CalibrationSamples)
+		})
 	}
 }
 

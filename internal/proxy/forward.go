@@ -95,7 +95,8 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind Kind
 		fail(err)
 		return
 	}
-	preq := policy.Request{Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession)}
+	preq := policy.Request{Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession),
+		Unary: !req.Stream}
 	if preq.Session == "" {
 		preq.Session = req.User
 	}

@@ -116,6 +116,13 @@ type CalibrationFit struct {
 	DecodeSamples  int64   `json:"decode_samples"`
 	PrefillError   float64 `json:"prefill_error"`
 	DecodeError    float64 `json:"decode_error"`
+	// TimingsPrefillRatio and TimingsDecodeRatio are the fit's predicted
+	// over the engine's own measured seconds (llama.cpp's timings) over its
+	// last requests, and TimedRequests how many were compared (0: the
+	// engine sent no timings).
+	TimingsPrefillRatio float64 `json:"timings_prefill_ratio,omitempty"`
+	TimingsDecodeRatio  float64 `json:"timings_decode_ratio,omitempty"`
+	TimedRequests       int64   `json:"timed_requests,omitempty"`
 }
 
 // ReplicaResult is the share of a run served by one replica.

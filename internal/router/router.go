@@ -123,8 +123,10 @@ type flight struct {
 	slot       int
 	prevKeys   []blocks.Key
 	prevTokens int
-	// cal is the request's state in its replica's calibration tracker.
-	cal calibrate.Flight
+	// cal is the request's state in its replica's calibration tracker;
+	// unary says its client asked for no stream.
+	cal   calibrate.Flight
+	unary bool
 }
 
 // Router is the routing core. See the package comment for its concurrency.
@@ -232,6 +234,16 @@ func (r *Router) AddReplica(name string, events bool) int {
 	return id
 }
 
+// calStart starts flight f's prefill in tracker t, its prefill priced at
+// seq tokens of sequence.
+func (r *Router) calStart(t *calibrate.Tracker, f *flight, seq int, now time.Time) {
+	if f.unary {
+		t.StartUnary(&f.cal, f.prompt, seq, f.pendingTokens, f.out, now)
+		return
+	}
+	t.Start(&f.cal, f.prompt, seq, f.pendingTokens, f.out, now)
+}
+
 // SetProfile gives replica id its own cost profile (a heterogeneous
 // cluster), the prior of its calibration when calibrating. It fails with
 // ErrReplicaBusy while requests are in flight on the replica: set it before
@@ -254,12 +266,20 @@ func (r *Router) SetProfile(id int, p costmodel.Profile) error {
 // calibration from it.
 func (r *Router) setProfile(id int, p costmodel.Profile) {
 	r.profiles[id], r.priced[id], r.cal[id] = p, p, nil
-	if r.cfg.Calibrate != nil {
-		// Config.Validate checked the calibration config; p is not nil.
-		m, err := calibrate.NewModel(p, *r.cfg.Calibrate)
-		if err == nil {
+	if r.cfg.Calibrate == nil {
+		return
+	}
+	// Replicas of one profile share its figures (Model.Sibling).
+	for j, t := range r.cal {
+		if t != nil && j != id && r.profiles[j] == p {
+			m := t.Model().Sibling()
 			r.priced[id], r.cal[id] = m, calibrate.NewTracker(m)
+			return
 		}
+	}
+	// Config.Validate checked the calibration config; p is not nil.
+	if m, err := calibrate.NewModel(p, *r.cfg.Calibrate); err == nil {
+		r.priced[id], r.cal[id] = m, calibrate.NewTracker(m)
 	}
 }
 
@@ -381,7 +401,7 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 	}
 	r.expireSpeculative(now)
 	r.tree.Insert(req.Keys, now, &r.match)
-	r.prepareView(req.Keys)
+	r.prepareView(req.Keys, req.PromptTokens)
 	d, err := r.pol.Route(&req, &r.view, now)
 	if err != nil {
 		return d, err
@@ -396,7 +416,7 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 // prepareView readies the view for a decision on keys (already looked up
 // into r.match): the replicas' snapshot, and for slot-cache replicas what
 // the slot the request would land on holds.
-func (r *Router) prepareView(keys []blocks.Key) {
+func (r *Router) prepareView(keys []blocks.Key, prompt int) {
 	for i := range r.reps {
 		r.reps[i].ActiveBlocks = r.tree.ActiveBlocks(i)
 	}
@@ -404,7 +424,7 @@ func (r *Router) prepareView(keys []blocks.Key) {
 	r.view.Profiles = r.priced
 	r.view.Victims = nil
 	if r.hasSlots() {
-		r.slotMatches(keys)
+		r.slotMatches(keys, prompt)
 		r.view.Victims = func(id int, fn func(n *prefixtree.Node) bool) { r.slotVictims(id, keys, fn) }
 	}
 }
@@ -426,7 +446,7 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	missed := req.PromptTokens - matched
 	*f = flight{
 		keys: req.Keys, replica: id, prompt: req.PromptTokens, matched: matched,
-		pendingTokens: missed, pendingPrefill: r.priced[id].Prefill(missed, req.PromptTokens),
+		pendingTokens: missed, pendingPrefill: r.priced[id].Prefill(missed, r.view.SeqFor(id, req)),
 		out: req.OutputTokens, routedAt: now, slot: noSlot,
 	}
 	if mb := r.match.PerReplica[id]; mb > 0 && !r.events[id] {
@@ -448,11 +468,12 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	rp.DecodeTokens += f.out
 	path := r.match.Path
 	r.tree.AddRef(path, id, 1)
+	f.unary = req.Unary
 	if t := r.cal[id]; t != nil && r.slotted(id) == nil {
 		// A block cache's engine queue is opaque: the request's prefill
 		// (as calibration counts it) starts now. A slot cache's starts
 		// when it takes a slot (occupy).
-		t.Start(&f.cal, f.prompt, missed, f.out, now)
+		r.calStart(t, f, f.prompt, now)
 	}
 	if c := r.slotted(id); c != nil {
 		// A slot cache: the request takes the slot llama.cpp would give it,
@@ -673,7 +694,7 @@ func (r *Router) Predict(req policy.Request, now time.Time) (policy.Decision, er
 		req.OutputTokens = r.cfg.DefaultOutputTokens
 	}
 	r.tree.Lookup(req.Keys, &r.match)
-	r.prepareView(req.Keys)
+	r.prepareView(req.Keys, req.PromptTokens)
 	return r.pol.Route(&req, &r.view, now)
 }
 

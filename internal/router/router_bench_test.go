@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 )
@@ -176,4 +177,83 @@ func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWork
 		route(req)
 	}
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+}
+
+// BenchmarkRouteCalibration measures a request's whole passage through the
+// core — Route, FirstToken and Finish with the stream's token gaps, as the
+// proxy makes them — with calibration off and on, for the policies that
+// price work in seconds and a baseline: what learning each replica's speed
+// costs the router. Each request's first token comes 20 ms after routing
+// and it finishes 64 tokens later, so busy periods open and close and every
+// finish is a decode observation.
+//
+//	go test -run XXX -bench BenchmarkRouteCalibration -benchtime 2s -count 5 -cpu 1 ./internal/router/
+func BenchmarkRouteCalibration(b *testing.B) {
+	prof, err := costmodel.Lookup(costmodel.Mistral7BA6000)
+	if err != nil {
+		b.Fatal(err)
+	}
+	w := newBenchWorkload(4096, 64, 100_000, 2048)
+	for _, pname := range []string{"e2", "llmd-precise", "round-robin"} {
+		for _, cal := range []bool{false, true} {
+			name := "policy=" + pname + "/calibrate=off"
+			if cal {
+				name = "policy=" + pname + "/calibrate=on"
+			}
+			b.Run(name, func(b *testing.B) { benchLifecycle(b, prof, pname, w, cal) })
+		}
+	}
+}
+
+func benchLifecycle(b *testing.B, prof costmodel.Profile, pname string, w *benchWorkload, cal bool) {
+	pol, err := policy.New(pname, policy.DefaultOptions())
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg := Config{BlockTokens: blocks.DefaultBlockSize, Profile: prof, Policy: pol, Seed: 1}
+	if cal {
+		c := calibrate.DefaultConfig()
+		cfg.Calibrate = &c
+	}
+	r, err := New(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := 0; i < 8; i++ {
+		r.AddReplica(fmt.Sprintf("replica-%d", i), false)
+	}
+	now := time.Unix(1_700_000_000, 0)
+	const step = 5 * time.Millisecond
+	id := uint64(0)
+	// Requests overlap: each finishes four arrivals after it came, so the
+	// core always has a few in flight on each replica.
+	const lag = 4
+	var open [lag]uint64
+	route := func(req policy.Request, k int) {
+		id++
+		req.ID = id
+		if _, err := r.Route(req, now); err != nil {
+			b.Fatal(err)
+		}
+		if err := r.FirstToken(id, now.Add(20*time.Millisecond)); err != nil {
+			b.Fatal(err)
+		}
+		if prev := open[k%lag]; prev != 0 {
+			fin := Finish{OutputTokens: 65, CachedTokens: -1, OK: true, ITL: 8 * time.Millisecond, ITLSamples: 64}
+			if err := r.Finish(prev, fin, now.Add(20*time.Millisecond)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		open[k%lag] = id
+		now = now.Add(step)
+	}
+	for i, req := range w.fill {
+		route(req, i)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		route(w.pool[i%len(w.pool)].req, i)
+	}
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "requests/s")
 }

@@ -128,16 +128,36 @@ func (r *Router) slotted(id int) *slotCache {
 
 // slotMatches replaces, in the current match, each slot replica's cached
 // blocks (the longest prefix any of its slots holds) by what the slot the
-// request would land on holds: all that the replica can reuse for it.
-func (r *Router) slotMatches(keys []blocks.Key) {
+// request would land on holds: all that the replica can reuse for it. It
+// sets each slot replica's SlotSpan for a prompt of prompt tokens: the
+// other slots' tokens and the prompt (policy.Replica.SlotSpan).
+func (r *Router) slotMatches(keys []blocks.Key, prompt int) {
+	for id := range r.reps {
+		r.reps[id].SlotSpan = 0
+	}
 	for id := range r.cache {
 		c := r.slotted(id)
 		if c == nil || id >= len(r.match.PerReplica) {
 			continue
 		}
-		_, cb, _ := c.choose(keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
+		s, cb, _ := c.choose(keys, r.cfg.BlockTokens, r.cfg.SlotSimilarity)
 		r.match.PerReplica[id] = min(r.match.PerReplica[id], cb)
+		if id < len(r.reps) {
+			r.reps[id].SlotSpan = c.span(s, prompt)
+		}
 	}
+}
+
+// span is the KV cells the replica's slots hold with a prompt of prompt
+// tokens in slot s: every other slot's tokens and the prompt.
+func (c *slotCache) span(s, prompt int) int {
+	n := prompt
+	for i := range c.slots {
+		if i != s {
+			n += c.slots[i].tokens
+		}
+	}
+	return n
 }
 
 // occupy gives flight f slot s of replica id: the slot's old prompt is
@@ -155,8 +175,9 @@ func (r *Router) occupy(id int, c *slotCache, s int, f *flight, path []*prefixtr
 	sl.busy = true
 	r.tree.SetPathCached(path, id, now)
 	if t := r.cal[id]; t != nil {
-		// Its prefill starts now: waiting for a slot is not prefill.
-		t.Start(&f.cal, f.prompt, f.pendingTokens, f.out, now)
+		// Its prefill starts now (waiting for a slot is not prefill),
+		// over every slot's cells.
+		r.calStart(t, f, c.span(s, f.prompt), now)
 	}
 }
 

@@ -140,8 +140,8 @@ func TestSpeculativeOff(t *testing.T) {
 }
 
 // TestNoSpeculationWithoutOptIn: a policy that does not implement
-// policy.Speculator (llm-d's precise scorer reads only the event index)
-// gets no speculative entries.
+// policy.Speculator (round-robin; llm-d's precise scorer unless its
+// speculative indexing is on) gets no speculative entries.
 func TestNoSpeculationWithoutOptIn(t *testing.T) {
 	r := newRouter(t, &policy.RoundRobin{}, 0, true)
 	a := req(1, toks(1, 64))

@@ -101,8 +101,8 @@ func TestCalibrationLearnsTheReplicas(t *testing.T) {
 
 // With calibration on, a router that has not observed anything prices
 // exactly as its profiles: until the first observation the decisions are
-// the uncalibrated ones, so a replica that is never routed to keeps its
-// profile.
+// the uncalibrated ones. A replica not observed yet is priced as its pool
+// (the replicas told the same profile) has learnt.
 func TestCalibrationStartsAtTheProfile(t *testing.T) {
 	prof := resolve(t, "mistral-7b-a6000")
 	reqs := sharedPrefix(1, 2, 500, 50, 10, 1) // one request: no observation before it is routed
@@ -111,10 +111,19 @@ func TestCalibrationStartsAtTheProfile(t *testing.T) {
 	if a.Records[0].Replica != b.Records[0].Replica || a.Records[0].TTFTMs != b.Records[0].TTFTMs {
 		t.Errorf("first decision differs with calibration: %+v vs %+v", a.Records[0], b.Records[0])
 	}
+	unseen := 0
 	for i, c := range b.Calibration {
-		if c.Fit.PrefillSamples == 0 && c.Fit.PrefillSecondsPer1K != c.Fit.PriorPrefillSecondsPer1K {
-			t.Errorf("replica %d: no samples but fitted prefill %v ≠ profile's %v", i, c.Fit.PrefillSecondsPer1K, c.Fit.PriorPrefillSecondsPer1K)
+		if c.Fit.PrefillSamples != 0 {
+			continue
 		}
+		unseen++
+		if p := b.Calibration[0].Fit; c.Fit.PrefillSecondsPer1K == c.Fit.PriorPrefillSecondsPer1K || (i > 1 && c.Fit != b.Calibration[1].Fit) {
+			t.Errorf("replica %d: not observed, fitted prefill %v: want its pool's (replica 0 was observed: %v), the same for every unobserved replica",
+				i, c.Fit.PrefillSecondsPer1K, p.PrefillSecondsPer1K)
+		}
+	}
+	if unseen != 2 {
+		t.Errorf("%d replicas not observed, want 2 (one request)", unseen)
 	}
 }
 
@@ -128,18 +137,35 @@ func TestCalibrationFromTimings(t *testing.T) {
 	truth := resolve(t, "llamacpp-tiny-cpu")
 	told := resolve(t, "llamacpp-tiny-cpu:time_scale=0.5")
 	reqs := sharedPrefix(300, 6, 600, 100, 1, 5)
-	pol, err := policy.New("e2", policy.DefaultOptions())
-	if err != nil {
-		t.Fatal(err)
+	run := func(noTimings bool) *Result {
+		pol, err := policy.New("e2", policy.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		rc := replica.DefaultConfig()
+		rc.Slots = 2
+		c := calibrate.DefaultConfig()
+		c.NoTimings = noTimings
+		res, err := Run(context.Background(), Config{Replicas: 2, Replica: rc, Profile: truth, RouterProfiles: repeat(told, 2),
+			Policy: pol, Calibrate: &c}, reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
 	}
-	rc := replica.DefaultConfig()
-	rc.Slots = 2
-	c := calibrate.DefaultConfig()
-	res, err := Run(context.Background(), Config{Replicas: 2, Replica: rc, Profile: truth, RouterProfiles: repeat(told, 2),
-		Policy: pol, Calibrate: &c}, reqs)
-	if err != nil {
-		t.Fatal(err)
+	// Learning from the router's own clock (busy periods, token gaps),
+	// the model still agrees with the replicas' timings.
+	for i, cal := range run(true).Calibration {
+		p, d := cal.Stats.TimedPrefill.Ratio(), cal.Stats.TimedDecode.Ratio()
+		t.Logf("clock only, replica %d: predicted/timings prefill %.3f, decode %.3f; stats %+v", i, p, d, cal.Stats)
+		if cal.Stats.PrefillTimings != 0 || cal.Stats.PrefillPeriods == 0 {
+			t.Errorf("replica %d: learnt from timings with NoTimings, or from no busy period", i)
+		}
+		if math.Abs(p-1) > 0.25 || math.Abs(d-1) > 0.25 {
+			t.Errorf("replica %d: learning from the clock, predicted/timings prefill %.3f, decode %.3f; want within 25%%", i, p, d)
+		}
 	}
+	res := run(false)
 	for i, cal := range res.Calibration {
 		f := cal.Fit
 		t.Logf("replica %d: predicted/observed prefill %.3f (told %.3f), decode %.3f (told %.3f); stats %+v",

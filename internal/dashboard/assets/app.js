@@ -160,9 +160,53 @@
     return n > 0 ? "+" + human(n) : n < 0 ? "−" + human(-n) : "0";
   }
 
+  // secs formats a time in seconds as [number, unit]: in ms below a
+  // second, else in s, to three significant digits.
+  function secs(v) {
+    if (!(v > 0)) return ["?", ""];
+    const ms = v < 0.9995;
+    return [String(Number((ms ? 1e3 * v : v).toPrecision(3))), ms ? "ms" : "s"];
+  }
+  // speedFigure is one priced time, with the profile's beside it when
+  // showProfile ("prefill 96 ms/1k (profile 31)"), the unit repeated only
+  // when the profile's is another.
+  function speedFigure(label, fitted, profile, per, showProfile) {
+    const [f, fu] = secs(fitted), [p, pu] = secs(profile);
+    return label + " " + f + " " + fu + per + (showProfile ? " (profile " + p + (pu !== fu ? " " + pu : "") + ")" : "");
+  }
+  // speedRow is the line under a replica's row: the prefill (a cold
+  // 1,000-token prompt) and decode step (one sequence, 1,000 tokens of
+  // context) the router prices it with, fitted when it calibrates, with
+  // the profile's figures and the fit's recent error.
+  function speedRow(r, span) {
+    const learnt = r.calibrated && r.calibration_samples > 0;
+    const part = (text, title) => el("span", title ? { class: "part", title: title } : { class: "part" }, text);
+    const parts = [
+      part(speedFigure("prefill", r.prefill_s_per_1k, r.profile_prefill_s_per_1k, "/1k", learnt),
+        "a cold prefill of 1,000 tokens" + (learnt ? ": fitted (profile " + r.profile + ")" : "")),
+      part(speedFigure("decode", r.decode_step_s, r.profile_decode_step_s, "", learnt),
+        "one decode step of one sequence with 1,000 tokens of context" + (learnt ? ": fitted (profile " + r.profile + ")" : ""))];
+    if (learnt) {
+      parts.push(part("fit error " + pct(Math.max(r.prefill_error, r.decode_error)),
+        "recent |predicted/observed − 1| of the fit: prefill " + pct(r.prefill_error) + ", decode " + pct(r.decode_error)));
+      parts.push(part(human(r.calibration_samples) + " sample" + (r.calibration_samples === 1 ? "" : "s"),
+        "prefill and decode observations the fit learnt from"));
+      parts.push(part("profile " + (r.profile || "?")));
+    } else if (r.calibrated) {
+      parts.push(part("learning: no samples yet", "calibrating: the profile's figures until the replica has served requests"));
+      parts.push(part("profile " + (r.profile || "?")));
+    } else {
+      parts.push(part("profile only: " + (r.profile || "?"), "calibration is off: the router prices the replica with its profile"));
+    }
+    const td = el("td", { colSpan: span }, el("span", { class: "label" }, "speed"), " ");
+    parts.forEach((p, i) => td.append(...(i ? [" · ", p] : [p])));
+    return el("tr", { class: "speed" + (r.up ? "" : " down"), dataset: { speed: r.name } }, td);
+  }
+
   function renderReplicas(s) {
     const body = $("replicas").tBodies[0];
-    const rows = s.replicas.map((r) => {
+    const span = $("replicas").tHead.rows[0].cells.length;
+    const rows = s.replicas.flatMap((r) => {
       const maxIn = Math.max(1, ...s.replicas.map((x) => x.in_flight));
       const tr = el("tr", { class: r.up ? "up" : "down", dataset: { replica: r.name, up: String(r.up) } },
         el("td", null, r.name, " ", kindBadge(r)),
@@ -179,7 +223,7 @@
         el("td", { class: "num" }, r.capacity_tokens > 0 ? human(r.capacity_tokens) : "–"),
         el("td", { class: "num" }, r.corrections));
       tr.cells[2].dataset.field = "in_flight";
-      return tr;
+      return [tr, speedRow(r, span)];
     });
     body.replaceChildren(...rows);
   }
