@@ -434,9 +434,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 					PrefillError: c.Fit.PrefillError, DecodeError: c.Fit.DecodeError,
 				})
 			}
-			if !o.quiet && len(r.Calibration) > 0 {
-				writeCalibration(stderr, name, r.Calibration)
-			}
+
 			r.Local = prc.Local
 			if st := res.Router; st.PredictionsChecked > 0 {
 				r.CachePredictionExact = float64(st.PredictionsExact) / float64(st.PredictionsChecked)
@@ -455,6 +453,12 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 	}
 	if err := report.WriteTable(stdout, results); err != nil {
 		return err
+	}
+	if o.calibrate {
+		fmt.Fprintln(stdout, "\nwhat the router learnt of each replica by the end (a cold 1,000-token prefill; one decode step with 1,000 tokens of context):")
+		for _, r := range results {
+			writeCalibration(stdout, fmt.Sprintf("%s@%g", r.Policy, r.Rate), r.Calibration)
+		}
 	}
 	if o.jsonPath == "-" {
 		if err := writeSimJSON(stdout, o.engine, results); err != nil {
@@ -534,8 +538,8 @@ func writeSimJSONFile(path, engine string, results []report.Result) error {
 // against the truth and the prior it started from.
 func writeCalibration(w io.Writer, policy string, fits []report.CalibrationFit) {
 	for _, c := range fits {
-		fmt.Fprintf(w, "  %s calibrated %s: prefill %.4g s/1k tokens (true %.4g, told %.4g; %d samples), decode step %.4g s (true %.4g, told %.4g; %d samples)\n",
+		fmt.Fprintf(w, "  %-16s %s: prefill %7.4g s (true %7.4g, told %7.4g; %5d samples), decode step %7.4g ms (true %7.4g, told %7.4g; %5d samples)\n",
 			policy, c.Replica, c.PrefillSecondsPer1K, c.TruePrefillSecondsPer1K, c.PriorPrefillSecondsPer1K, c.PrefillSamples,
-			c.DecodeStepSeconds, c.TrueDecodeStepSeconds, c.PriorDecodeStepSeconds, c.DecodeSamples)
+			1e3*c.DecodeStepSeconds, 1e3*c.TrueDecodeStepSeconds, 1e3*c.PriorDecodeStepSeconds, c.DecodeSamples)
 	}
 }

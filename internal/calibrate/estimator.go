@@ -62,14 +62,17 @@ type estimator struct {
 	// errFit and errPrior are EWMAs of |ŷ/y − 1| for the fit (before the
 	// observation updates it) and for the prior.
 	errFit, errPrior float64
+	// quiet skips the figures below (a pool's fit, which nothing reports).
+	quiet bool
 	// predSum, priorSum and obsSum are decaying sums (about the last 100
 	// observations) of the fit's a-priori predictions, the prior's and the
 	// observations, in seconds: their ratios say whether the fit agrees with
 	// what the replica did over a stretch of its work, not only on average
 	// per observation.
 	predSum, priorSum, obsSum float64
-	n                         int64 // observations used
-	stale                     int   // observations since θ was solved
+	n                         int64  // observations used
+	stale                     int    // observations since θ was solved
+	ver                       uint64 // counts solves: θ's version, for the caches of its figures
 }
 
 // Robust-scale bounds and the EWMA rate of the error figures.
@@ -104,10 +107,42 @@ func (e *estimator) update(x vec, y, norm, w float64) bool {
 		if math.IsNaN(v) || math.IsInf(v, 0) {
 			return false
 		}
-		xn[i] = math.Max(-maxFeature, math.Min(maxFeature, v))
+		xn[i] = max(-maxFeature, min(maxFeature, v))
 	}
 	yn := y / norm
 	pred := dot(e.theta, xn)
+	r := (yn - pred) / max(math.Abs(pred), 0.05)
+	if !e.quiet {
+		e.report(xn, yn, pred, norm, y)
+	}
+	ar := math.Abs(r)
+	if lim := e.k * e.scale; ar > lim {
+		w *= lim / ar
+	}
+	e.scale += ewmaRate * (min(ar, 4*e.scale) - e.scale)
+	e.scale = max(e.scale, scaleFloor)
+
+	// info is symmetric: only its lower triangle is kept (solve reads
+	// nothing else).
+	l := e.forget
+	for i := 0; i < dim; i++ {
+		wx := w * xn[i]
+		for j := 0; j <= i; j++ {
+			e.info[i][j] = l*e.info[i][j] + wx*xn[j]
+		}
+		e.b[i] = l*e.b[i] + wx*yn
+	}
+	e.n++
+	e.stale++
+	if e.n <= solveWarmup || e.stale >= solveEvery {
+		e.refresh()
+	}
+	return true
+}
+
+// report updates the error and agreement figures with an observation yn
+// (normalised; y in seconds) that the fit predicted as pred.
+func (e *estimator) report(xn vec, yn, pred, norm, y float64) {
 	e.predSum = sumDecay*e.predSum + pred*norm
 	e.priorSum = sumDecay*e.priorSum + dot(e.ref, xn)*norm
 	e.obsSum = sumDecay*e.obsSum + y
@@ -117,27 +152,6 @@ func (e *estimator) update(x vec, y, norm, w float64) bool {
 		e.errFit += ewmaRate * (relErr(pred, yn) - e.errFit)
 		e.errPrior += ewmaRate * (relErr(dot(e.ref, xn), yn) - e.errPrior)
 	}
-	r := (yn - pred) / math.Max(math.Abs(pred), 0.05)
-	ar := math.Abs(r)
-	if lim := e.k * e.scale; ar > lim {
-		w *= lim / ar
-	}
-	e.scale += ewmaRate * (math.Min(ar, 4*e.scale) - e.scale)
-	e.scale = math.Max(e.scale, scaleFloor)
-
-	l := e.forget
-	for i := 0; i < dim; i++ {
-		for j := 0; j < dim; j++ {
-			e.info[i][j] = l*e.info[i][j] + w*xn[i]*xn[j]
-		}
-		e.b[i] = l*e.b[i] + w*xn[i]*yn
-	}
-	e.n++
-	e.stale++
-	if e.n <= solveWarmup || e.stale >= solveEvery {
-		e.refresh()
-	}
-	return true
 }
 
 // refresh solves θ from the information gathered so far and the prior.
@@ -151,6 +165,7 @@ func (e *estimator) refresh() {
 		e.theta = th
 	}
 	e.stale = 0
+	e.ver++
 }
 
 // relErr is |pred/y − 1|, capped at 10 (a figure for dashboards, not an
@@ -159,11 +174,12 @@ func relErr(pred, y float64) float64 {
 	if !(y > 0) {
 		return 0
 	}
-	return math.Min(math.Abs(pred/y-1), 10)
+	return min(math.Abs(pred/y-1), 10)
 }
 
-// solve returns A⁻¹·b for a symmetric positive definite A by Cholesky
-// factorisation, or false when A is not (numerically) positive definite.
+// solve returns A⁻¹·b for a symmetric positive definite A, given by its
+// lower triangle (a[i][j], j ≤ i), by Cholesky factorisation; false when A
+// is not (numerically) positive definite.
 func solve(a mat, b vec) (vec, bool) {
 	var l mat
 	for i := 0; i < dim; i++ {

@@ -38,6 +38,29 @@ type mixedEntry struct {
 
 func newPriorMemo(p costmodel.Profile) *priorMemo { return &priorMemo{prior: p} }
 
+// fitMemo remembers one Model's own fitted figures, each stamped with the
+// version of the coefficients it was computed with: a policy asks a replica's
+// model the same few figures decision after decision, and the coefficients
+// change only when they are solved (every few observations). Not safe for
+// concurrent use.
+type fitMemo struct {
+	prefill [memoSlots]fitEntry
+	decode  [memoSlots]fitEntry
+	mixed   [memoSlots]fitMixed
+}
+
+type fitEntry struct {
+	a, b int
+	ver  uint64 // 0: empty (versions start at 1)
+	v    time.Duration
+}
+
+type fitMixed struct {
+	n, s, seqs, ctx int
+	ver             uint64
+	v               time.Duration
+}
+
 func slot(a, b int) int {
 	h := uint64(a)*0x9e3779b97f4a7c15 ^ uint64(b)*0xc2b2ae3d27d4eb4f
 	return int(h>>58) % memoSlots

@@ -96,13 +96,20 @@ type Config struct {
 	// NoTimings ignores llama.cpp's timings and learns from the router's
 	// own clock only (for comparing the two; off by default).
 	NoTimings bool `json:"no_timings"`
+	// MaxRate bounds the observations a replica learns from, per second
+	// and per phase (prefill, decode; 20): beyond it they are passed over
+	// before any work is done, so learning costs the router a bounded
+	// amount of CPU whatever the request rate, and the fit's memory (about
+	// 1/(1−Forget) observations) spans at least that many seconds over
+	// MaxRate. 0: no bound.
+	MaxRate float64 `json:"max_rate"`
 }
 
 // DefaultConfig returns prefixlb's calibration settings.
 func DefaultConfig() Config {
 	return Config{
 		Forget: 0.995, PriorWeight: 0.25, PoolWeight: 8, ShapeWeight: 10, Huber: 2,
-		MinRatio: 0.01, MaxRatio: 100, MinDecodeTokens: 4, MaxPrefillShare: 0.5,
+		MinRatio: 0.01, MaxRatio: 100, MinDecodeTokens: 4, MaxPrefillShare: 0.5, MaxRate: 20,
 	}
 }
 
@@ -129,6 +136,8 @@ func (c Config) Validate() error {
 		return bad("max_ratio", "must be ≥ 1, got %v", c.MaxRatio)
 	case c.MinDecodeTokens < 1:
 		return bad("min_decode_tokens", "must be ≥ 1, got %d", c.MinDecodeTokens)
+	case !ok(c.MaxRate) || c.MaxRate < 0:
+		return bad("max_rate", "must be ≥ 0 (0: no bound), got %v", c.MaxRate)
 	case !ok(c.MaxPrefillShare) || c.MaxPrefillShare < 0 || c.MaxPrefillShare >= 1:
 		return bad("max_prefill_share", "must be in [0, 1), got %v", c.MaxPrefillShare)
 	}
@@ -157,6 +166,7 @@ type Model struct {
 	pre, dec estimator // the replica's own fit, pulled towards pool's
 	pool     *pool
 	memo     *priorMemo // the prior's figures, shared with Siblings
+	fits     *fitMemo   // this model's fitted figures (not shared)
 }
 
 // pool is the fit of every replica told the same profile (a Model and its
@@ -187,6 +197,8 @@ func NewModel(prior costmodel.Profile, cfg Config) (*Model, error) {
 	theta := vec{1, 0, 0, 0}
 	prec := vec{cfg.PriorWeight, cfg.ShapeWeight, cfg.ShapeWeight, cfg.ShapeWeight}
 	m.pool = &pool{pre: newEstimator(theta, prec, cfg.Forget, cfg.Huber), dec: newEstimator(theta, prec, cfg.Forget, cfg.Huber)}
+	m.pool.pre.quiet, m.pool.dec.quiet = true, true
+	m.fits = &fitMemo{}
 	m.own()
 	return m, nil
 }
@@ -208,7 +220,30 @@ func (m *Model) own() {
 func (m *Model) Sibling() *Model {
 	s := *m
 	s.own()
+	s.fits = &fitMemo{}
 	return &s
+}
+
+// preVer and decVer are the versions of the coefficients preTheta and
+// decTheta return (0 when they are the prior's): the stamps of the fitMemo.
+func (m *Model) preVer() uint64 {
+	switch {
+	case m.pre.n > 0:
+		return m.pre.ver<<1 | 1
+	case m.pool.pre.n > 0:
+		return m.pool.pre.ver << 1
+	}
+	return 0
+}
+
+func (m *Model) decVer() uint64 {
+	switch {
+	case m.dec.n > 0:
+		return m.dec.ver<<1 | 1
+	case m.pool.dec.n > 0:
+		return m.pool.dec.ver << 1
+	}
+	return 0
 }
 
 // preTheta and decTheta are the coefficients the model prices with: its
@@ -233,6 +268,10 @@ func (m *Model) decTheta() *vec {
 	return nil
 }
 
+// Memoized implements costmodel.Memoizer: a Model remembers its own
+// figures (a policy's per-decision memo of them only costs time).
+func (m *Model) Memoized() bool { return true }
+
 // Prior returns the profile the model corrects.
 func (m *Model) Prior() costmodel.Profile { return m.prior }
 
@@ -247,13 +286,19 @@ func (m *Model) Batching() costmodel.Batching { return costmodel.BatchingOf(m.pr
 
 // Prefill implements costmodel.Profile with the fitted prefill.
 func (m *Model) Prefill(newTokens, seqTokens int) time.Duration {
-	p := m.memo.prefillOf(newTokens, seqTokens)
-	th := m.preTheta()
-	if th == nil || newTokens <= 0 {
-		return p
+	ver := m.preVer()
+	if ver == 0 || newTokens <= 0 {
+		return m.memo.prefillOf(newTokens, seqTokens)
 	}
+	e := &m.fits.prefill[slot(newTokens, seqTokens)]
+	if e.ver == ver && e.a == newTokens && e.b == seqTokens {
+		return e.v
+	}
+	p := m.memo.prefillOf(newTokens, seqTokens)
 	f := m.prefillFeatures(secs(p), 1, float64(newTokens), float64(newTokens)*float64(max(seqTokens, newTokens)))
-	return m.clamp(dot(*th, f), p)
+	v := m.clamp(dot(*m.preTheta(), f), p)
+	*e = fitEntry{a: newTokens, b: seqTokens, ver: ver, v: v}
+	return v
 }
 
 // Iteration implements costmodel.Profile: a decode-only batch at the
@@ -265,18 +310,26 @@ func (m *Model) Prefill(newTokens, seqTokens int) time.Duration {
 func (m *Model) Iteration(b costmodel.Batch) time.Duration {
 	if len(b.Prefill) == 1 && b.DecodeSeqs > 0 && b.Prefill[0].New > 0 {
 		// One chunk beside decodes (what E2 asks to price the decodes'
-		// share of a prefill iteration): every part from the memo.
+		// share of a prefill iteration): every part from the memos.
 		c := b.Prefill[0]
-		all, pp, pd := m.memo.mixedOf(c.New, c.Seq, b.DecodeSeqs, b.DecodeContext)
-		th := m.preTheta()
-		if th == nil && m.decTheta() == nil {
+		pv, dv := m.preVer(), m.decVer()
+		if pv == 0 && dv == 0 {
+			all, _, _ := m.memo.mixedOf(c.New, c.Seq, b.DecodeSeqs, b.DecodeContext)
 			return all
 		}
+		ver := pv<<32 ^ dv
+		e := &m.fits.mixed[slot(c.New^b.DecodeSeqs<<20, c.Seq^b.DecodeContext<<7)]
+		if e.ver == ver && e.n == c.New && e.s == c.Seq && e.seqs == b.DecodeSeqs && e.ctx == b.DecodeContext {
+			return e.v
+		}
+		all, pp, pd := m.memo.mixedOf(c.New, c.Seq, b.DecodeSeqs, b.DecodeContext)
 		fp := pp
-		if th != nil {
+		if th := m.preTheta(); th != nil {
 			fp = m.clamp(dot(*th, m.prefillFeatures(secs(pp), 1, float64(c.New), float64(c.New)*float64(max(c.Seq, c.New)))), pp)
 		}
-		return m.mix(all, pp, pd, fp, m.decodeStep(b.DecodeSeqs, b.DecodeContext))
+		v := m.mix(all, pp, pd, fp, m.decodeStep(b.DecodeSeqs, b.DecodeContext))
+		*e = fitMixed{n: c.New, s: c.Seq, seqs: b.DecodeSeqs, ctx: b.DecodeContext, ver: ver, v: v}
+		return v
 	}
 	if m.preTheta() == nil && m.decTheta() == nil {
 		if len(b.Prefill) == 0 {
@@ -320,19 +373,25 @@ func (m *Model) mix(all, pp, pd, fp, fd time.Duration) time.Duration {
 		return all
 	}
 	ra, rd := secs(fp)/secs(pp), secs(fd)/secs(pd)
-	lo := math.Min(ra, rd)
+	lo := min(ra, rd)
 	t := lo*secs(all) + (ra-lo)*secs(pp) + (rd-lo)*secs(pd)
-	return fromSeconds(math.Max(t, math.Max(secs(fp), secs(fd))))
+	return fromSeconds(max(t, max(secs(fp), secs(fd))))
 }
 
 // decodeStep is the fitted time of a decode-only iteration.
 func (m *Model) decodeStep(seqs, context int) time.Duration {
-	p := m.memo.decodeOf(seqs, context)
-	th := m.decTheta()
-	if th == nil {
-		return p
+	ver := m.decVer()
+	if ver == 0 {
+		return m.memo.decodeOf(seqs, context)
 	}
-	return m.clamp(dot(*th, m.decodeFeatures(secs(p), float64(seqs), float64(max(context, 0)))), p)
+	e := &m.fits.decode[slot(seqs, context)]
+	if e.ver == ver && e.a == seqs && e.b == context {
+		return e.v
+	}
+	p := m.memo.decodeOf(seqs, context)
+	v := m.clamp(dot(*m.decTheta(), m.decodeFeatures(secs(p), float64(seqs), float64(max(context, 0)))), p)
+	*e = fitEntry{a: seqs, b: context, ver: ver, v: v}
+	return v
 }
 
 // prefillFeatures are the prefill features of chunks requests computing nw
@@ -350,12 +409,21 @@ func (m *Model) decodeFeatures(p, b, c float64) vec {
 // clamp bounds a fitted time t (seconds) to [MinRatio, MaxRatio] times the
 // prior's p.
 func (m *Model) clamp(t float64, p time.Duration) time.Duration {
-	ps := secs(p)
-	t = math.Min(math.Max(t, m.cfg.MinRatio*ps), m.cfg.MaxRatio*ps)
 	if p <= 0 {
 		return p
 	}
-	return fromSeconds(t)
+	// On the router's hot path: nanoseconds and the builtin min and max
+	// (math.Min and Max are calls), and a NaN t falls to the prior's.
+	ns := t * 1e9
+	lo, hi := m.cfg.MinRatio*float64(p), m.cfg.MaxRatio*float64(p)
+	if !(ns >= lo) {
+		ns = lo
+	}
+	ns = min(ns, hi)
+	if ns >= math.MaxInt64 {
+		return time.Duration(math.MaxInt64)
+	}
+	return max(time.Duration(ns+0.5), 1)
 }
 
 // Work is one request's prefill in an observation: New prompt tokens
@@ -374,19 +442,18 @@ type Work struct {
 func (m *Model) ObservePrefill(works []Work, seconds, decodeBatch, decodeContext, weight float64) bool {
 	var x vec
 	norm := 0.0
-	seqs := int(math.Round(math.Max(decodeBatch, 0)))
-	ctx := int(math.Round(math.Max(decodeContext, 0)))
+	seqs := int(math.Round(max(decodeBatch, 0)))
+	ctx := int(math.Round(max(decodeContext, 0)))
 	for _, w := range works {
 		n, s := max(w.New, 1), max(w.Seq, w.New, 1)
-		p := secs(m.prior.Prefill(n, s))
+		p := secs(m.memo.prefillOf(n, s))
 		stretch := 1.0
 		if seqs > 0 {
 			c := n
 			if m.budget > 0 {
 				c = min(n, m.budget)
 			}
-			alone := m.prior.Iteration(costmodel.Batch{Prefill: []costmodel.Chunk{{New: c, Seq: c}}})
-			with := m.prior.Iteration(costmodel.Batch{Prefill: []costmodel.Chunk{{New: c, Seq: c}}, DecodeSeqs: seqs, DecodeContext: ctx})
+			with, alone, _ := m.memo.mixedOf(c, c, seqs, ctx)
 			if alone > 0 {
 				stretch = secs(with) / secs(alone)
 			}
@@ -405,7 +472,7 @@ func (m *Model) ObservePrefill(works []Work, seconds, decodeBatch, decodeContext
 // ctx tokens of context decoding alongside, to the chunk alone: how much
 // longer prefill takes beside that batch (≥ 1).
 func (m *Model) stretch(batch, ctx float64) float64 {
-	seqs := int(math.Round(math.Max(batch, 0)))
+	seqs := int(math.Round(max(batch, 0)))
 	if seqs == 0 {
 		return 1
 	}
@@ -413,9 +480,7 @@ func (m *Model) stretch(batch, ctx float64) float64 {
 	if c <= 0 {
 		c = 2048
 	}
-	ch := []costmodel.Chunk{{New: c, Seq: c}}
-	alone := m.prior.Iteration(costmodel.Batch{Prefill: ch})
-	with := m.prior.Iteration(costmodel.Batch{Prefill: ch, DecodeSeqs: seqs, DecodeContext: int(math.Round(math.Max(ctx, 0)))})
+	with, alone, _ := m.memo.mixedOf(c, c, seqs, int(math.Round(max(ctx, 0))))
 	if alone <= 0 || with < alone {
 		return 1
 	}
@@ -426,8 +491,8 @@ func (m *Model) stretch(batch, ctx float64) float64 {
 // while on average batch sequences holding context tokens in all decoded.
 // weight in (0, 1] scales the observation. It reports whether it was used.
 func (m *Model) ObserveDecode(seconds, batch, context, weight float64) bool {
-	b := math.Max(batch, 1)
-	c := math.Max(context, 0)
+	b := max(batch, 1)
+	c := max(context, 0)
 	p := secs(m.prior.Iteration(costmodel.Batch{DecodeSeqs: int(math.Round(b)), DecodeContext: int(math.Round(c))}))
 	return m.learn(&m.pool.dec, &m.dec, m.decodeFeatures(p, b, c), seconds, p, weight)
 }
@@ -438,10 +503,7 @@ func (m *Model) learn(pool, own *estimator, x vec, y, norm, w float64) bool {
 	if !pool.update(x, y, norm, w) {
 		return false
 	}
-	if pool.stale > 0 {
-		pool.refresh() // the replica's pull must be towards the pool's latest
-	}
-	own.prior = pool.theta
+	own.prior = pool.theta // as of the pool's last solve: a few observations old at most
 	if own.n == 0 {
 		own.theta = pool.theta // its first prediction is the pool's
 	}
@@ -496,8 +558,16 @@ func (m *Model) Fit() Fit {
 		PriorPrefillError: m.pre.errPrior, PriorDecodeError: m.dec.errPrior,
 		PrefillRatio: ratioOf(m.pre.predSum, m.pre.obsSum), DecodeRatio: ratioOf(m.dec.predSum, m.dec.obsSum),
 		PriorPrefillRatio: ratioOf(m.pre.priorSum, m.pre.obsSum), PriorDecodeRatio: ratioOf(m.dec.priorSum, m.dec.obsSum),
-		Prefill: m.pre.theta, Decode: m.dec.theta,
+		Prefill: m.coeffs(m.preTheta()), Decode: m.coeffs(m.decTheta()),
 	}
+}
+
+// coeffs is *th, or the prior's coefficients for nil.
+func (m *Model) coeffs(th *vec) [4]float64 {
+	if th == nil {
+		return [4]float64{1, 0, 0, 0}
+	}
+	return *th
 }
 
 // FitOf is the Fit of an uncalibrated profile p: its own figures, fitted

@@ -84,6 +84,7 @@ const (
 	SkipPrefillShare = "prefill_share"  // prefill took too much of a decode to subtract
 	SkipShortDecode  = "short_decode"   // too few tokens decoded
 	SkipUnusable     = "unusable"       // a figure out of range (zero time, NaN)
+	SkipRate         = "rate"           // beyond Config.MaxRate: passed over, not wrong
 )
 
 // taintTimed marks a period one of whose requests carried llama.cpp's
@@ -164,12 +165,42 @@ type Tracker struct {
 	one                        [1]Work
 	timed                      []timedObs // ring of the last timedKept
 	timedNext                  int
-	unary                      []*Flight // non-streamed requests still counted as prefilling
+	// budgetPre and budgetDec are the MaxRate token buckets of the two
+	// phases (observations the replica may still learn from now), and
+	// budgetAt when they were last filled.
+	budgetPre, budgetDec float64
+	budgetAt             time.Time
+	unary                []*Flight // non-streamed requests still counted as prefilling
 }
 
 // NewTracker returns a tracker feeding m.
 func NewTracker(m *Model) *Tracker {
-	return &Tracker{m: m, cfg: m.cfg, stats: Stats{Skipped: map[string]int64{}}}
+	return &Tracker{m: m, cfg: m.cfg, stats: Stats{Skipped: map[string]int64{}}, budgetPre: rateBurst, budgetDec: rateBurst}
+}
+
+// rateBurst is how many observations of a phase a replica may learn from
+// at once when it has been quiet (the MaxRate bucket's depth).
+const rateBurst = 8
+
+// allow takes one observation from a phase's MaxRate bucket at now,
+// reporting whether there was one.
+func (t *Tracker) allow(bucket *float64, now time.Time) bool {
+	if t.cfg.MaxRate <= 0 {
+		return true
+	}
+	if dt := now.Sub(t.budgetAt).Seconds(); dt > 0 {
+		if !t.budgetAt.IsZero() {
+			t.budgetPre = min(rateBurst, t.budgetPre+dt*t.cfg.MaxRate)
+			t.budgetDec = min(rateBurst, t.budgetDec+dt*t.cfg.MaxRate)
+		}
+		t.budgetAt = now
+	}
+	if *bucket < 1 {
+		t.skip(SkipRate)
+		return false
+	}
+	*bucket--
+	return true
 }
 
 // Model returns the model the tracker feeds.
@@ -386,7 +417,7 @@ func (t *Tracker) Finished(f *Flight, rep Report, now time.Time) {
 			// The replica measured this prefill itself: learn it directly
 			// and keep the period to the others.
 			p.setTaint(taintTimed)
-			t.observeTimedPrefill(f, rep, tm)
+			t.observeTimedPrefill(f, rep, tm, now)
 		case !f.first:
 			p.setTaint(SkipNoFirstToken)
 		default:
@@ -429,7 +460,7 @@ func (t *Tracker) agree(f *Flight, rep Report, now time.Time) {
 			prefill = busy / t.m.stretch(batch, ctx) * span / wall
 		}
 		if step := (span - prefill) / float64(tm.PredictedN-1); step > 0 && !math.IsInf(step, 0) {
-			o.b, o.c, o.step, o.hasDec = int(math.Round(math.Max(batch, 1))), int(math.Round(ctx)), step, true
+			o.b, o.c, o.step, o.hasDec = int(math.Round(max(batch, 1))), int(math.Round(ctx)), step, true
 		}
 	}
 	if !o.hasPre && !o.hasDec {
@@ -444,7 +475,10 @@ func (t *Tracker) agree(f *Flight, rep Report, now time.Time) {
 }
 
 // observeTimedPrefill learns from llama.cpp's own prefill measurement.
-func (t *Tracker) observeTimedPrefill(f *Flight, rep Report, tm *Timings) {
+func (t *Tracker) observeTimedPrefill(f *Flight, rep Report, tm *Timings, now time.Time) {
+	if !t.allow(&t.budgetPre, now) {
+		return
+	}
 	computed := tm.PromptN
 	if computed <= 0 {
 		computed = f.guess
@@ -472,6 +506,7 @@ func (t *Tracker) emit(p *period) {
 		t.skip(p.taint)
 	case d <= 0 || len(p.works) == 0:
 		t.skip(SkipUnusable)
+	case !t.allow(&t.budgetPre, p.end):
 	default:
 		batch := (p.decode1 - p.decode0) / d
 		ctx := (p.ctx1 - p.ctx0) / d
@@ -496,6 +531,9 @@ func (t *Tracker) emit(p *period) {
 // first token to its end (or llama.cpp's predicted_ms) less the prefill the
 // replica ran meanwhile, over its decode steps.
 func (t *Tracker) observeDecode(f *Flight, rep Report, tm *Timings, now time.Time) {
+	if !t.allow(&t.budgetDec, now) {
+		return
+	}
 	wall := now.Sub(f.firstAt).Seconds()
 	if !(wall > 0) {
 		t.skip(SkipUnusable)

@@ -29,6 +29,20 @@ type Batcher interface {
 	Batching() Batching
 }
 
+// Memoizer is implemented by profiles that remember the figures they
+// computed (internal/calibrate's Model, whose figures are fits over a
+// shared prior): a caller that memoizes figures per decision, as E2 does for
+// profiles shared by every replica, need not for these.
+type Memoizer interface {
+	Memoized() bool
+}
+
+// Memoized reports whether p remembers its own figures (Memoizer).
+func Memoized(p Profile) bool {
+	m, ok := p.(Memoizer)
+	return ok && m.Memoized()
+}
+
 // BatchingOf returns p's batching if p implements Batcher, else
 // DefaultBatching.
 func BatchingOf(p Profile) Batching {

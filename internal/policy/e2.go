@@ -587,6 +587,9 @@ type memoEntry struct {
 // remembered for the current decision (Route clears the memo).
 func (p *E2) prefillMemo(v *View, r, missed, prompt int) float64 {
 	prof := v.ProfileOf(r)
+	if costmodel.Memoized(prof) {
+		return secs(prof.Prefill(missed, prompt))
+	}
 	for _, e := range p.pfMemo {
 		if e.a == missed && e.b == prompt && e.prof == prof {
 			return e.v
@@ -604,6 +607,9 @@ func (p *E2) prefillMemo(v *View, r, missed, prompt int) float64 {
 // the current decision.
 func (p *E2) stepMemo(v *View, r, batch, ctx int) float64 {
 	prof := v.ProfileOf(r)
+	if costmodel.Memoized(prof) {
+		return secs(prof.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch}))
+	}
 	for _, e := range p.stepMemos {
 		if e.a == batch && e.b == ctx && e.prof == prof {
 			return e.v

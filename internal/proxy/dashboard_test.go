@@ -238,19 +238,23 @@ func TestDashboardSnapshotSpeed(t *testing.T) {
 						costmodel.Llama31_8BH100, calibrated, profFit.PrefillSecondsPer1K, profFit.DecodeStepSeconds)
 				}
 			}
-			// b served nothing; without calibration neither learnt anything.
-			unlearnt := []dashboard.Replica{b}
+			// Without calibration neither learnt anything.
 			if !calibrated {
-				unlearnt = append(unlearnt, a)
-			}
-			for _, r := range unlearnt {
-				if r.PrefillSPer1K != r.ProfilePrefillSPer1K || r.DecodeStepS != r.ProfileDecodeStepS ||
-					r.PrefillError != 0 || r.DecodeError != 0 || r.CalibrationSamples != 0 {
-					t.Errorf("%s learnt nothing, but shows %+v", r.Name, r)
+				for _, r := range []dashboard.Replica{a, b} {
+					if r.PrefillSPer1K != r.ProfilePrefillSPer1K || r.DecodeStepS != r.ProfileDecodeStepS ||
+						r.PrefillError != 0 || r.DecodeError != 0 || r.CalibrationSamples != 0 {
+						t.Errorf("%s learnt nothing, but shows %+v", r.Name, r)
+					}
 				}
-			}
-			if !calibrated {
 				return
+			}
+			// b served nothing: it has no samples and prices as its pool
+			// (the replicas told the same profile: a) has learnt.
+			fitB, _, _ := p.rt.Calibration(1)
+			if b.CalibrationSamples != 0 || b.PrefillError != 0 || b.DecodeError != 0 ||
+				b.PrefillSPer1K != fitB.PrefillSecondsPer1K || b.DecodeStepS != fitB.DecodeStepSeconds ||
+				b.PrefillSPer1K == b.ProfilePrefillSPer1K {
+				t.Errorf("b learnt nothing itself and should price as its pool, but shows %+v (the router's %+v)", b, fitB)
 			}
 			if a.PrefillSPer1K != fitA.PrefillSecondsPer1K || a.DecodeStepS != fitA.DecodeStepSeconds ||
 				a.PrefillError != fitA.PrefillError || a.DecodeError != fitA.DecodeError ||

@@ -88,6 +88,13 @@ func newBenchWorkload(promptTokens, groups, minBlocks, poolSize int) *benchWorkl
 // the observer). The pool's new prompts miss on their first pass and hit the
 // tree (not necessarily a replica's mirrored cache) after that.
 //
+// The policies that price work in seconds (e2, e2-preble) run twice,
+// calibrate=off and calibrate=on: with calibration the router prices each
+// replica with its own calibrated model (internal/calibrate), which the fill
+// teaches (its requests get a first token and finish with token gaps), so
+// that the timed decisions price with learnt models. What learning itself
+// costs per request is BenchmarkRouteCalibration's.
+//
 //	go test -run XXX -bench BenchmarkRoute -benchtime 2s -cpu 1 ./internal/router/
 func BenchmarkRoute(b *testing.B) { benchRoutePolicies(b, false, 0) }
 
@@ -113,25 +120,40 @@ func benchRoutePolicies(b *testing.B, fresh bool, maxBlocks int) {
 	}
 	workloads := make([]*benchWorkload, len(sizes))
 	for _, pname := range policy.Names() {
+		cals := []bool{false}
+		if !fresh && (pname == "e2" || pname == "e2-preble") {
+			cals = []bool{false, true}
+		}
 		b.Run("policy="+pname, func(b *testing.B) {
 			for si, sz := range sizes {
-				b.Run("prompt="+sz.name, func(b *testing.B) {
-					if workloads[si] == nil {
-						workloads[si] = newBenchWorkload(sz.tokens, sz.groups, 100_000, sz.pool)
+				for _, cal := range cals {
+					name := "prompt=" + sz.name
+					if len(cals) > 1 {
+						name += map[bool]string{false: "/calibrate=off", true: "/calibrate=on"}[cal]
 					}
-					benchRoute(b, prof, pname, workloads[si], fresh, maxBlocks)
-				})
+					b.Run(name, func(b *testing.B) {
+						if workloads[si] == nil {
+							workloads[si] = newBenchWorkload(sz.tokens, sz.groups, 100_000, sz.pool)
+						}
+						benchRoute(b, prof, pname, workloads[si], fresh, maxBlocks, cal)
+					})
+				}
 			}
 		})
 	}
 }
 
-func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWorkload, fresh bool, maxBlocks int) {
+func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWorkload, fresh bool, maxBlocks int, cal bool) {
 	pol, err := policy.New(pname, policy.DefaultOptions())
 	if err != nil {
 		b.Fatal(err)
 	}
-	r, err := New(Config{BlockTokens: blocks.DefaultBlockSize, Profile: prof, Policy: pol, Seed: 1, TreeMaxBlocks: maxBlocks})
+	cfg := Config{BlockTokens: blocks.DefaultBlockSize, Profile: prof, Policy: pol, Seed: 1, TreeMaxBlocks: maxBlocks}
+	if cal {
+		c := calibrate.DefaultConfig()
+		cfg.Calibrate = &c
+	}
+	r, err := New(cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -152,8 +174,43 @@ func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWork
 		}
 		now = now.Add(step)
 	}
-	for _, req := range w.fill {
+	for i, req := range w.fill {
+		if cal && i%2 == 0 {
+			// Teach the replicas' models what the profile says (so that
+			// the decisions timed are those of the profile, priced
+			// through learnt models): the first token after the profile's
+			// prefill of what the replica lacked, the end 64 steps later.
+			id++
+			req.ID = id
+			d, err := r.Route(req, now)
+			if err != nil {
+				b.Fatal(err)
+			}
+			first := now.Add(prof.Prefill(req.PromptTokens-d.MatchedTokens, req.PromptTokens))
+			_ = r.FirstToken(id, first)
+			step := prof.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: req.PromptTokens})
+			fin := Finish{OutputTokens: 65, CachedTokens: d.MatchedTokens, OK: true, ITL: step, ITLSamples: 64}
+			if err := r.Finish(id, fin, first.Add(64*step)); err != nil {
+				b.Fatal(err)
+			}
+			now = first.Add(64*step + time.Second)
+			continue
+		}
 		route(req)
+	}
+	if cal {
+		// Every replica prices with a learnt fit: its own, or its pool's
+		// (the replicas it shares the profile with) if e2 sent it none of
+		// the teaching requests.
+		learnt := 0
+		for i := range r.reps {
+			if fit, _, _ := r.Calibration(i); fit.PrefillSamples > 0 && fit.DecodeSamples > 0 {
+				learnt++
+			}
+		}
+		if learnt == 0 {
+			b.Fatal("no replica learnt anything in the fill")
+		}
 	}
 	if got := r.Tree().Blocks(); got < 100_000 {
 		b.Fatalf("tree holds %d blocks after the fill, want ≥ 100000", got)

@@ -265,6 +265,11 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 			}
 		}
 	}
+	for i := range rn.reps {
+		// The router knows each engine's load from the start, as serve
+		// does from its first scrape (idle: nothing waiting or running).
+		rn.updateLoad(i)
+	}
 	rn.stepping = make([]bool, cfg.Replicas)
 	rn.pending = make([][]replica.Event, cfg.Replicas)
 	for i := range reqs {
