@@ -283,7 +283,8 @@ func llamaDemoRun(ctx context.Context, o *demoOptions, pol string, reqs []worklo
 				PrefillSecondsPer1K: r.Speed.PrefillSecondsPer1K, PriorPrefillSecondsPer1K: r.Speed.PriorPrefillSecondsPer1K,
 				DecodeStepSeconds: r.Speed.DecodeStepSeconds, PriorDecodeStepSeconds: r.Speed.PriorDecodeStepSeconds,
 				PrefillSamples: r.Speed.PrefillSamples, DecodeSamples: r.Speed.DecodeSamples,
-				PrefillError: r.Speed.PrefillError, DecodeError: r.Speed.DecodeError}
+				PrefillError: r.Speed.PrefillError, DecodeError: r.Speed.DecodeError,
+				PrefillCoefficients: r.Speed.Prefill, DecodeCoefficients: r.Speed.Decode}
 			if st := r.Learnt; st != nil {
 				c.TimingsPrefillRatio, c.TimingsDecodeRatio = st.TimedPrefill.Ratio(), st.TimedDecode.Ratio()
 				c.TimedRequests = st.TimedPrefill.N

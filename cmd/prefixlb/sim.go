@@ -432,6 +432,7 @@ func runSim(ctx context.Context, o *simOptions, stdout, stderr io.Writer) error 
 					TrueDecodeStepSeconds:    c.TrueDecodeStepSeconds,
 					PrefillSamples:           c.Fit.PrefillSamples, DecodeSamples: c.Fit.DecodeSamples,
 					PrefillError: c.Fit.PrefillError, DecodeError: c.Fit.DecodeError,
+					PrefillCoefficients: c.Fit.Prefill, DecodeCoefficients: c.Fit.Decode,
 				})
 			}
 

@@ -438,11 +438,15 @@ func (t *Tracker) Finished(f *Flight, rep Report, now time.Time) {
 	*f = Flight{}
 }
 
+// cleanDecode is the most of a request's decode that prefill may have shared
+// for its timings to be held against the decode model (Tracker.agree).
+const cleanDecode = 0.05
+
 // agree keeps llama.cpp's timings of request f, in the model's terms, to
 // hold the model against (Stats): its prefill, stretched by the decodes
-// beside it now, against prompt_ms; its decode step over the batch it
-// decoded with, against predicted_ms over predicted_n − 1 steps less the
-// prefill the replica ran meanwhile.
+// beside it now, against prompt_ms; and, when no prefill ran beside its
+// decode, its decode step over the batch it decoded with, against
+// predicted_ms over predicted_n − 1 steps.
 func (t *Tracker) agree(f *Flight, rep Report, now time.Time) {
 	tm := rep.Timings
 	var o timedObs
@@ -450,16 +454,15 @@ func (t *Tracker) agree(f *Flight, rep Report, now time.Time) {
 		o.n, o.s, o.prefill, o.hasPre = tm.PromptN, f.seq, tm.PromptMs/1e3, true
 		o.stretch = t.m.stretch(float64(t.decoding), float64(t.decodeCtx))
 	}
-	if wall := now.Sub(f.firstAt).Seconds(); f.first && tm.PredictedN >= 2 && tm.PredictedMs > 0 && wall > 0 {
-		busy := t.intBusy - f.busy0
+	// Decode is compared only where no prefill ran beside it (its busy
+	// share under cleanDecode): llama.cpp's predicted_ms counts every step,
+	// the ones stalled by another slot's prompt batch too, while the model
+	// prices a decode step (E2 prices the stall separately).
+	if wall := now.Sub(f.firstAt).Seconds(); f.first && tm.PredictedN >= 2 && tm.PredictedMs > 0 && wall > 0 &&
+		(t.intBusy-f.busy0) <= cleanDecode*wall {
 		batch := (t.intDecode - f.decode0) / wall
 		ctx := (t.intCtx - f.ctx0) / wall
-		span := tm.PredictedMs / 1e3
-		prefill := 0.0
-		if busy > 0 {
-			prefill = busy / t.m.stretch(batch, ctx) * span / wall
-		}
-		if step := (span - prefill) / float64(tm.PredictedN-1); step > 0 && !math.IsInf(step, 0) {
+		if step := tm.PredictedMs / 1e3 / float64(tm.PredictedN-1); step > 0 && !math.IsInf(step, 0) {
 			o.b, o.c, o.step, o.hasDec = int(math.Round(max(batch, 1))), int(math.Round(ctx)), step, true
 		}
 	}

@@ -55,7 +55,7 @@ var (
 		"Observations the calibrated model learnt from, by phase and source: prefill from busy periods (period) or llama.cpp's timings (timings); decode from the median gap between streamed tokens (itl), timings, or first token to end (clock).",
 		[]string{"replica", "phase", "source"}, nil)
 	descTimings = prometheus.NewDesc("prefixlb_replica_calibration_timings_ratio",
-		"The calibrated model as it is now, predicted over llama.cpp's measured seconds (its timings: prompt_ms, and predicted_ms per step less the prefill beside it) of the last 256 requests that carried timings; 1: the model reproduces what the engine measured. Only for replicas whose responses carry timings.",
+		"The calibrated model as it is now, predicted over llama.cpp's measured seconds (its timings: prompt_ms; and predicted_ms per step of the requests whose decode ran with no prefill beside it) of the last 256 requests that carried timings; 1: the model reproduces what the engine measured. Only for replicas whose responses carry timings.",
 		[]string{"replica", "phase"}, nil)
 	descSkipped = prometheus.NewDesc("prefixlb_replica_calibration_skipped_total",
 		"Observations calibration could not use, by reason (no_first_token: a non-streamed request; failed; external: other routers' requests on the replica; replica_down; prefill_share: a decode mostly spent beside prefill; short_decode; unusable).",

@@ -243,6 +243,22 @@ func TestRealEngineEndToEnd(t *testing.T) {
 	if checked < 4 {
 		t.Errorf("router checked %d predictions against llama.cpp's reports, want ≥ 4", checked)
 	}
+	// Calibration (on by default) learnt each replica's prefill from
+	// llama.cpp's timings of the requests it served, and its model now
+	// agrees with them.
+	var timed int64
+	for _, r := range p.Replicas() {
+		if !r.Calibrated || r.Learnt == nil {
+			t.Fatalf("%s: not calibrating (calibrated %v)", r.Name, r.Calibrated)
+		}
+		timed += r.Learnt.PrefillTimings
+		if a := r.Learnt.TimedPrefill; a.N > 0 && (a.Ratio() < 0.5 || a.Ratio() > 2) {
+			t.Errorf("%s: the model predicts %.2f× what llama.cpp measured of %d prefills, want within 2×", r.Name, a.Ratio(), a.N)
+		}
+	}
+	if timed < 4 {
+		t.Errorf("calibration learnt from %d of llama.cpp's prefill timings, want ≥ 4", timed)
+	}
 
 	// A long stream; its replica is killed as soon as the stream has begun.
 	got := make(chan answer, 1)

@@ -123,6 +123,11 @@ type CalibrationFit struct {
 	TimingsPrefillRatio float64 `json:"timings_prefill_ratio,omitempty"`
 	TimingsDecodeRatio  float64 `json:"timings_decode_ratio,omitempty"`
 	TimedRequests       int64   `json:"timed_requests,omitempty"`
+	// PrefillCoefficients and DecodeCoefficients are the fit's θ and φ
+	// (internal/calibrate's package comment): with the prior they give
+	// the fitted profile.
+	PrefillCoefficients [4]float64 `json:"prefill_coefficients"`
+	DecodeCoefficients  [4]float64 `json:"decode_coefficients"`
 }
 
 // ReplicaResult is the share of a run served by one replica.
