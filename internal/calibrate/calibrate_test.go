@@ -291,3 +291,49 @@ func TestGaps(t *testing.T) {
 		t.Errorf("kept %d gaps, want ≤ %d", len(g.kept), gapsKept)
 	}
 }
+
+// A prior far off is corrected from the first few observations: they are
+// taken whole, before there is a robust scale to call them outliers by.
+func TestModelLearnsFromFirstObservations(t *testing.T) {
+	truth := lookup(t, "llamacpp-tiny-cpu")
+	m := newModel(t, resolve(t, "llamacpp-tiny-cpu:time_scale=0.25"))
+	obs := []struct{ n, s int }{{1220, 1220}, {20, 1240}, {30, 30}}
+	for _, o := range obs {
+		m.ObservePrefill([]Work{{New: o.n, Seq: o.s}}, truth.Prefill(o.n, o.s).Seconds(), 0, 0, 1)
+	}
+	var pred, meas float64
+	for _, o := range obs {
+		pred += m.Prefill(o.n, o.s).Seconds()
+		meas += truth.Prefill(o.n, o.s).Seconds()
+	}
+	if r := pred / meas; r < 0.8 || r > 1.25 {
+		t.Errorf("after 3 observations the model predicts %.2f× the truth (told 0.25×), want within 25%%", r)
+	}
+}
+
+// TestIdleSiblingFollowsPool: a replica seen a few times while the pool
+// was still at the prior, then given no more work, follows its pool as its
+// siblings teach it the cluster's real speed; it does not keep its stale
+// early fit (which would make it look slower than its siblings for ever,
+// so the router would never send it the work that would correct it).
+func TestIdleSiblingFollowsPool(t *testing.T) {
+	prior := lookup(t, "llama3.1-8b-h100")
+	truth := resolve(t, "llama3.1-8b-h100:time_scale=0.25")
+	busy := newModel(t, prior)
+	idle := busy.Sibling()
+	feed := func(m *Model, n int) {
+		for i := range n {
+			tok := 512 + 64*(i%16)
+			m.ObservePrefill([]Work{{New: tok, Seq: tok}}, truth.Prefill(tok, tok).Seconds(), 0, 0, 1)
+		}
+	}
+	feed(busy, 1)
+	feed(idle, 3)
+	early := ratio(idle.Prefill(1024, 1024), truth.Prefill(1024, 1024))
+	feed(busy, 200)
+	got := ratio(idle.Prefill(1024, 1024), truth.Prefill(1024, 1024))
+	want := ratio(busy.Prefill(1024, 1024), truth.Prefill(1024, 1024))
+	if math.Abs(got-want) > 0.1*want {
+		t.Errorf("idle sibling predicts %.2f× the truth (%.2f× after its own 3 observations), its busy sibling %.2f×: want the idle one within 10%% of the busy one", got, early, want)
+	}
+}

@@ -42,7 +42,9 @@ func dot(a, b vec) float64 {
 // Each is weighted by Huber's rule (Huber, "Robust Estimation of a Location
 // Parameter", 1964) on its a-priori residual relative to the fit: beyond k
 // robust scales the weight falls as k·s/|r|, so a prefill that waited
-// behind work the router could not see moves the fit only a little.
+// behind work the router could not see moves the fit only a little. The
+// first solveWarmup observations, before there is a scale to judge by, are
+// taken whole.
 //
 // The solve is a 4×4 Cholesky factorisation, done after each of the first
 // solveWarmup observations and then every solveEvery-th: between solves θ
@@ -73,6 +75,7 @@ type estimator struct {
 	n                         int64  // observations used
 	stale                     int    // observations since θ was solved
 	ver                       uint64 // counts solves: θ's version, for the caches of its figures
+	poolVer                   uint64 // the pool fit's ver when prior was last taken from it
 }
 
 // Robust-scale bounds and the EWMA rate of the error figures.
@@ -116,10 +119,17 @@ func (e *estimator) update(x vec, y, norm, w float64) bool {
 		e.report(xn, yn, pred, norm, y)
 	}
 	ar := math.Abs(r)
-	if lim := e.k * e.scale; ar > lim {
-		w *= lim / ar
+	if e.n < solveWarmup {
+		// No scale to judge by yet: the first observations are taken
+		// whole (a prior 4× off must not make every one an outlier), and
+		// the scale starts as their mean residual.
+		e.scale += (min(ar, 10) - e.scale) / float64(e.n+1)
+	} else {
+		if lim := e.k * e.scale; ar > lim {
+			w *= lim / ar
+		}
+		e.scale += ewmaRate * (min(ar, 4*e.scale) - e.scale)
 	}
-	e.scale += ewmaRate * (min(ar, 4*e.scale) - e.scale)
 	e.scale = max(e.scale, scaleFloor)
 
 	// info is symmetric: only its lower triangle is kept (solve reads

@@ -227,6 +227,7 @@ func (m *Model) Sibling() *Model {
 // preVer and decVer are the versions of the coefficients preTheta and
 // decTheta return (0 when they are the prior's): the stamps of the fitMemo.
 func (m *Model) preVer() uint64 {
+	follow(&m.pre, &m.pool.pre)
 	switch {
 	case m.pre.n > 0:
 		return m.pre.ver<<1 | 1
@@ -237,6 +238,7 @@ func (m *Model) preVer() uint64 {
 }
 
 func (m *Model) decVer() uint64 {
+	follow(&m.dec, &m.pool.dec)
 	switch {
 	case m.dec.n > 0:
 		return m.dec.ver<<1 | 1
@@ -503,11 +505,25 @@ func (m *Model) learn(pool, own *estimator, x vec, y, norm, w float64) bool {
 	if !pool.update(x, y, norm, w) {
 		return false
 	}
-	own.prior = pool.theta // as of the pool's last solve: a few observations old at most
+	own.prior, own.poolVer = pool.theta, pool.ver // as of the pool's last solve: a few observations old at most
 	if own.n == 0 {
 		own.theta = pool.theta // its first prediction is the pool's
 	}
 	return own.update(x, y, norm, w)
+}
+
+// follow re-solves a replica's own fit when its pool's has moved since it
+// last took the pool's as its prior. Without it, a replica the router
+// stopped sending work to (it looked slow after a few unlucky early
+// observations) would keep its stale fit for ever while its siblings'
+// taught the pool the cluster's real speed: it would look ever slower by
+// comparison and never be given the work that would correct it.
+func follow(own, pool *estimator) {
+	if own.n == 0 || own.poolVer == pool.ver {
+		return
+	}
+	own.prior, own.poolVer = pool.theta, pool.ver
+	own.refresh()
 }
 
 // Fit is a snapshot of a Model for metrics, dashboards and reports.
