@@ -25,7 +25,7 @@ shared=(--workload shared-prefix --groups 6 --system-prompt-tokens 1800 --questi
 run() {
   local name=$1; shift
   echo "== $name: prefixlb demo $*" >&2
-  "$bin" demo "${common[@]}" "$@" --json "$out/$name.json" | tee "$out/$name.txt"
+  "$bin" demo "${common[@]}" "$@" --json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
 }
 run tb-timings "${tools[@]}" --profile llamacpp-tiny-cpu
 run tb-clock "${tools[@]}" --profile llamacpp-tiny-cpu --calibrate-timings=false
