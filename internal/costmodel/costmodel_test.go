@@ -329,3 +329,31 @@ func BenchmarkIteration(b *testing.B) {
 		p.Iteration(batch)
 	}
 }
+
+// TestSame: two loads of one built-in name or spec are the same profile;
+// another name, another scale or nil is not.
+func TestSame(t *testing.T) {
+	get := func(spec string) Profile {
+		p, err := Resolve(spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for _, c := range []struct {
+		a, b Profile
+		want bool
+	}{
+		{get(Llama31_8BH100), get(Llama31_8BH100), true},
+		{get(Llama31_8BH100 + ":time_scale=0.5"), get(Llama31_8BH100 + ":time_scale=0.5"), true},
+		{get(Mistral7BA6000), get(Mistral7BA6000), true},
+		{get(Llama31_8BH100), get(Llama31_8BA100), false},
+		{get(Llama31_8BH100), get(Llama31_8BH100 + ":time_scale=0.5"), false},
+		{get(Llama31_8BH100 + ":time_scale=0.5"), get(Llama31_8BH100 + ":time_scale=0.25"), false},
+		{get(Llama31_8BH100), nil, false},
+	} {
+		if got := Same(c.a, c.b); got != c.want {
+			t.Errorf("Same(%v, %v) = %v, want %v", c.a, c.b, got, c.want)
+		}
+	}
+}

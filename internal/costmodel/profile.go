@@ -13,7 +13,10 @@
 // here is pure: no clock, no randomness, no goroutines, no I/O but Load's.
 package costmodel
 
-import "time"
+import (
+	"reflect"
+	"time"
+)
 
 // Profile prices the work of one replica. Implementations are pure functions of
 // their arguments and safe for concurrent use.
@@ -30,6 +33,14 @@ type Profile interface {
 	Iteration(b Batch) time.Duration
 	// KVCapacity is how many tokens of KV cache one replica holds.
 	KVCapacity() int
+}
+
+// Same reports whether a and b are the same profile: the same value, or
+// equal values (every profile here is a pure value: two loads of one
+// built-in name, spec or file give equal ones). The router pools the
+// calibration of replicas told the same profile by it.
+func Same(a, b Profile) bool {
+	return a == b || (a != nil && b != nil && reflect.DeepEqual(a, b))
 }
 
 // Batch describes one engine iteration for Profile.Iteration.

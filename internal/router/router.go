@@ -269,9 +269,11 @@ func (r *Router) setProfile(id int, p costmodel.Profile) {
 	if r.cfg.Calibrate == nil {
 		return
 	}
-	// Replicas of one profile share its figures (Model.Sibling).
+	// Replicas of one profile share its figures (Model.Sibling): the same
+	// value, or an equal one loaded again (a backend naming the default
+	// profile, or several naming one in YAML).
 	for j, t := range r.cal {
-		if t != nil && j != id && r.profiles[j] == p {
+		if t != nil && j != id && costmodel.Same(r.profiles[j], p) {
 			m := t.Model().Sibling()
 			r.priced[id], r.cal[id] = m, calibrate.NewTracker(m)
 			return
