@@ -274,8 +274,6 @@ type e2NodeReplica struct {
 
 type e2Replica struct {
 	hist              float64 // windowed prefill seconds (L's history term)
-	seed              float64 // TPOT seed from the replica's profile, seconds
-	seedOf            costmodel.Profile
 	mixPrompt, mixHit int
 	tpot              []float64
 	tpotNext          int
@@ -367,14 +365,12 @@ func (s *e2Node) at(r int) *e2NodeReplica {
 func secs(d time.Duration) float64 { return d.Seconds() }
 
 // tpot returns replica r's median observed time per output token, seeded
-// from its profile's single-sequence decode step.
-func (p *E2) tpot(r int, prof costmodel.Profile) float64 {
+// from its profile's single-sequence decode step (as the profile prices it
+// now: a calibrated one moves as it learns).
+func (p *E2) tpot(v *View, r int) float64 {
 	rs := p.rep(r)
 	if len(rs.tpot) == 0 {
-		if rs.seedOf != prof {
-			rs.seed, rs.seedOf = secs(prof.Iteration(costmodel.Batch{DecodeSeqs: 1, DecodeContext: 1024})), prof
-		}
-		return rs.seed
+		return p.stepMemo(v, r, 1, 1024)
 	}
 	if rs.tpotDirty > 0 {
 		buf := slices.Clone(rs.tpot)
@@ -386,7 +382,8 @@ func (p *E2) tpot(r int, prof costmodel.Profile) float64 {
 }
 
 // decodeLoad is L's in-flight decode term for replica r.
-func (p *E2) decodeLoad(rp *Replica, prof costmodel.Profile) float64 {
+func (p *E2) decodeLoad(v *View, r int) float64 {
+	rp := &v.Replicas[r]
 	if rp.DecodeTokens <= 0 {
 		return 0
 	}
@@ -396,10 +393,10 @@ func (p *E2) decodeLoad(rp *Replica, prof costmodel.Profile) float64 {
 		if rp.Decoding > 0 {
 			ctx = rp.DecodeContextTokens / rp.Decoding
 		}
-		m := secs(costmodel.MarginalDecode(prof, n-1, ctx))
+		m := secs(costmodel.MarginalDecode(v.ProfileOf(r), n-1, ctx))
 		return float64(rp.DecodeTokens) * m
 	}
-	return float64(rp.DecodeTokens) * p.tpot(rp.ID, prof)
+	return float64(rp.DecodeTokens) * p.tpot(v, r)
 }
 
 // load is L(r).
@@ -407,7 +404,7 @@ func (p *E2) load(r int, v *View) float64 {
 	rp := &v.Replicas[r]
 	l := 0.0
 	if p.cfg.DecodeWeight > 0 {
-		l = p.cfg.DecodeWeight * p.decodeLoad(rp, v.ProfileOf(r))
+		l = p.cfg.DecodeWeight * p.decodeLoad(v, r)
 	}
 	if p.cfg.HistoryWeight > 0 {
 		l += p.cfg.HistoryWeight * p.rep(r).hist
@@ -989,7 +986,7 @@ func (p *E2) rebalance(v *View, ns int64) {
 	}
 	if !p.cfg.MovableLoadOnly {
 		for r := 0; r < n; r++ {
-			p.lrb[r] += p.decodeLoad(&v.Replicas[r], v.ProfileOf(r))
+			p.lrb[r] += p.decodeLoad(v, r)
 		}
 	}
 	p.order = p.order[:0]

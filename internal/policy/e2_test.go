@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 )
 
@@ -545,5 +546,56 @@ func TestE2SlotWait(t *testing.T) {
 	}
 	if d.Replica != 0 {
 		t.Errorf("slot_wait=false: chose %d, want the cached replica 0: %s", d.Replica, d.Explain())
+	}
+}
+
+// learning is a profile that remembers its own figures (costmodel.Memoizer,
+// as a calibrated model does) and whose decode step the test changes, as
+// calibration does when it refits.
+type learning struct {
+	linearProfile
+	step *time.Duration
+}
+
+func (l learning) Iteration(b costmodel.Batch) time.Duration {
+	if len(b.Prefill) == 0 && b.DecodeSeqs > 0 {
+		return *l.step
+	}
+	return l.linearProfile.Iteration(b)
+}
+
+func (learning) Memoized() bool { return true }
+
+// TestE2TPOTSeedFollowsTheProfile: a replica with no observed time per
+// output token is charged its profile's decode step as the profile prices
+// it now; when a calibrated profile learns a slower step, the decode term
+// of L follows (it used to keep the figure of the first decision).
+func TestE2TPOTSeedFollowsTheProfile(t *testing.T) {
+	step := 10 * time.Millisecond
+	c := newCluster(t, 2, bigKV)
+	c.prof = learning{linearProfile{kv: bigKV}, &step}
+	cfg := isolated(paperCost())
+	cfg.MarginalDecode = false
+	p := mustE2(t, cfg)
+	c.reps[1].InFlight, c.reps[1].Decoding, c.reps[1].DecodeTokens = 1, 1, 100
+	load := func(tokens []uint32, now time.Time) float64 {
+		req, v := c.request(tokens, now)
+		d, err := p.Route(req, v, now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, cd := range d.Candidates {
+			if cd.Replica == 1 {
+				return cd.Load
+			}
+		}
+		t.Fatalf("replica 1 is not a candidate: %s", d.Explain())
+		return 0
+	}
+	first := load(toks(40, 512), at(0))
+	step = 30 * time.Millisecond
+	second := load(toks(41, 512), at(1))
+	if math.Abs(first-1.0) > 1e-9 || math.Abs(second-3.0) > 1e-9 {
+		t.Errorf("replica 1's L with 100 tokens to decode: %.4g s at a 10 ms step, then %.4g s at 30 ms; want 1 and 3", first, second)
 	}
 }
