@@ -569,17 +569,17 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 	primary := p.slots[d.Replica]
 	pick := Pick{ID: req.ID, Replica: primary.Name, Decision: d, Endpoints: []string{primary.Address}}
 	pick.Endpoints = append(pick.Endpoints, p.fallbacks(d)...)
-	f := &flight{req: *req, replica: primary, load: p.flightLoad(req, d.MatchedTokens), matched: d.MatchedTokens}
+	f := &flight{req: *req, replica: primary, load: p.flightLoad(req.ID), matched: d.MatchedTokens}
 	p.flights[req.ID] = f
 	return pick, f, nil
 }
 
-// flightLoad is what one routed request adds to its replica's load: the
-// same figures the router adds to its own counts (router.commit).
-func (p *Picker) flightLoad(req *policy.Request, matched int) router.ExternalLoad {
-	missed := max(req.PromptTokens-matched, 0)
-	return router.ExternalLoad{InFlight: 1, Prefilling: 1, PendingPrefillTokens: missed,
-		PendingPrefill: p.prof.Prefill(missed, req.PromptTokens), DecodeTokens: req.OutputTokens}
+// flightLoad is what request id, just routed, adds to its replica's load:
+// the figures the router added to its own counts, priced by the replica's
+// profile as calibrated (Router.FlightLoad).
+func (p *Picker) flightLoad(id uint64) router.ExternalLoad {
+	l, _ := p.rt.FlightLoad(id)
+	return l
 }
 
 // fallbacks lists up to Config.Fallbacks other allowed replicas' addresses,
@@ -642,7 +642,7 @@ func (p *Picker) Served(id uint64, endpoint string) {
 		return
 	}
 	f.replica = r
-	f.load = p.flightLoad(&f.req, d.MatchedTokens)
+	f.load = p.flightLoad(f.req.ID)
 	f.matched = d.MatchedTokens
 	newLoad := f.load
 	p.mu.Unlock()

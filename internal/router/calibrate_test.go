@@ -71,3 +71,45 @@ func TestProfilePoolsByValue(t *testing.T) {
 		t.Errorf("replica 2 (another profile) prices a cold prefill at %.2f× its profile, want 1 (not in replica 0's pool)", other)
 	}
 }
+
+// TestFlightLoad: what Router.FlightLoad says a request adds to its
+// replica is what the router itself counts for it, priced by the replica's
+// calibrated model when calibrating; after its first token it owes no
+// prefill; once finished it is unknown.
+func TestFlightLoad(t *testing.T) {
+	for _, cal := range []bool{false, true} {
+		cfg := Config{BlockTokens: bt, Profile: profile(t), Policy: &policy.RoundRobin{}, Seed: 1}
+		if cal {
+			c := calibrate.DefaultConfig()
+			cfg.Calibrate = &c
+		}
+		r, err := New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddReplica("replica-0", false)
+		q := req(1, toks(1, 800))
+		if _, err := r.Route(q, t0); err != nil {
+			t.Fatal(err)
+		}
+		rp, _ := r.Replica(0)
+		got, ok := r.FlightLoad(1)
+		want := ExternalLoad{InFlight: rp.InFlight, Prefilling: rp.Prefilling, PendingPrefill: rp.PendingPrefill,
+			PendingPrefillTokens: rp.PendingPrefillTokens, DecodeTokens: rp.DecodeTokens}
+		if !ok || got != want || got.PendingPrefill != r.PricedProfile(0).Prefill(800, 800) {
+			t.Errorf("calibrate=%v: FlightLoad = %+v, %v; want the replica's counts %+v, prefill priced by %s", cal, got, ok, want, r.PricedProfile(0).Name())
+		}
+		if err := r.FirstToken(1, at(100)); err != nil {
+			t.Fatal(err)
+		}
+		if got, _ := r.FlightLoad(1); got != (ExternalLoad{InFlight: 1, DecodeTokens: q.OutputTokens}) {
+			t.Errorf("calibrate=%v: after the first token FlightLoad = %+v, want in flight with %d tokens to decode only", cal, got, q.OutputTokens)
+		}
+		if err := r.Finished(1, 10, -1, true, at(200)); err != nil {
+			t.Fatal(err)
+		}
+		if _, ok := r.FlightLoad(1); ok {
+			t.Errorf("calibrate=%v: FlightLoad of a finished request is ok", cal)
+		}
+	}
+}

@@ -619,6 +619,22 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	return nil
 }
 
+// FlightLoad returns what in-flight request id adds to its replica's
+// load, as the router counts it: what another router sharing the replica
+// should add to its own view (SetExternalLoad). ok is false for an unknown
+// request.
+func (r *Router) FlightLoad(id uint64) (l ExternalLoad, ok bool) {
+	f, ok := r.inflight[id]
+	if !ok {
+		return ExternalLoad{}, false
+	}
+	l = ExternalLoad{InFlight: 1, DecodeTokens: f.out}
+	if !f.prefilled {
+		l.Prefilling, l.PendingPrefill, l.PendingPrefillTokens = 1, f.pendingPrefill, f.pendingTokens
+	}
+	return l, true
+}
+
 // InFlight is the number of requests routed and not finished.
 func (r *Router) InFlight() int { return len(r.inflight) }
 
