@@ -202,6 +202,11 @@ func (s *Scaled) Iteration(b Batch) time.Duration {
 	if all == 0 {
 		return 0
 	}
+	if s.prefill == s.decode {
+		// time_scale alone (the common spec): a·I, without pricing the
+		// parts (I ≥ P and I ≥ D, so the bound below cannot bind).
+		return scaleDuration(float64(all) * s.prefill)
+	}
 	p := s.base.Iteration(Batch{Prefill: b.Prefill})
 	d := s.base.Iteration(Batch{DecodeSeqs: b.DecodeSeqs, DecodeContext: b.DecodeContext})
 	switch {

@@ -422,7 +422,7 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 	if p.cfg.EvictionWeight == 0 || missedTokens <= 0 {
 		return 0
 	}
-	bt := v.BlockTokens()
+	bt, prof := v.BlockTokens(), v.ProfileOf(r)
 	if v.Replicas[r].Slots > 0 {
 		// A slot cache overwrites one slot's prompt whole, whatever the
 		// replica's capacity: price the prefixes of that prompt that no
@@ -435,13 +435,13 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 		cost := 0.0
 		v.Victims(r, func(n *prefixtree.Node) bool {
 			if n.CachedCount() <= 1 {
-				cost += p.evictionCost(n, v.ProfileOf(r), bt)
+				cost += p.evictionCost(n, prof, bt)
 			}
 			return true
 		})
 		return p.cfg.EvictionWeight * cost
 	}
-	capBlocks := v.ProfileOf(r).KVCapacity() / bt
+	capBlocks := prof.KVCapacity() / bt
 	need := v.Tree.CachedBlocks(r) + (missedTokens+bt-1)/bt - capBlocks
 	if need <= 0 {
 		return 0
@@ -453,7 +453,7 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 			return true
 		}
 		freed += n.Own()
-		cost += p.evictionCost(n, v.ProfileOf(r), bt)
+		cost += p.evictionCost(n, prof, bt)
 		return freed < need
 	})
 	return p.cfg.EvictionWeight * cost
@@ -587,15 +587,11 @@ func (p *E2) prefillMemo(v *View, r, missed, prompt int) float64 {
 	if costmodel.Memoized(prof) {
 		return secs(prof.Prefill(missed, prompt))
 	}
-	for _, e := range p.pfMemo {
-		if e.a == missed && e.b == prompt && e.prof == prof {
-			return e.v
-		}
+	if x, ok := memoGet(p.pfMemo, prof, missed, prompt); ok {
+		return x
 	}
 	x := secs(prof.Prefill(missed, prompt))
-	if len(p.pfMemo) < memoSize {
-		p.pfMemo = append(p.pfMemo, memoEntry{prof, missed, prompt, x})
-	}
+	memoPut(&p.pfMemo, prof, missed, prompt, x)
 	return x
 }
 
@@ -607,16 +603,30 @@ func (p *E2) stepMemo(v *View, r, batch, ctx int) float64 {
 	if costmodel.Memoized(prof) {
 		return secs(prof.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch}))
 	}
-	for _, e := range p.stepMemos {
-		if e.a == batch && e.b == ctx && e.prof == prof {
-			return e.v
-		}
+	if x, ok := memoGet(p.stepMemos, prof, batch, ctx); ok {
+		return x
 	}
 	x := secs(prof.Iteration(costmodel.Batch{DecodeSeqs: batch, DecodeContext: ctx * batch}))
-	if len(p.stepMemos) < memoSize {
-		p.stepMemos = append(p.stepMemos, memoEntry{prof, batch, ctx, x})
-	}
+	memoPut(&p.stepMemos, prof, batch, ctx, x)
 	return x
+}
+
+// memoGet finds the figure remembered for (prof, a, b) in a per-decision
+// memo (prefillMemo, stepMemo).
+func memoGet(memo []memoEntry, prof costmodel.Profile, a, b int) (float64, bool) {
+	for _, e := range memo {
+		if e.a == a && e.b == b && e.prof == prof {
+			return e.v, true
+		}
+	}
+	return 0, false
+}
+
+// memoPut remembers x for (prof, a, b) while the memo has room.
+func memoPut(memo *[]memoEntry, prof costmodel.Profile, a, b int, x float64) {
+	if len(*memo) < memoSize {
+		*memo = append(*memo, memoEntry{prof, a, b, x})
+	}
 }
 
 // Route implements Policy (Algorithm 1 of the paper).

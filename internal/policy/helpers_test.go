@@ -107,9 +107,6 @@ func (c *cluster) request(tokens []uint32, now time.Time) (*policy.Request, *pol
 	c.id++
 	req := &policy.Request{ID: c.id, Keys: blocks.Keys(nil, tokens, bt), PromptTokens: len(tokens), OutputTokens: 100}
 	c.tree.Insert(req.Keys, now, &c.m)
-	for i := range c.reps {
-		c.reps[i].ActiveBlocks = c.tree.ActiveBlocks(i) // as the router's prepareView does
-	}
 	return req, &policy.View{Replicas: c.reps, Tree: c.tree, Match: &c.m, Profile: c.prof, Rand: c.rng}
 }
 

@@ -657,7 +657,7 @@ func DefaultDynamoConfig() DynamoConfig { return DynamoConfig{OverlapWeight: 1} 
 // Active prefill tokens are the uncached prompt tokens of r's requests that
 // have not finished prefill (Replica.PendingPrefillTokens); active blocks are
 // the distinct prompt blocks of all r's in-flight requests
-// (Replica.ActiveBlocks; output blocks count only with
+// (prefixtree.Tree.ActiveBlocks; output blocks count only with
 // router_track_output_blocks, off by default). The request's blocks not
 // active on r are those of its path no request on r references yet.
 //
@@ -708,7 +708,7 @@ func (p *Dynamo) Route(req *Request, v *View, now time.Time) (Decision, error) {
 		}
 		m := v.MatchedTokens(i, req)
 		prefill := float64(req.PromptTokens-m+max(rp.PendingPrefillTokens, 0)) / bt
-		decode := float64(max(rp.ActiveBlocks, 0) + newBlocks(v, req, i))
+		decode := float64(v.Tree.ActiveBlocks(i) + newBlocks(v, req, i))
 		c := p.cfg.OverlapWeight*prefill + decode
 		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Prefill: prefill, Load: decode, Score: c})
 	}

@@ -469,7 +469,7 @@ func TestDynamoByHand(t *testing.T) {
 			t.Errorf("replica %d: prefill %v decode %v logit %v, want %v %v %v", cd.Replica, cd.Prefill, cd.Load, cd.Score, w.prefill, w.decode, w.prefill+w.decode)
 		}
 	}
-	if got := c.reps[1].ActiveBlocks; got != 10 {
+	if got := c.tree.ActiveBlocks(1); got != 10 {
 		t.Errorf("replica 1 has %d active blocks, want 10", got)
 	}
 	// The overlap weight scales the prefill term only.

@@ -70,11 +70,6 @@ type Replica struct {
 	// Decoding counts in-flight requests past their first token, and
 	// DecodeContextTokens the context (prompt + output so far) they hold.
 	Decoding, DecodeContextTokens int
-	// ActiveBlocks is the number of distinct prompt blocks of the requests
-	// in flight on the replica, each block counted once however many of
-	// them share it (prefixtree.Tree.ActiveBlocks; Dynamo's active blocks).
-	// The router fills it for each decision.
-	ActiveBlocks int
 	// Waiting and Running are the engine's own queue figures (scraped
 	// vllm:num_requests_waiting / running); -1 when unknown.
 	Waiting, Running int

@@ -419,9 +419,6 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 // into r.match): the replicas' snapshot, and for slot-cache replicas what
 // the slot the request would land on holds.
 func (r *Router) prepareView(keys []blocks.Key, prompt int) {
-	for i := range r.reps {
-		r.reps[i].ActiveBlocks = r.tree.ActiveBlocks(i)
-	}
 	r.view.Replicas = r.reps
 	r.view.Profiles = r.priced
 	r.view.Victims = nil
