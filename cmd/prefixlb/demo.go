@@ -16,6 +16,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/loadgen"
@@ -113,7 +114,7 @@ func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) erro
 	if o.timeScale <= 0 {
 		return fmt.Errorf("--speedup must be > 0, got %v", o.timeScale)
 	}
-	prof, err := loadProfile(o.profile)
+	prof, err := costmodel.Resolve(o.profile)
 	if err != nil {
 		return err
 	}
@@ -259,7 +260,7 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
-	prof, err := loadProfile(profile)
+	prof, err := costmodel.Resolve(profile)
 	if err != nil {
 		return report.Result{}, err
 	}

@@ -155,7 +155,7 @@ func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *sl
 	if cfg.TimeScale <= 0 {
 		return fmt.Errorf("engine: --time-scale must be positive, got %v", cfg.TimeScale)
 	}
-	prof, err := loadProfile(o.profile)
+	prof, err := costmodel.Resolve(o.profile)
 	if err != nil {
 		return fmt.Errorf("engine: --profile: %w", err)
 	}

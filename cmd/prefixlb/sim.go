@@ -182,12 +182,6 @@ from the profile it was told (internal/calibrate; docs/calibration.md).`,
 
 func init() { rootCmd.AddCommand(newSimCmd()) }
 
-// loadProfile resolves a profile spec: a built-in name or a YAML file,
-// optionally with scaled times (costmodel.Resolve).
-func loadProfile(spec string) (costmodel.Profile, error) {
-	return costmodel.Resolve(spec)
-}
-
 // parseReplicaProfiles resolves --replica-profiles for n replicas: specs
 // separated by commas, SPEC*N standing for N of one.
 func parseReplicaProfiles(list string, n int) ([]costmodel.Profile, error) {
@@ -205,7 +199,7 @@ func parseReplicaProfiles(list string, n int) ([]costmodel.Profile, error) {
 		if item == "" {
 			return nil, fmt.Errorf("--replica-profiles: an empty profile in %q", list)
 		}
-		p, err := loadProfile(item)
+		p, err := costmodel.Resolve(item)
 		if err != nil {
 			return nil, fmt.Errorf("--replica-profiles: %w", err)
 		}
@@ -257,7 +251,7 @@ func (sp *simProfiles) fastest() costmodel.Profile {
 }
 
 func resolveSimProfiles(o *simOptions) (*simProfiles, error) {
-	base, err := loadProfile(o.profile)
+	base, err := costmodel.Resolve(o.profile)
 	if err != nil {
 		return nil, err
 	}
@@ -268,7 +262,7 @@ func resolveSimProfiles(o *simOptions) (*simProfiles, error) {
 		}
 	}
 	if o.routerProfile != "" {
-		rp, err := loadProfile(o.routerProfile)
+		rp, err := costmodel.Resolve(o.routerProfile)
 		if err != nil {
 			return nil, fmt.Errorf("--router-profile: %w", err)
 		}

@@ -274,7 +274,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	prof, err := loadProfile(cfg.Profile)
+	prof, err := costmodel.Resolve(cfg.Profile)
 	if err != nil {
 		return nil, fmt.Errorf("epp: profile: %w", err)
 	}
@@ -320,11 +320,6 @@ func NewPicker(cfg Config) (*Picker, error) {
 	}
 	p.m = newMetrics(p)
 	return p, nil
-}
-
-// loadProfile resolves a profile spec (costmodel.Resolve, as proxy does).
-func loadProfile(spec string) (costmodel.Profile, error) {
-	return costmodel.Resolve(spec)
 }
 
 // Add adds a replica, or updates one of the same name (an address or a

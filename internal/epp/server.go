@@ -368,10 +368,7 @@ func (x *exchange) finish(complete bool) {
 		ok = false
 	}
 	out, cached := x.watch.result()
-	fin := router.Finish{OutputTokens: out, CachedTokens: cached, OK: ok}
-	if t := x.watch.timings; t != nil {
-		fin.Timings = &calibrate.Timings{PromptN: t.PromptN, PromptMs: t.PromptMs, PredictedN: t.PredictedN, PredictedMs: t.PredictedMs}
-	}
+	fin := router.Finish{OutputTokens: out, CachedTokens: cached, OK: ok, Timings: x.watch.timings.Calibration()}
 	fin.ITL, fin.ITLSamples = x.watch.gaps.Median()
 	x.s.p.Finish(x.pick.ID, fin)
 }

@@ -549,12 +549,6 @@ func LoadConfig(path string, base Config) (Config, error) {
 	return c, nil
 }
 
-// loadProfile resolves a profile spec: a built-in name or a YAML file,
-// optionally with scaled times (costmodel.Resolve).
-func loadProfile(spec string) (costmodel.Profile, error) {
-	return costmodel.Resolve(spec)
-}
-
 // backendKind is backend b's configured kind: its own, else def (the
 // config's BackendKind), else auto. Both were validated.
 func backendKind(b Backend, def BackendKind) BackendKind {

@@ -398,12 +398,12 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			break
 		}
 	}
-	fin := router.Finish{OutputTokens: st.tokens, CachedTokens: -1, OK: !st.upstreamError, Timings: engineTimings(st.timings)}
+	fin := router.Finish{OutputTokens: st.tokens, CachedTokens: -1, OK: !st.upstreamError, Timings: st.timings.Calibration()}
 	if st.usage != nil {
 		fin.OutputTokens, fin.CachedTokens = st.usage.CompletionTokens, st.cached()
 	}
 	fin.ITL, fin.ITLSamples = gaps.Median()
-	x.doneWith(id, d, b, fin)
+	x.done(id, d, b, fin)
 	return result{}
 }
 
@@ -430,7 +430,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 			x.code = "aborted"
 		}
 		if ok {
-			x.done(id, d, b, 0, -1, true)
+			x.done(id, d, b, router.Finish{CachedTokens: -1, OK: true})
 		} else {
 			p.finish(id, 0, -1, false)
 		}
@@ -450,21 +450,16 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 	x.writeHead(d, n, resp, len(buf))
 	_, _ = x.w.Write(buf)
 	if ok {
-		x.doneWith(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: true, Timings: engineTimings(timings)})
+		x.done(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: true, Timings: timings.Calibration()})
 	} else {
 		p.finish(id, out, -1, false)
 	}
 	return result{}
 }
 
-// done records a request that the replica answered.
-func (x *exchange) done(id uint64, d *policy.Decision, b *backend, out, cached int, ok bool) {
-	x.doneWith(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: ok})
-}
-
-// doneWith records a request that the replica answered, with what the
-// front door learnt of it.
-func (x *exchange) doneWith(id uint64, d *policy.Decision, b *backend, fin router.Finish) {
+// done records a request that the replica answered, with what the front
+// door learnt of it.
+func (x *exchange) done(id uint64, d *policy.Decision, b *backend, fin router.Finish) {
 	p := x.p
 	p.finishWith(id, fin)
 	if fin.OK {

@@ -37,6 +37,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/calmetrics"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
@@ -148,7 +149,7 @@ func New(cfg Config) (*Proxy, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	prof, err := loadProfile(cfg.Profile)
+	prof, err := costmodel.Resolve(cfg.Profile)
 	if err != nil {
 		return nil, fmt.Errorf("proxy: config: profile: %w", err)
 	}
@@ -219,7 +220,7 @@ func New(cfg Config) (*Proxy, error) {
 		name := backendName(b)
 		id := rt.AddReplica(name, b.KVEvents != "")
 		if b.Profile != "" {
-			bp, err := loadProfile(b.Profile)
+			bp, err := costmodel.Resolve(b.Profile)
 			if err != nil {
 				return nil, fmt.Errorf("proxy: config: backends[%d].profile: %w", i, err)
 			}
@@ -423,14 +424,6 @@ func (p *Proxy) calibrationRows() []calmetrics.Row {
 		rows[i] = calmetrics.Row{Replica: b.name, Calibrated: ok, Fit: fit, Stats: st}
 	}
 	return rows
-}
-
-// engineTimings converts llama.cpp's timings for calibration (nil for nil).
-func engineTimings(t *Timings) *calibrate.Timings {
-	if t == nil {
-		return nil
-	}
-	return &calibrate.Timings{PromptN: t.PromptN, PromptMs: t.PromptMs, PredictedN: t.PredictedN, PredictedMs: t.PredictedMs}
 }
 
 // checked records one health observation of replica id (an active check,

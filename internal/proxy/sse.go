@@ -7,6 +7,8 @@ import (
 	"errors"
 	"io"
 	"math"
+
+	"github.com/prefixlb/prefixlb/internal/calibrate"
 )
 
 // maxEventBytes bounds one Server-Sent Event (all its lines): a chunk of an
@@ -182,6 +184,14 @@ type Timings struct {
 	PredictedN          int     `json:"predicted_n"`
 	PredictedMs         float64 `json:"predicted_ms"`
 	PredictedPerTokenMs float64 `json:"predicted_per_token_ms"`
+}
+
+// Calibration is what calibration reads of t (nil for a nil t).
+func (t *Timings) Calibration() *calibrate.Timings {
+	if t == nil {
+		return nil
+	}
+	return &calibrate.Timings{PromptN: t.PromptN, PromptMs: t.PromptMs, PredictedN: t.PredictedN, PredictedMs: t.PredictedMs}
 }
 
 // maxTimingsCount caps the token counts read from a timings object.
