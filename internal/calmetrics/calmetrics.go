@@ -4,8 +4,6 @@
 package calmetrics
 
 import (
-	"sort"
-
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
@@ -106,13 +104,9 @@ func (c Collector) Collect(ch chan<- prometheus.Metric) {
 		if st.TimedDecode.N > 0 {
 			g(descTimings, st.TimedDecode.Ratio(), r.Replica, "decode")
 		}
-		reasons := make([]string, 0, len(st.Skipped))
-		for k := range st.Skipped {
-			reasons = append(reasons, k)
-		}
-		sort.Strings(reasons)
-		for _, k := range reasons {
-			n(descSkipped, st.Skipped[k], r.Replica, k)
+		// In any order: the registry sorts a family's series.
+		for k, v := range st.Skipped {
+			n(descSkipped, v, r.Replica, k)
 		}
 	}
 }

@@ -9,7 +9,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
@@ -157,14 +156,9 @@ type ReplicaView struct {
 	// Cache is the router's view of its cache and how well it has matched
 	// the replica's reports.
 	Cache router.CacheView `json:"cache"`
-	// Profile, Calibrated, Speed and Learnt are the replica's cost model
-	// (as prefixlb serve's /debug/replicas gives them): its configured
-	// profile, whether the router learns its speed, what it prices its work
-	// with, and the observations behind it.
-	Profile    string           `json:"profile"`
-	Calibrated bool             `json:"calibrated"`
-	Speed      calibrate.Fit    `json:"speed"`
-	Learnt     *calibrate.Stats `json:"calibration,omitempty"`
+	// Pricing is the replica's cost model, as prefixlb serve's
+	// /debug/replicas gives it.
+	router.Pricing
 }
 
 // ReplicaViews returns a snapshot of the known replicas with their kinds
@@ -177,19 +171,11 @@ func (p *Picker) ReplicaViews() []ReplicaView {
 		st, _ := p.rt.Replica(r.id)
 		ext := p.rt.ExternalLoad(r.id).InFlight
 		v, _ := p.rt.CacheView(r.id)
-		fit, cst, calibrated := p.rt.Calibration(r.id)
-		rv := ReplicaView{
+		out = append(out, ReplicaView{
 			Name: r.Name, Address: r.Address, Ready: r.Ready, InFlight: st.InFlight - ext, External: ext,
 			Kind: r.kind, Slots: r.slots, Waiting: st.Waiting, Running: st.Running, KVUsage: st.KVUsage,
-			KVTokens: r.kvTokens, Cache: v, Calibrated: calibrated, Speed: fit,
-		}
-		if calibrated {
-			rv.Learnt = &cst
-		}
-		if pr := p.rt.Profile(r.id); pr != nil {
-			rv.Profile = pr.Name()
-		}
-		out = append(out, rv)
+			KVTokens: r.kvTokens, Cache: v, Pricing: p.rt.Pricing(r.id, true),
+		})
 	}
 	slices.SortFunc(out, func(a, b ReplicaView) int { return strings.Compare(a.Name, b.Name) })
 	return out

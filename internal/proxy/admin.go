@@ -9,7 +9,6 @@ import (
 	"strings"
 	"sync"
 
-	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
@@ -209,14 +208,9 @@ type ReplicaStatus struct {
 	// Cache is the router's view of the replica's cache and how well it
 	// has matched the replica's reports.
 	Cache router.CacheView `json:"cache"`
-	// Profile names the replica's configured cost profile; Calibrated says
-	// whether the router learns its speed, and Speed is what it prices the
-	// replica's work with (the calibrated fit, or the profile's figures),
-	// with the observations behind it.
-	Profile    string           `json:"profile"`
-	Calibrated bool             `json:"calibrated"`
-	Speed      calibrate.Fit    `json:"speed"`
-	Learnt     *calibrate.Stats `json:"calibration,omitempty"`
+	// Pricing is the replica's cost model: profile, calibrated, speed and
+	// calibration.
+	router.Pricing
 }
 
 // serveDebugReplicas answers the replicas' state as the router sees it.
@@ -231,19 +225,10 @@ func (p *Proxy) Replicas() []ReplicaStatus {
 	state := append([]health(nil), p.state...)
 	engines := append([]engineState(nil), p.engines...)
 	views := make([]router.CacheView, len(reps))
-	fits := make([]calibrate.Fit, len(reps))
-	stats := make([]*calibrate.Stats, len(reps))
-	profiles := make([]string, len(reps))
+	pricing := make([]router.Pricing, len(reps))
 	for i := range reps {
 		views[i], _ = p.rt.CacheView(i)
-		fit, st, ok := p.rt.Calibration(i)
-		fits[i] = fit
-		if ok {
-			stats[i] = &st
-		}
-		if pr := p.rt.Profile(i); pr != nil {
-			profiles[i] = pr.Name()
-		}
+		pricing[i] = p.rt.Pricing(i, true)
 	}
 	p.mu.Unlock()
 	out := make([]ReplicaStatus, len(reps))
@@ -251,8 +236,7 @@ func (p *Proxy) Replicas() []ReplicaStatus {
 		b := p.backends[i]
 		out[i] = ReplicaStatus{Name: b.name, URL: b.url.String(), Up: state[i].up, InFlight: rp.InFlight,
 			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage, KVTokens: engines[i].kvTokens,
-			Kind: engines[i].kind, Slots: engines[i].slots, Cache: views[i],
-			Profile: profiles[i], Calibrated: stats[i] != nil, Speed: fits[i], Learnt: stats[i]}
+			Kind: engines[i].kind, Slots: engines[i].slots, Cache: views[i], Pricing: pricing[i]}
 	}
 	return out
 }

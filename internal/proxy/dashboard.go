@@ -8,7 +8,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/dashboard"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/prefixtree"
@@ -108,14 +107,11 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	bt := tree.BlockTokens()
 	cachedBlocks := make([]int, len(reps))
 	views := make([]router.CacheView, len(reps))
-	speeds := make([]replicaSpeed, len(reps))
+	speeds := make([]router.Pricing, len(reps))
 	for i := range reps {
 		cachedBlocks[i] = tree.CachedBlocks(i)
 		views[i], _ = p.rt.CacheView(i)
-		speeds[i].fit, _, speeds[i].calibrated = p.rt.Calibration(i)
-		if pr := p.rt.Profile(i); pr != nil {
-			speeds[i].profile = pr.Name()
-		}
+		speeds[i] = p.rt.Pricing(i, false)
 	}
 	kinds := make([]BackendKind, len(reps))
 	for i := range reps {
@@ -168,7 +164,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 			Kind: string(kinds[i]), Slots: views[i].Slots, PredictionErrorTokens: views[i].ErrorTokens,
 			CapacityTokens: views[i].CapacityTokens, Corrections: views[i].Corrections,
 		}
-		speeds[i].fill(&r)
+		fillSpeed(&r, &speeds[i])
 		if hits != nil && hits[i].prompt > 0 {
 			r.HitRatio = float64(hits[i].matched) / float64(hits[i].prompt)
 		}
@@ -224,21 +220,13 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	return s
 }
 
-// replicaSpeed is a replica's speed as the router prices it, copied under
-// the lock.
-type replicaSpeed struct {
-	profile    string
-	calibrated bool
-	fit        calibrate.Fit // the profile's own figures when not calibrated
-}
-
-// fill sets r's profile and speed fields.
-func (sp *replicaSpeed) fill(r *dashboard.Replica) {
-	f := &sp.fit
-	r.Profile, r.Calibrated = sp.profile, sp.calibrated
+// fillSpeed sets r's profile and speed fields from sp.
+func fillSpeed(r *dashboard.Replica, sp *router.Pricing) {
+	f := &sp.Speed
+	r.Profile, r.Calibrated = sp.Profile, sp.Calibrated
 	r.PrefillSPer1K, r.ProfilePrefillSPer1K = f.PrefillSecondsPer1K, f.PriorPrefillSecondsPer1K
 	r.DecodeStepS, r.ProfileDecodeStepS = f.DecodeStepSeconds, f.PriorDecodeStepSeconds
-	if sp.calibrated {
+	if sp.Calibrated {
 		r.PrefillError, r.DecodeError = f.PrefillError, f.DecodeError
 		r.CalibrationSamples = f.PrefillSamples + f.DecodeSamples
 	}

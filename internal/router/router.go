@@ -316,6 +316,43 @@ func (r *Router) Calibration(id int) (fit calibrate.Fit, st calibrate.Stats, ok 
 	return r.cal[id].Model().Fit(), r.cal[id].Stats(), true
 }
 
+// Pricing is how the router prices a replica's work, as /debug/replicas
+// (prefixlb serve and epp) and the dashboard show it.
+type Pricing struct {
+	// Profile names the replica's configured cost profile; Calibrated
+	// says whether the router learns its speed, and Speed is what it
+	// prices the replica's work with (the calibrated fit, or the profile's
+	// figures), with the observations behind it (Learnt).
+	Profile    string           `json:"profile"`
+	Calibrated bool             `json:"calibrated"`
+	Speed      calibrate.Fit    `json:"speed"`
+	Learnt     *calibrate.Stats `json:"calibration,omitempty"`
+}
+
+// Pricing returns replica id's pricing. withStats false leaves Learnt nil:
+// the tracker's counters hold the model against its kept timings, a
+// prediction each, which a caller that shows only the speed need not pay
+// for under the router's lock.
+func (r *Router) Pricing(id int, withStats bool) Pricing {
+	var p Pricing
+	if pr := r.Profile(id); pr != nil {
+		p.Profile = pr.Name()
+	}
+	if id < 0 || id >= len(r.cal) {
+		return p
+	}
+	if r.cal[id] == nil {
+		p.Speed = calibrate.FitOf(r.profiles[id])
+		return p
+	}
+	p.Calibrated, p.Speed = true, r.cal[id].Model().Fit()
+	if withStats {
+		st := r.cal[id].Stats()
+		p.Learnt = &st
+	}
+	return p
+}
+
 // Calibrating reports whether the router learns its replicas' speed.
 func (r *Router) Calibrating() bool { return r.cfg.Calibrate != nil }
 
