@@ -14,6 +14,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+
 	"github.com/spf13/cobra"
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
@@ -92,7 +94,7 @@ the default sends token ids.`,
 	fs.BoolVarP(&o.verbose, "verbose", "v", false, "log the replicas' and the router's messages")
 	fs.BoolVar(&o.noEvents, "no-kv-events", false, "do not publish KV events: the router mirrors the replicas' caches from its decisions")
 	fs.BoolVar(&o.hold, "hold", false, "after the comparison, keep the last policy's replicas, router and dashboard running until Ctrl-C")
-	fs.StringVar(&o.tokenizer, "tokenizer", proxy.TokenizerQwen3, "tokenizer of the replicas and the router: qwen3 (bundled), a tokenizer.json, a model directory, or none")
+	fs.StringVar(&o.tokenizer, "tokenizer", keying.TokenizerQwen3, "tokenizer of the replicas and the router: qwen3 (bundled), a tokenizer.json, a model directory, or none")
 	o.llama.addFlags(fs)
 	fs.StringVar(&o.mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (/v1/completions with text) or chat (/v1/chat/completions)")
 	return cmd
@@ -125,7 +127,7 @@ func runDemo(ctx context.Context, o *demoOptions, stdout, stderr io.Writer) erro
 	}
 	var tok *tokenize.Tokenizer
 	if o.tokenizer != "" && o.tokenizer != "none" {
-		if tok, err = proxy.LoadTokenizer(o.tokenizer); err != nil {
+		if tok, err = keying.LoadTokenizer(o.tokenizer); err != nil {
 			return fmt.Errorf("--tokenizer: %w", err)
 		}
 	}
@@ -341,7 +343,7 @@ func demoRun(ctx context.Context, o *demoOptions, profile, pol string, reqs []wo
 	pc.ScrapeInterval = 200 * time.Millisecond
 	pc.HealthInterval = time.Second
 	if tok != nil {
-		pc.Keyer = proxy.NewTokenizerKeyer(tok, pc.BlockTokens)
+		pc.Keyer = keying.NewTokenizerKeyer(tok, pc.BlockTokens)
 	}
 	p, err := proxy.New(pc)
 	if err != nil {

@@ -14,6 +14,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/spf13/pflag"
 	"golang.org/x/sync/errgroup"
 
@@ -395,7 +397,7 @@ func waitReplicasUp(ctx context.Context, p *proxy.Proxy, timeout time.Duration) 
 	for {
 		ready := true
 		for _, r := range p.Replicas() {
-			ready = ready && r.Up && r.Kind == proxy.BackendLlamaCpp && r.Slots > 0
+			ready = ready && r.Up && r.Kind == upstream.LlamaCpp && r.Slots > 0
 		}
 		if ready {
 			return nil

@@ -14,12 +14,13 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+
 	"github.com/spf13/cobra"
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
-	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
@@ -162,7 +163,7 @@ func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *sl
 	cfg.Replica.Profile = prof
 	cfg.Logger = log
 	if o.tokenizer != "" && o.tokenizer != "none" {
-		tok, err := proxy.LoadTokenizer(o.tokenizer)
+		tok, err := keying.LoadTokenizer(o.tokenizer)
 		if err != nil {
 			return fmt.Errorf("engine: --tokenizer: %w", err)
 		}

@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/spf13/cobra"
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -24,7 +26,6 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/epp"
-	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/sharedstate"
 )
 
@@ -143,7 +144,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	if (f.backends == "") == (f.discovery == "") {
 		return errors.New("epp: give exactly one of --backend and --discovery")
 	}
-	kind, err := proxy.ParseBackendKind(f.backendKind)
+	kind, err := upstream.ParseKind(f.backendKind)
 	if err != nil {
 		return fmt.Errorf("epp: --backend-kind: %w", err)
 	}

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -66,7 +68,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"speculative-ttl":         func() { c.SpeculativeTTL = f.cfg.SpeculativeTTL },
 		"tree-max-blocks":         func() { c.TreeMaxBlocks = f.cfg.TreeMaxBlocks },
 		"tokenizer":               func() { c.Tokenizer = f.cfg.Tokenizer },
-		"backend-kind":            func() { c.BackendKind = proxy.BackendKind(f.backendKind) },
+		"backend-kind":            func() { c.BackendKind = upstream.Kind(f.backendKind) },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -169,7 +171,7 @@ GET /debug/replicas; docs/calibration.md).`,
 	fs.Int64Var(&d.MaxResponseBytes, "max-response-bytes", d.MaxResponseBytes, "largest non-streamed response checked (larger ones pass unchecked)")
 	fs.IntVar(&d.MaxRetries, "max-retries", d.MaxRetries, "other replicas to try when one fails before any byte reached the client")
 	fs.DurationVar(&d.DrainTimeout, "drain-timeout", d.DrainTimeout, "how long shutdown waits for in-flight requests")
-	fs.StringVar(&f.backendKind, "backend-kind", string(proxy.BackendAuto), "replicas' engine: auto (detect each replica's at start and on re-admission), vllm, sglang or llamacpp; a backend's kind in --config wins")
+	fs.StringVar(&f.backendKind, "backend-kind", string(upstream.Auto), "replicas' engine: auto (detect each replica's at start and on re-admission), vllm, sglang or llamacpp; a backend's kind in --config wins")
 	fs.StringVar(&d.Tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
@@ -184,7 +186,7 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
 		return fmt.Errorf("serve: --log-level: %w", err)
 	}
-	if _, err := proxy.ParseBackendKind(f.backendKind); err != nil {
+	if _, err := upstream.ParseKind(f.backendKind); err != nil {
 		return fmt.Errorf("serve: --backend-kind: %w", err)
 	}
 	log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))

@@ -9,7 +9,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/router"
 )
 
@@ -28,7 +29,7 @@ const detectRetry = 5 * time.Second
 // markKindDue makes r due a detection, when its kind needs one, and wakes
 // its loop (p.mu held).
 func (p *Picker) markKindDue(r *replica) {
-	if p.kind != proxy.BackendAuto && p.kind != proxy.BackendLlamaCpp {
+	if p.kind != upstream.Auto && p.kind != upstream.LlamaCpp {
 		return
 	}
 	r.kindDue = true
@@ -71,20 +72,20 @@ func (p *Picker) detect(ctx context.Context, client *http.Client, r *replica) {
 	}
 	p.mu.Unlock()
 
-	d, err := proxy.DetectBackend(ctx, client, "http://"+r.Address, r.MetricsURL, p.kind)
+	d, err := upstream.Detect(ctx, client, "http://"+r.Address, r.MetricsURL, p.kind)
 
 	p.mu.Lock()
 	if ctx.Err() != nil || p.byName[r.Name] != r { // stopping, or r left the pool
 		p.mu.Unlock()
 		return
 	}
-	if errors.Is(err, proxy.ErrNoAnswer) {
+	if errors.Is(err, upstream.ErrNoAnswer) {
 		p.mu.Unlock()
 		p.log.Debug("epp: backend kind: no answer; trying again later", "replica", r.Name, "err", err)
 		return
 	}
 	slots := 0
-	if d.Kind == proxy.BackendLlamaCpp {
+	if d.Kind == upstream.LlamaCpp {
 		slots = d.Slots
 	}
 	old, oldSlots := r.kind, r.slots
@@ -109,7 +110,7 @@ func (p *Picker) detect(ctx context.Context, client *http.Client, r *replica) {
 	if old != d.Kind || oldSlots != slots {
 		p.log.Info("epp: replica backend kind", "replica", r.Name, "kind", d.Kind, "via", d.Via, "slots", slots)
 	}
-	if d.Kind == proxy.BackendLlamaCpp && slots == 0 {
+	if d.Kind == upstream.LlamaCpp && slots == 0 {
 		p.log.Warn("epp: llama.cpp replica did not say its slot count (GET /props total_slots, GET /slots): its cache is mirrored as a block cache",
 			"replica", r.Name)
 	}
@@ -124,8 +125,8 @@ func (p *Picker) detect(ctx context.Context, client *http.Client, r *replica) {
 func (p *Picker) initKind(r *replica) {
 	r.kvTokens = -1
 	switch p.kind {
-	case proxy.BackendAuto:
-		r.kind = proxy.BackendUnknown
+	case upstream.Auto:
+		r.kind = upstream.Unknown
 	default:
 		r.kind = p.kind
 	}
@@ -145,8 +146,8 @@ type ReplicaView struct {
 	External int `json:"external"`
 	// Kind is its backend kind (proxy.BackendUnknown until detected);
 	// Slots its slot count for a slot cache (0: a block cache).
-	Kind  proxy.BackendKind `json:"kind"`
-	Slots int               `json:"slots"`
+	Kind  upstream.Kind `json:"kind"`
+	Slots int           `json:"slots"`
 	// Waiting, Running and KVUsage are the engine's load as last scraped
 	// (-1 unknown); KVTokens its KV-cache tokens (llama.cpp; -1 unknown).
 	Waiting  int     `json:"waiting"`

@@ -10,7 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/openai"
+
 	"github.com/prefixlb/prefixlb/internal/sharedstate"
 )
 
@@ -56,7 +57,7 @@ func burst(t *testing.T, routers []*Picker, replicas, n int, seed uint64) (worst
 	rng := rand.New(rand.NewPCG(seed, 1))
 	for k := range n {
 		body := burstBody(rng, k)
-		if _, err := routers[k%len(routers)].Pick(context.Background(), Input{Kind: proxy.KindCompletion, Body: body}); err != nil {
+		if _, err := routers[k%len(routers)].Pick(context.Background(), Input{Kind: openai.KindCompletion, Body: body}); err != nil {
 			t.Fatal(err)
 		}
 		if k+1 >= replicas {

@@ -15,7 +15,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
@@ -76,10 +79,10 @@ func (f *engineFake) replica(name string) Replica {
 }
 
 // runPicker runs p until the test ends; detections go to the channel.
-func runPicker(t *testing.T, p *Picker) chan proxy.Detection {
+func runPicker(t *testing.T, p *Picker) chan upstream.Detection {
 	t.Helper()
-	ch := make(chan proxy.Detection, 16)
-	p.onDetect = func(_ string, d proxy.Detection) { ch <- d }
+	ch := make(chan upstream.Detection, 16)
+	p.onDetect = func(_ string, d upstream.Detection) { ch <- d }
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -94,7 +97,7 @@ func runPicker(t *testing.T, p *Picker) chan proxy.Detection {
 	return ch
 }
 
-func waitDetection(t *testing.T, ch chan proxy.Detection) proxy.Detection {
+func waitDetection(t *testing.T, ch chan upstream.Detection) upstream.Detection {
 	t.Helper()
 	select {
 	case d := <-ch:
@@ -102,7 +105,7 @@ func waitDetection(t *testing.T, ch chan proxy.Detection) proxy.Detection {
 	case <-time.After(10 * time.Second):
 		t.Fatal("no detection")
 	}
-	return proxy.Detection{}
+	return upstream.Detection{}
 }
 
 func getBody(t *testing.T, h http.Handler, path string) string {
@@ -126,7 +129,7 @@ func TestPickerLlamaCpp(t *testing.T) {
 	}
 	p.Add(f.replica("l0"))
 	detected := runPicker(t, p)
-	if d := waitDetection(t, detected); d.Kind != proxy.BackendLlamaCpp || d.Slots != 2 || d.Via != "metrics" {
+	if d := waitDetection(t, detected); d.Kind != upstream.LlamaCpp || d.Slots != 2 || d.Via != "metrics" {
 		t.Fatalf("detected %+v", d)
 	}
 	p.scrape(context.Background(), &http.Client{}, p.byName["l0"])
@@ -142,7 +145,7 @@ func TestPickerLlamaCpp(t *testing.T) {
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			pick, err := p.Pick(context.Background(), Input{Kind: proxy.KindCompletion, Body: []byte(`{"model":"m","prompt":"hello world hello world","max_tokens":3}`)})
+			pick, err := p.Pick(context.Background(), Input{Kind: openai.KindCompletion, Body: []byte(`{"model":"m","prompt":"hello world hello world","max_tokens":3}`)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -183,7 +186,7 @@ func TestPickerLlamaCpp(t *testing.T) {
 	if len(dbg.Replicas) != 1 {
 		t.Fatalf("debug replicas %+v", dbg)
 	}
-	if r := dbg.Replicas[0]; r.Kind != proxy.BackendLlamaCpp || r.Slots != 2 || r.Cache.Checked != 2 || r.KVTokens != 615 ||
+	if r := dbg.Replicas[0]; r.Kind != upstream.LlamaCpp || r.Slots != 2 || r.Cache.Checked != 2 || r.KVTokens != 615 ||
 		r.Running != 0 || r.Waiting != 0 || r.KVUsage <= 0 {
 		t.Errorf("debug replica %+v", r)
 	}
@@ -199,20 +202,20 @@ func TestPickerReDetects(t *testing.T) {
 	}
 	p.Add(f.replica("r0"))
 	detected := runPicker(t, p)
-	if d := waitDetection(t, detected); d.Kind != proxy.BackendLlamaCpp || d.Slots != 2 {
+	if d := waitDetection(t, detected); d.Kind != upstream.LlamaCpp || d.Slots != 2 {
 		t.Fatalf("detected %+v", d)
 	}
 	p.SetReady("r0", false)
 	f.vllm.Store(true)
 	p.SetReady("r0", true)
-	if d := waitDetection(t, detected); d.Kind != proxy.BackendVLLM {
+	if d := waitDetection(t, detected); d.Kind != upstream.VLLM {
 		t.Fatalf("re-detected %+v", d)
 	}
 	p.mu.Lock()
 	v, _ := p.rt.CacheView(0)
 	kind := p.byName["r0"].kind
 	p.mu.Unlock()
-	if v.Slots != 0 || kind != proxy.BackendVLLM {
+	if v.Slots != 0 || kind != upstream.VLLM {
 		t.Errorf("after re-detection: kind %s, router slots %d", kind, v.Slots)
 	}
 }
@@ -220,12 +223,12 @@ func TestPickerReDetects(t *testing.T) {
 func TestPickerConfiguredKind(t *testing.T) {
 	t.Run("vllm: nothing detected", func(t *testing.T) {
 		f := newEngineFake(t)
-		p, err := NewPicker(Config{Logger: slog.New(slog.DiscardHandler), BackendKind: proxy.BackendVLLM})
+		p, err := NewPicker(Config{Logger: slog.New(slog.DiscardHandler), BackendKind: upstream.VLLM})
 		if err != nil {
 			t.Fatal(err)
 		}
 		p.Add(f.replica("r0"))
-		if got := p.ReplicaViews()[0].Kind; got != proxy.BackendVLLM {
+		if got := p.ReplicaViews()[0].Kind; got != upstream.VLLM {
 			t.Errorf("kind %s", got)
 		}
 		if m := getBody(t, p.MetricsHandler(), "/metrics"); !strings.Contains(m, `prefixlb_replica_info{kind="vllm",replica="r0"} 1`) {
@@ -237,15 +240,15 @@ func TestPickerConfiguredKind(t *testing.T) {
 	})
 	t.Run("llamacpp: slots read", func(t *testing.T) {
 		f := newEngineFake(t)
-		p, err := NewPicker(Config{Logger: slog.New(slog.DiscardHandler), BackendKind: proxy.BackendLlamaCpp})
+		p, err := NewPicker(Config{Logger: slog.New(slog.DiscardHandler), BackendKind: upstream.LlamaCpp})
 		if err != nil {
 			t.Fatal(err)
 		}
 		p.Add(f.replica("r0"))
-		if got := p.ReplicaViews()[0].Kind; got != proxy.BackendLlamaCpp {
+		if got := p.ReplicaViews()[0].Kind; got != upstream.LlamaCpp {
 			t.Errorf("kind before its slots are read %s", got)
 		}
-		if d := waitDetection(t, runPicker(t, p)); d != (proxy.Detection{Kind: proxy.BackendLlamaCpp, Slots: 2, Via: "configured"}) {
+		if d := waitDetection(t, runPicker(t, p)); d != (upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "configured"}) {
 			t.Errorf("detection %+v", d)
 		}
 	})
@@ -317,14 +320,14 @@ func TestTokenizerCheckLlamaCpp(t *testing.T) {
 	})
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
-	p, err := NewPicker(Config{Keyer: proxy.NewTokenizerKeyer(tok, 16), Logger: slog.New(slog.DiscardHandler)})
+	p, err := NewPicker(Config{Keyer: keying.NewTokenizerKeyer(tok, 16), Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	p.Add(Replica{Name: "l0", Address: strings.TrimPrefix(srv.URL, "http://"), Ready: true})
 	ev := watchTokenizer(p)
-	if d := waitDetection(t, runPicker(t, p)); d.Kind != proxy.BackendLlamaCpp || d.Via != "props" {
+	if d := waitDetection(t, runPicker(t, p)); d.Kind != upstream.LlamaCpp || d.Via != "props" {
 		t.Fatalf("detected %+v", d)
 	}
-	ev.waitState(t, "l0", proxy.TokenizerMatch)
+	ev.waitState(t, "l0", keying.TokenizerMatch)
 }

@@ -11,12 +11,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
 	"github.com/prefixlb/prefixlb/internal/kvevents"
-	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
 
@@ -235,7 +237,7 @@ func TestTokenizerKeysMatchKVEvents(t *testing.T) {
 		return p
 	}
 	withTok := newPicker("../tokenize/qwen3") // a model directory, as --tokenizer takes
-	tk, ok := withTok.cfg.Keyer.(*proxy.TokenizerKeyer)
+	tk, ok := withTok.cfg.Keyer.(*keying.TokenizerKeyer)
 	if !ok {
 		t.Fatalf("keyer %T with a tokenizer, want *proxy.TokenizerKeyer", withTok.cfg.Keyer)
 	}
@@ -287,7 +289,7 @@ func TestTokenizerKeysMatchKVEvents(t *testing.T) {
 			case <-time.After(20 * time.Second):
 				t.Fatal("the BlockStored event never reached the router")
 			}
-			pk, err := p.Pick(context.Background(), Input{Kind: proxy.KindCompletion, Body: completionBody(prompt, false)})
+			pk, err := p.Pick(context.Background(), Input{Kind: openai.KindCompletion, Body: completionBody(prompt, false)})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -22,12 +22,15 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/policy"
-	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
 
@@ -114,7 +117,7 @@ type Config struct {
 	// prefixlb serve does. A replica that does not answer is checked again
 	// every ScrapeInterval (5s without one); one whose /tokenize answers an
 	// HTTP error stays unknown and does not stop token keys.
-	Keyer proxy.Keyer
+	Keyer keying.Keyer
 	// Tokenizer, when Keyer is nil, is the replicas' tokenizer
 	// (proxy.LoadTokenizer: "qwen3" for the bundled one, a tokenizer.json
 	// or a model directory): prompts are keyed by blocks of its token ids,
@@ -139,7 +142,7 @@ type Config struct {
 	// with llamacpp its slot count is read then. A llama.cpp replica's
 	// cache is modelled as its -np slots, its cached tokens read from its
 	// timings and its tokenizer checked through its own /tokenize.
-	BackendKind proxy.BackendKind
+	BackendKind upstream.Kind
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -188,7 +191,7 @@ func (c *Config) Validate() error {
 	case c.TreeMaxBlocks < 0:
 		return fmt.Errorf("epp: tree_max_blocks must be ≥ 0, got %d", c.TreeMaxBlocks)
 	}
-	if _, err := proxy.ParseBackendKind(string(c.BackendKind)); err != nil {
+	if _, err := upstream.ParseKind(string(c.BackendKind)); err != nil {
 		return fmt.Errorf("epp: backend kind: %w", err)
 	}
 	if !c.NoCalibrate {
@@ -209,13 +212,13 @@ type replica struct {
 	// due (it joined, was ready again, or did not answer), tokState is
 	// what the last answered one found, and tokWake wakes its loop.
 	tokDue   bool
-	tokState proxy.TokenizerState
+	tokState keying.TokenizerState
 	tokWake  chan struct{}
 	// The backend kind (backendkind.go): kind is the one in effect
 	// (proxy.BackendUnknown until detected), slots a slot cache's slot
 	// count, kindDue says a detection is due, kindWake wakes its loop;
 	// kvTokens is the last scraped llamacpp:kv_cache_tokens (-1 unknown).
-	kind     proxy.BackendKind
+	kind     upstream.Kind
 	slots    int
 	kindDue  bool
 	kindWake chan struct{}
@@ -252,14 +255,14 @@ type Picker struct {
 	flights map[uint64]*flight
 	others  map[string]router.ExternalLoad // last good Shared.Others
 	runCtx  context.Context                // set while Run runs
-	tok     *tokenizerChecks               // nil unless the keyer is a *proxy.TokenizerKeyer; its state is in the replicas
-	kind    proxy.BackendKind              // Config.BackendKind, parsed; each replica's own is in the replica
+	tok     *tokenizerChecks               // nil unless the keyer is a *keying.TokenizerKeyer; its state is in the replicas
+	kind    upstream.Kind                  // Config.BackendKind, parsed; each replica's own is in the replica
 	// onDetect, when set (by tests), is called after each backend-kind
 	// detection, without p.mu, once its result is recorded.
-	onDetect func(name string, d proxy.Detection)
+	onDetect func(name string, d upstream.Detection)
 	// onTokenizer, when set (by tests), is called after each tokenizer
 	// check, without p.mu, once its result is recorded.
-	onTokenizer func(name string, state proxy.TokenizerState, err error)
+	onTokenizer func(name string, state keying.TokenizerState, err error)
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
 	// onKV, when set (by tests), is called with p.mu held after each KV
@@ -298,16 +301,16 @@ func NewPicker(cfg Config) (*Picker, error) {
 		return nil, fmt.Errorf("epp: router: %w", err)
 	}
 	if cfg.Keyer == nil && cfg.Tokenizer != "" {
-		tok, err := proxy.LoadTokenizer(cfg.Tokenizer)
+		tok, err := keying.LoadTokenizer(cfg.Tokenizer)
 		if err != nil {
 			return nil, fmt.Errorf("epp: tokenizer: %w", err)
 		}
-		cfg.Keyer = proxy.NewTokenizerKeyer(tok, cfg.BlockTokens)
+		cfg.Keyer = keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
 	}
 	if cfg.Keyer == nil {
-		cfg.Keyer = proxy.ChunkKeyer{BlockTokens: cfg.BlockTokens}
+		cfg.Keyer = keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}
 	}
-	kind, _ := proxy.ParseBackendKind(string(cfg.BackendKind)) // validated
+	kind, _ := upstream.ParseKind(string(cfg.BackendKind)) // validated
 	p := &Picker{
 		cfg: cfg, log: cfg.Logger, prof: prof, policy: pol.Name(), kvIndex: kvevents.NewIndex(),
 		rt: rt, cons: cons, kind: kind,
@@ -315,7 +318,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 		byAddr:  make(map[string]*replica),
 		flights: make(map[uint64]*flight),
 	}
-	if tk, ok := cfg.Keyer.(*proxy.TokenizerKeyer); ok {
+	if tk, ok := cfg.Keyer.(*keying.TokenizerKeyer); ok {
 		p.tok = newTokenizerChecks(tk, &cfg)
 	}
 	p.m = newMetrics(p)
@@ -336,7 +339,7 @@ func (p *Picker) Add(r Replica) {
 		p.remove(old)
 	}
 	now := time.Now()
-	rep := &replica{Replica: r, id: -1, tokState: proxy.TokenizerUnknown, tokWake: make(chan struct{}, 1),
+	rep := &replica{Replica: r, id: -1, tokState: keying.TokenizerUnknown, tokWake: make(chan struct{}, 1),
 		kindWake: make(chan struct{}, 1)}
 	p.markTokenizerDue(rep)
 	// Reuse a free slot with nothing left in flight, else add one.
@@ -439,7 +442,7 @@ func (p *Picker) Ready() int {
 // Input is one request as the gateway hands it over.
 type Input struct {
 	// Kind is the OpenAI endpoint (from the :path header).
-	Kind proxy.Kind
+	Kind openai.Kind
 	// Body is the request body, whole.
 	Body []byte
 	// Session is a session key for affinity ("" none).
@@ -466,7 +469,7 @@ type Pick struct {
 // (wrapped) for a body it cannot read, ErrNoEndpoint, ErrShed.
 func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	start := time.Now()
-	pr, err := proxy.ParseRequest(in.Kind, in.Body)
+	pr, err := openai.ParseRequest(in.Kind, in.Body)
 	if err != nil {
 		return Pick{}, err
 	}
@@ -787,7 +790,7 @@ func (p *Picker) start(r *replica) {
 			p.tokenizerLoop(ctx, r)
 		}()
 	}
-	if p.kind == proxy.BackendAuto || p.kind == proxy.BackendLlamaCpp {
+	if p.kind == upstream.Auto || p.kind == upstream.LlamaCpp {
 		p.wg.Add(1)
 		go func() {
 			defer p.wg.Done()

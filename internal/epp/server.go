@@ -10,6 +10,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/openai"
+
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
@@ -21,7 +23,6 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
-	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
 
@@ -111,7 +112,7 @@ func (s *Server) SetServing(ok bool) {
 type exchange struct {
 	s        *Server
 	srv      extprocv3.ExternalProcessor_ProcessServer
-	kind     proxy.Kind
+	kind     openai.Kind
 	session  string
 	subset   []string
 	body     []byte
@@ -237,15 +238,15 @@ func (x *exchange) readRequestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metad
 }
 
 // kindOf maps an OpenAI path to its kind.
-func kindOf(path string) proxy.Kind {
+func kindOf(path string) openai.Kind {
 	path, _, _ = strings.Cut(path, "?")
 	switch {
 	case strings.HasSuffix(path, "/chat/completions"):
-		return proxy.KindChat
+		return openai.KindChat
 	case strings.HasSuffix(path, "/completions"):
-		return proxy.KindCompletion
+		return openai.KindCompletion
 	}
-	return proxy.KindOther
+	return openai.KindOther
 }
 
 func headerValue(h *corev3.HeaderValue) string {
@@ -263,7 +264,7 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	if err != nil {
 		code := typev3.StatusCode_InternalServerError
 		switch {
-		case errors.Is(err, proxy.ErrBadRequest):
+		case errors.Is(err, openai.ErrBadRequest):
 			code = typev3.StatusCode_BadRequest
 		case errors.Is(err, ErrNoEndpoint):
 			code = typev3.StatusCode_ServiceUnavailable
@@ -404,8 +405,8 @@ type watcher struct {
 	line    []byte // SSE: the unfinished line
 	body    []byte // JSON: the body so far (up to max)
 	tokens  int
-	usage   *proxy.Chunk   // the last chunk that reported usage
-	timings *proxy.Timings // the last llama.cpp timings seen (the final chunk's)
+	usage   *openai.Chunk   // the last chunk that reported usage
+	timings *openai.Timings // the last llama.cpp timings seen (the final chunk's)
 	overrun bool
 	// gaps samples the time between body chunks that carried output
 	// tokens (a chunk is what Envoy forwarded at once): the decode step
@@ -454,7 +455,7 @@ func (w *watcher) event(data []byte) bool {
 	if len(data) == 0 || string(data) == "[DONE]" {
 		return false
 	}
-	c, ok := proxy.ReadChunk(data)
+	c, ok := openai.ReadChunk(data)
 	if !ok {
 		return false
 	}
@@ -476,7 +477,7 @@ func (w *watcher) event(data []byte) bool {
 // ride on the usage chunk, or on every chunk with timings_per_token).
 func (w *watcher) result() (out, cached int) {
 	if !w.sse && !w.overrun && len(w.body) > 0 {
-		if c, ok := proxy.ReadChunk(w.body); ok && c.HasUsage {
+		if c, ok := openai.ReadChunk(w.body); ok && c.HasUsage {
 			w.usage = &c
 		}
 	}
@@ -484,7 +485,7 @@ func (w *watcher) result() (out, cached int) {
 	if w.usage != nil {
 		out, cached = w.usage.CompletionTokens, w.usage.CachedTokens
 		if cached < 0 && w.timings != nil {
-			cached = proxy.CachedFromTimings(w.usage.PromptTokens, w.timings)
+			cached = openai.CachedFromTimings(w.usage.PromptTokens, w.timings)
 		}
 	}
 	return out, cached

@@ -6,7 +6,8 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
 // tokenizerRetry is how soon a replica whose /tokenize did not answer is
@@ -21,14 +22,14 @@ const tokenizerRetry = 5 * time.Second
 // text chunks (TokenizerKeyer.SetFallback) while any replica in the pool
 // mismatches, rather than by token keys that match none of its blocks.
 type tokenizerChecks struct {
-	keyer  *proxy.TokenizerKeyer
-	check  *proxy.TokenizerCheck // Timeout: Config.ScrapeTimeout
+	keyer  *keying.TokenizerKeyer
+	check  *keying.TokenizerCheck // Timeout: Config.ScrapeTimeout
 	client *http.Client
 	retry  time.Duration // between checks of a replica that did not answer
 }
 
-func newTokenizerChecks(k *proxy.TokenizerKeyer, cfg *Config) *tokenizerChecks {
-	tc := &tokenizerChecks{keyer: k, check: proxy.NewTokenizerCheck(k.Tokenizer()), client: &http.Client{},
+func newTokenizerChecks(k *keying.TokenizerKeyer, cfg *Config) *tokenizerChecks {
+	tc := &tokenizerChecks{keyer: k, check: keying.NewTokenizerCheck(k.Tokenizer()), client: &http.Client{},
 		retry: cfg.ScrapeInterval}
 	tc.check.Timeout = cfg.ScrapeTimeout
 	if tc.retry <= 0 {
@@ -91,7 +92,7 @@ func (p *Picker) checkTokenizer(ctx context.Context, r *replica) {
 		p.mu.Unlock()
 		return
 	}
-	if errors.Is(err, proxy.ErrNoAnswer) {
+	if errors.Is(err, upstream.ErrNoAnswer) {
 		r.tokDue = true
 		hook := p.onTokenizer
 		p.mu.Unlock()
@@ -106,9 +107,9 @@ func (p *Picker) checkTokenizer(ctx context.Context, r *replica) {
 	hook := p.onTokenizer
 	p.mu.Unlock()
 	switch state {
-	case proxy.TokenizerMatch:
+	case keying.TokenizerMatch:
 		p.log.Info("epp: tokenizer matches the replica's", "replica", r.Name)
-	case proxy.TokenizerMismatch:
+	case keying.TokenizerMismatch:
 		p.log.Warn("epp: tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
 			"replica", r.Name, "err", err)
 	default:
@@ -127,7 +128,7 @@ func (p *Picker) setTokenizerFallback() {
 	}
 	mismatch := false
 	for _, r := range p.slots {
-		if r != nil && r.tokState == proxy.TokenizerMismatch {
+		if r != nil && r.tokState == keying.TokenizerMismatch {
 			mismatch = true
 			break
 		}

@@ -15,14 +15,17 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/blocks"
-	"github.com/prefixlb/prefixlb/internal/proxy"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 // qwen3Tok loads the bundled tokenizer once for the package's tests (a
 // few seconds under -race).
-var qwen3Tok = sync.OnceValues(func() (*tokenize.Tokenizer, error) { return proxy.LoadTokenizer(proxy.TokenizerQwen3) })
+var qwen3Tok = sync.OnceValues(func() (*tokenize.Tokenizer, error) { return keying.LoadTokenizer(keying.TokenizerQwen3) })
 
 func testTokenizer(t *testing.T) *tokenize.Tokenizer {
 	t.Helper()
@@ -86,7 +89,7 @@ func tokenizeReplica(t *testing.T, tok *tokenize.Tokenizer, mode *atomic.Int32) 
 
 // tokenizerEvent is one replica's last tokenizer check.
 type tokenizerEvent struct {
-	state    proxy.TokenizerState
+	state    keying.TokenizerState
 	noAnswer bool
 	checks   int // checks so far
 }
@@ -102,10 +105,10 @@ type tokenizerEvents struct {
 func watchTokenizer(p *Picker) *tokenizerEvents {
 	ev := &tokenizerEvents{last: map[string]tokenizerEvent{}, changed: make(chan struct{}, 1)}
 	p.mu.Lock()
-	p.onTokenizer = func(name string, state proxy.TokenizerState, err error) {
+	p.onTokenizer = func(name string, state keying.TokenizerState, err error) {
 		ev.mu.Lock()
 		e := ev.last[name]
-		ev.last[name] = tokenizerEvent{state: state, noAnswer: errors.Is(err, proxy.ErrNoAnswer), checks: e.checks + 1}
+		ev.last[name] = tokenizerEvent{state: state, noAnswer: errors.Is(err, upstream.ErrNoAnswer), checks: e.checks + 1}
 		ev.mu.Unlock()
 		select {
 		case ev.changed <- struct{}{}:
@@ -136,7 +139,7 @@ func (ev *tokenizerEvents) wait(t *testing.T, name, what string, ok func(tokeniz
 }
 
 // waitState waits until replica name's last answered check found want.
-func (ev *tokenizerEvents) waitState(t *testing.T, name string, want proxy.TokenizerState) {
+func (ev *tokenizerEvents) waitState(t *testing.T, name string, want keying.TokenizerState) {
 	t.Helper()
 	ev.wait(t, name, want.String(), func(e tokenizerEvent) bool { return !e.noAnswer && e.state == want })
 }
@@ -149,7 +152,7 @@ func (ev *tokenizerEvents) waitState(t *testing.T, name string, want proxy.Token
 // them off; a replica that did not answer is retried until it does.
 func TestTokenizerCheck(t *testing.T) {
 	tok := testTokenizer(t)
-	keyer := proxy.NewTokenizerKeyer(tok, 16)
+	keyer := keying.NewTokenizerKeyer(tok, 16)
 	p, err := NewPicker(Config{Keyer: keyer, Policy: "e2", ScrapeInterval: 20 * time.Millisecond,
 		ScrapeTimeout: 250 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
@@ -188,9 +191,9 @@ func TestTokenizerCheck(t *testing.T) {
 			}
 		}
 	}
-	chat := proxyRequest(t, proxy.KindChat, `{"model":"m","messages":[{"role":"system","content":"`+
+	chat := proxyRequest(t, openai.KindChat, `{"model":"m","messages":[{"role":"system","content":"`+
 		strings.Repeat("Be brief. ", 40)+`"},{"role":"user","content":"hi"}]}`)
-	chunkKeys, _, _ := proxy.ChunkKeyer{BlockTokens: 16}.Keys(chat)
+	chunkKeys, _, _ := keying.ChunkKeyer{BlockTokens: 16}.Keys(chat)
 	ids, err := keyer.EncodeChat(chat.Chat)
 	if err != nil {
 		t.Fatal(err)
@@ -214,9 +217,9 @@ func TestTokenizerCheck(t *testing.T) {
 		}
 	})
 
-	ev.waitState(t, "same", proxy.TokenizerMatch)
-	ev.waitState(t, "differs", proxy.TokenizerMismatch)
-	ev.waitState(t, "no-tokenize", proxy.TokenizerUnknown)
+	ev.waitState(t, "same", keying.TokenizerMatch)
+	ev.waitState(t, "differs", keying.TokenizerMismatch)
+	ev.waitState(t, "no-tokenize", keying.TokenizerUnknown)
 	ev.wait(t, "silent", "two checks without an answer", func(e tokenizerEvent) bool { return e.noAnswer && e.checks >= 2 })
 	check("checked", want{"same", 1}, want{"differs", 0}, want{"no-tokenize", -1}, want{"silent", -1}, want{"cold", -1}, want{"", 1})
 	keysAre("one replica differs", chunkKeys, "text chunks")
@@ -228,20 +231,20 @@ func TestTokenizerCheck(t *testing.T) {
 	p.SetReady("differs", false)
 	p.SetReady("differs", true)
 	p.SetReady("cold", true)
-	ev.waitState(t, "differs", proxy.TokenizerMatch)
-	ev.waitState(t, "cold", proxy.TokenizerMatch)
+	ev.waitState(t, "differs", keying.TokenizerMatch)
+	ev.waitState(t, "cold", keying.TokenizerMatch)
 	check("fixed", want{"differs", 1}, want{"cold", 1}, want{"", 0})
 	keysAre("every replica matches", tokenKeys, "token keys")
 
 	// The silent replica answers at last, at its next retry.
 	modes["silent"].Store(answerMatch)
-	ev.waitState(t, "silent", proxy.TokenizerMatch)
+	ev.waitState(t, "silent", keying.TokenizerMatch)
 	check("silent answers", want{"silent", 1})
 
 	// A mismatching replica joins, then leaves: its series leave with it,
 	// and so does the fallback.
 	add("late", answerMismatch, true)
-	ev.waitState(t, "late", proxy.TokenizerMismatch)
+	ev.waitState(t, "late", keying.TokenizerMismatch)
 	check("late joined", want{"late", 0}, want{"", 1})
 	keysAre("late joined", chunkKeys, "text chunks")
 	p.Remove("late")
@@ -253,7 +256,7 @@ func TestTokenizerCheck(t *testing.T) {
 
 	// Picking works throughout; a picker keying by text chunks checks
 	// nothing and exports no tokenizer series.
-	if _, err := p.Pick(context.Background(), Input{Kind: proxy.KindCompletion, Body: completionBody("hello", false)}); err != nil {
+	if _, err := p.Pick(context.Background(), Input{Kind: openai.KindCompletion, Body: completionBody("hello", false)}); err != nil {
 		t.Fatal(err)
 	}
 	plain := newTestPicker(t, Config{}, 1)
@@ -268,9 +271,9 @@ func TestTokenizerCheck(t *testing.T) {
 }
 
 // proxyRequest parses body as the picker does.
-func proxyRequest(t *testing.T, k proxy.Kind, body string) *proxy.Request {
+func proxyRequest(t *testing.T, k openai.Kind, body string) *openai.Request {
 	t.Helper()
-	r, err := proxy.ParseRequest(k, []byte(body))
+	r, err := openai.ParseRequest(k, []byte(body))
 	if err != nil {
 		t.Fatal(fmt.Errorf("parse %s: %w", body, err))
 	}

@@ -1,4 +1,4 @@
-package proxy
+package keying
 
 import (
 	"bytes"
@@ -17,8 +17,10 @@ import (
 	"unsafe"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
+	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
 // TokenizerQwen3 is the tokenizer spec (Config.Tokenizer, --tokenizer) of
@@ -84,7 +86,7 @@ func (k *TokenizerKeyer) Fallback() bool { return k.fallback.Load() }
 // Keys implements Keyer. A batch is keyed by its first prompt; its prompt
 // tokens count every prompt. A chat's ids go to a pooled buffer, and its
 // block keys through the keyer's memo of recent prompts (keyMemo).
-func (k *TokenizerKeyer) Keys(r *Request) ([]blocks.Key, int, error) {
+func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	chunk := ChunkKeyer{BlockTokens: k.blockTokens}
 	if k.fallback.Load() {
 		return chunk.Keys(r)
@@ -259,12 +261,12 @@ var idsPool = sync.Pool{New: func() any { return new([]uint32) }}
 const maxPooledIDs = 1 << 20
 
 // EncodeChat renders c with the chat template and encodes it.
-func (k *TokenizerKeyer) EncodeChat(c *ChatPrompt) ([]uint32, error) {
+func (k *TokenizerKeyer) EncodeChat(c *openai.ChatPrompt) ([]uint32, error) {
 	return k.cache.EncodeChat(c.Messages, chatOptions(c))
 }
 
 // chatOptions are the template options of c.
-func chatOptions(c *ChatPrompt) tokenize.ChatOptions {
+func chatOptions(c *openai.ChatPrompt) tokenize.ChatOptions {
 	return tokenize.ChatOptions{AddGenerationPrompt: c.AddGenerationPrompt, Tools: c.Tools, Kwargs: c.Kwargs}
 }
 
@@ -310,14 +312,6 @@ func (s TokenizerState) String() string {
 	return fmt.Sprintf("TokenizerState(%d)", int(s))
 }
 
-// tokUnknown is TokenizerUnknown as a gauge value.
-const tokUnknown = -1
-
-// ErrNoAnswer wraps the error of a tokenizer check that got no HTTP answer
-// (the connection failed, or the request timed out): the check says
-// nothing about the replica's tokenizer and is worth retrying later.
-var ErrNoAnswer = errors.New("no answer")
-
 // TokenizerCheck compares a local tokenizer with a replica's: it posts a
 // probe prompt and a probe chat to the replica's /tokenize and compares the
 // ids with the local ones. The probes exercise what tokenizers disagree on
@@ -350,15 +344,15 @@ func NewTokenizerCheck(tok *tokenize.Tokenizer) *TokenizerCheck {
 // with a nil error; TokenizerMismatch with an error saying where the ids
 // part; TokenizerUnknown with an error for an HTTP error status or an
 // answer it cannot read (an empty id list included: llama.cpp's answer to
-// vLLM's request), or, wrapping ErrNoAnswer, for no answer at all.
+// vLLM's request), or, wrapping upstream.ErrNoAnswer, for no answer at all.
 func (c *TokenizerCheck) Compare(ctx context.Context, client *http.Client, baseURL string) (TokenizerState, error) {
-	return c.CompareKind(ctx, client, baseURL, BackendVLLM)
+	return c.CompareKind(ctx, client, baseURL, upstream.VLLM)
 }
 
 // CompareKind is Compare speaking the tokenizer endpoints of a replica of
 // the given kind:
 //
-//   - BackendLlamaCpp: llama-server's POST /tokenize {"content": ...,
+//   - upstream.LlamaCpp: llama-server's POST /tokenize {"content": ...,
 //     "add_special": true} → {"tokens": [...]} (server.cpp,
 //     handle_tokenize, at commit c392e50). add_special is true because
 //     that is how /v1/completions and /v1/chat/completions tokenize their
@@ -373,22 +367,22 @@ func (c *TokenizerCheck) Compare(ctx context.Context, client *http.Client, baseU
 //     under baseURL's path (there is no /v1/tokenize).
 //   - any other kind: vLLM's POST /tokenize {"prompt": ...} and
 //     {"messages": [...], "add_generation_prompt": true}.
-func (c *TokenizerCheck) CompareKind(ctx context.Context, client *http.Client, baseURL string, kind BackendKind) (TokenizerState, error) {
+func (c *TokenizerCheck) CompareKind(ctx context.Context, client *http.Client, baseURL string, kind upstream.Kind) (TokenizerState, error) {
 	if client == nil {
 		client = http.DefaultClient
 	}
 	u, err := url.Parse(baseURL)
 	if err != nil {
-		return TokenizerUnknown, fmt.Errorf("proxy: tokenizer check: replica URL: %w", err)
+		return TokenizerUnknown, fmt.Errorf("keying: tokenizer check: replica URL: %w", err)
 	}
 	at := func(path string) string {
 		v := *u
-		v.Path = trimSlash(u.Path) + path
+		v.Path = upstream.TrimSlash(u.Path) + path
 		v.RawPath = ""
 		return v.String()
 	}
 	endpoint := at("/tokenize")
-	llama := kind == BackendLlamaCpp
+	llama := kind == upstream.LlamaCpp
 	promptBody := map[string]any{"prompt": probePrompt}
 	if llama {
 		promptBody = map[string]any{"content": probePrompt, "add_special": true}
@@ -431,7 +425,7 @@ func (c *TokenizerCheck) CompareKind(ctx context.Context, client *http.Client, b
 var errNoTemplateEndpoint = errors.New("no /apply-template")
 
 // post POSTs body as JSON to endpoint, bounded by c.Timeout, and returns a
-// 2xx answer's body. It wraps ErrNoAnswer when no answer came, and
+// 2xx answer's body. It wraps upstream.ErrNoAnswer when no answer came, and
 // errHTTPStatus for an error status.
 func (c *TokenizerCheck) post(ctx context.Context, client *http.Client, endpoint string, body any) ([]byte, error) {
 	if c.Timeout > 0 {
@@ -441,24 +435,24 @@ func (c *TokenizerCheck) post(ctx context.Context, client *http.Client, endpoint
 	}
 	js, err := json.Marshal(body)
 	if err != nil {
-		return nil, fmt.Errorf("proxy: post to %s: %w", endpoint, err)
+		return nil, fmt.Errorf("keying: post to %s: %w", endpoint, err)
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, endpoint, bytes.NewReader(js))
 	if err != nil {
-		return nil, fmt.Errorf("proxy: post to %s: %w", endpoint, err)
+		return nil, fmt.Errorf("keying: post to %s: %w", endpoint, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("proxy: post to %s: %w: %w", endpoint, ErrNoAnswer, err)
+		return nil, fmt.Errorf("keying: post to %s: %w: %w", endpoint, upstream.ErrNoAnswer, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 	if err != nil {
-		return nil, fmt.Errorf("proxy: post to %s: %w: %w", endpoint, ErrNoAnswer, err)
+		return nil, fmt.Errorf("keying: post to %s: %w: %w", endpoint, upstream.ErrNoAnswer, err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return nil, fmt.Errorf("proxy: post to %s: %w %d", endpoint, errHTTPStatus, resp.StatusCode)
+		return nil, fmt.Errorf("keying: post to %s: %w %d", endpoint, errHTTPStatus, resp.StatusCode)
 	}
 	return data, nil
 }
@@ -473,16 +467,16 @@ var errHTTPStatus = errors.New("status")
 func (c *TokenizerCheck) tokenize(ctx context.Context, client *http.Client, endpoint string, body any) ([]uint32, error) {
 	data, err := c.post(ctx, client, endpoint, body)
 	if err != nil {
-		return nil, fmt.Errorf("proxy: tokenize: %w", err)
+		return nil, fmt.Errorf("keying: tokenize: %w", err)
 	}
 	var out struct {
 		Tokens []uint32 `json:"tokens"`
 	}
 	if err := json.Unmarshal(data, &out); err != nil {
-		return nil, fmt.Errorf("proxy: tokenize on %s: decode answer: %w", endpoint, err)
+		return nil, fmt.Errorf("keying: tokenize on %s: decode answer: %w", endpoint, err)
 	}
 	if len(out.Tokens) == 0 {
-		return nil, fmt.Errorf("proxy: tokenize on %s: the answer holds no ids (a llama.cpp replica answers vLLM's request so: give it kind llamacpp)", endpoint)
+		return nil, fmt.Errorf("keying: tokenize on %s: the answer holds no ids (a llama.cpp replica answers vLLM's request so: give it kind llamacpp)", endpoint)
 	}
 	return out.Tokens, nil
 }
@@ -495,13 +489,13 @@ func (c *TokenizerCheck) applyTemplate(ctx context.Context, client *http.Client,
 		return "", fmt.Errorf("%w: %w", errNoTemplateEndpoint, err)
 	}
 	if err != nil {
-		return "", fmt.Errorf("proxy: apply chat template: %w", err)
+		return "", fmt.Errorf("keying: apply chat template: %w", err)
 	}
 	var out struct {
 		Prompt *string `json:"prompt"`
 	}
 	if err := json.Unmarshal(data, &out); err != nil || out.Prompt == nil {
-		return "", fmt.Errorf("proxy: apply chat template on %s: the answer holds no prompt string", endpoint)
+		return "", fmt.Errorf("keying: apply chat template on %s: the answer holds no prompt string", endpoint)
 	}
 	return *out.Prompt, nil
 }
@@ -515,98 +509,4 @@ func firstDiff(a, b []uint32) int {
 		}
 	}
 	return n
-}
-
-// tokenizerProbe is the state of the proxy's tokenizer checks: which
-// replicas are due a probe, and what each last probe found.
-type tokenizerProbe struct {
-	keyer *TokenizerKeyer
-	check *TokenizerCheck
-
-	mu    sync.Mutex // guards due and state
-	due   []bool
-	state []TokenizerState
-}
-
-// newTokenizerProbe prepares the probe for n replicas, all due.
-func newTokenizerProbe(k *TokenizerKeyer, n int) *tokenizerProbe {
-	tp := &tokenizerProbe{keyer: k, check: NewTokenizerCheck(k.Tokenizer()), due: make([]bool, n), state: make([]TokenizerState, n)}
-	for i := range n {
-		tp.due[i], tp.state[i] = true, TokenizerUnknown
-	}
-	return tp
-}
-
-// markDue makes replica id due a probe (it was re-admitted).
-func (tp *tokenizerProbe) markDue(id int) {
-	tp.mu.Lock()
-	tp.due[id] = true
-	tp.mu.Unlock()
-}
-
-// isDue reports whether replica id is due a probe.
-func (tp *tokenizerProbe) isDue(id int) bool {
-	tp.mu.Lock()
-	defer tp.mu.Unlock()
-	return tp.due[id]
-}
-
-// set records replica id's state and returns whether any replica
-// mismatches now.
-func (tp *tokenizerProbe) set(id int, state TokenizerState) (anyMismatch bool) {
-	tp.mu.Lock()
-	defer tp.mu.Unlock()
-	tp.due[id] = false
-	tp.state[id] = state
-	return slices.Contains(tp.state, TokenizerMismatch)
-}
-
-// probeTokenizer compares the local tokenizer with replica b's /tokenize
-// (TokenizerCheck, in the shape of b's backend kind), if b is due a probe, and sets the keyer's fallback: on
-// while any replica mismatches. A replica without /tokenize (an HTTP
-// error) is "unknown" and does not stop token keying; one that did not
-// answer stays due.
-func (p *Proxy) probeTokenizer(ctx context.Context, b *backend) {
-	tp := p.tokProbe
-	if tp == nil || !tp.isDue(b.id) {
-		return
-	}
-	check := *tp.check
-	check.Timeout = p.cfg.HealthTimeout // each request, as a health check
-	state, err := check.CompareKind(ctx, p.checks, b.url.String(), p.engineOf(b.id).kind)
-	if ctx.Err() != nil {
-		return
-	}
-	if errors.Is(err, ErrNoAnswer) {
-		p.log.Debug("tokenizer probe: no answer; retrying after the next health check", "replica", b.name, "err", err)
-		return
-	}
-	anyMismatch := tp.set(b.id, state)
-	p.m.tokMatch.WithLabelValues(b.name).Set(float64(state))
-	switch state {
-	case TokenizerMatch:
-		p.log.Info("tokenizer matches the replica's", "replica", b.name)
-	case TokenizerMismatch:
-		p.log.Warn("tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
-			"replica", b.name, "err", err)
-	default:
-		p.log.Warn("cannot verify the tokenizer: the replica's /tokenize failed; keeping token keys", "replica", b.name, "err", err)
-	}
-	if was := tp.keyer.Fallback(); was != anyMismatch {
-		tp.keyer.SetFallback(anyMismatch)
-		if !anyMismatch {
-			p.log.Info("every probed replica's tokenizer matches again: keying text and chats by token ids")
-		}
-	}
-	p.m.tokFallback.Set(boolFloat(anyMismatch))
-	if p.hookProbe != nil {
-		p.hookProbe(b.name, int(state))
-	}
-}
-
-func boolFloat(b bool) float64 {
-	if b {
-		return 1
-	}
-	return 0
 }

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/llamacpp"
 	"github.com/prefixlb/prefixlb/internal/proxy"
 )
@@ -95,7 +97,7 @@ func startRouter(t *testing.T, policy string, servers []*llamacpp.Server) (*prox
 	for {
 		up := 0
 		for _, r := range p.Replicas() {
-			if r.Up && r.Kind == proxy.BackendLlamaCpp && r.Slots > 0 {
+			if r.Up && r.Kind == upstream.LlamaCpp && r.Slots > 0 {
 				up++
 			}
 		}

@@ -1,4 +1,4 @@
-package proxy
+package openai
 
 import (
 	"encoding/json"
@@ -7,7 +7,20 @@ import (
 	"testing"
 
 	"github.com/prefixlb/prefixlb/internal/tokenize"
+	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 )
+
+// qwen3Tok loads the bundled tokenizer once for the package's tests.
+var qwen3Tok = sync.OnceValues(qwen3.Load)
+
+func testTokenizer(t testing.TB) *tokenize.Tokenizer {
+	t.Helper()
+	tok, err := qwen3Tok()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
 
 // jinjaQwen3 is the Qwen3 tokenizer with a comment appended to its
 // template source: the same template, which no native renderer

@@ -1,4 +1,4 @@
-package proxy
+package openai
 
 import (
 	"encoding/json"

@@ -1,4 +1,4 @@
-package proxy
+package openai
 
 import (
 	"bytes"
@@ -9,14 +9,13 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 // Kind is the OpenAI endpoint a request is for.
 type Kind int
 
-// The kinds of request the proxy parses.
+// The kinds of request a front door parses.
 const (
 	// KindOther is any other /v1 path: forwarded, keyed if it has a prompt.
 	KindOther Kind = iota
@@ -38,13 +37,13 @@ func (k Kind) String() string {
 }
 
 // ErrBadRequest is wrapped by every request-body error: the client sent
-// something the proxy cannot route (the HTTP edge answers 400).
+// something prefixlb cannot route (the HTTP edge answers 400).
 var ErrBadRequest = errors.New("invalid request")
 
 // errNoModel is the error for a body without "model" (its param is "model").
 var errNoModel = fmt.Errorf("%w: you must provide a model parameter", ErrBadRequest)
 
-// Request is what the proxy reads from an OpenAI request body: enough to key
+// Request is what a front door reads from an OpenAI request body: enough to key
 // the prompt and to know what to expect back. The body itself is forwarded
 // untouched.
 type Request struct {
@@ -86,13 +85,13 @@ type ChatPrompt struct {
 
 // ParseRequest reads the body of a request of kind k. Completions need a
 // model and a prompt; chat needs a model and messages; other kinds are read
-// best effort: a body the proxy cannot read (not JSON, or another API's
+// best effort: a body prefixlb cannot read (not JSON, or another API's
 // shapes) yields an empty Request and no error, since it is forwarded as it
 // is, unkeyed. Errors wrap ErrBadRequest.
 //
 // The body is read in one pass (decodeBody) that accepts, rejects and
 // decodes exactly as encoding/json would decode it into the fields the
-// proxy reads, with encoding/json's error messages. The Request does not
+// front doors read, with encoding/json's error messages. The Request does not
 // alias the body.
 func ParseRequest(k Kind, body []byte) (*Request, error) {
 	req, err := readRequest(k, body)
@@ -610,50 +609,4 @@ func chatPrompt(msgs []tokenize.Message, raw *reqBody) *ChatPrompt {
 		}
 	}
 	return c
-}
-
-// Keyer turns a parsed request into the router's block keys and an estimate
-// of its prompt length in tokens. Text-chunk keying stands in until
-// token-exact tokenization lands; a tokenizer will implement the same
-// interface. Implementations must be safe for concurrent use.
-type Keyer interface {
-	// Keys returns the keys of the request's (first) prompt and the prompt
-	// tokens of the whole request (every prompt of a batch), ≥ 1 and ≥
-	// len(keys)·block size.
-	Keys(r *Request) (keys []blocks.Key, promptTokens int, err error)
-}
-
-// ChunkKeyer keys text by chunks of 4·BlockTokens bytes (blocks.TextKeys)
-// and token ids by blocks of BlockTokens (blocks.Keys), so that one key
-// stands for BlockTokens tokens either way, as the router requires.
-type ChunkKeyer struct {
-	// BlockTokens is the tokens per key (the router's block size).
-	BlockTokens int
-}
-
-var _ Keyer = ChunkKeyer{}
-
-// ChunkBytes is the text chunk size: blocks.TokensPerChunk of it is
-// BlockTokens (about 4 bytes per token of English text).
-func (k ChunkKeyer) ChunkBytes() int { return 4 * k.BlockTokens }
-
-// Keys implements Keyer. A batch is keyed by its first prompt (the one the
-// engine schedules first); its prompt tokens count every prompt.
-func (k ChunkKeyer) Keys(r *Request) ([]blocks.Key, int, error) {
-	var keys []blocks.Key
-	total := 0
-	for i, text := range r.Texts {
-		if i == 0 {
-			keys = blocks.TextKeys(nil, text, k.ChunkBytes())
-		}
-		total += (len(text) + 3) / 4
-	}
-	for i, ids := range r.TokenIDs {
-		if i == 0 && len(keys) == 0 {
-			keys = blocks.Keys(nil, ids, k.BlockTokens)
-		}
-		total += len(ids)
-	}
-	total = max(total, len(keys)*k.BlockTokens, 1)
-	return keys, total, nil
 }

@@ -1,4 +1,4 @@
-package proxy
+package openai
 
 import (
 	"encoding/json"
@@ -139,11 +139,11 @@ func TestSSEFramerReady(t *testing.T) {
 		{"data: a\n\n\r\n", true},
 		{"data: a\n\n: c", false},
 	} {
-		f := newSSEFramer(strings.NewReader(tc.in), 0)
+		f := NewFramer(strings.NewReader(tc.in), 0)
 		if _, err := f.Next(); err != nil {
 			t.Fatalf("%q: %v", tc.in, err)
 		}
-		if got := f.ready(); got != tc.want {
+		if got := f.Ready(); got != tc.want {
 			t.Errorf("%q: ready() = %v, want %v", tc.in, got, tc.want)
 		}
 	}

@@ -1,4 +1,4 @@
-package proxy
+package openai
 
 import (
 	"bufio"
@@ -11,16 +11,16 @@ import (
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 )
 
-// maxEventBytes bounds one Server-Sent Event (all its lines): a chunk of an
+// MaxEventBytes bounds one Server-Sent Event (all its lines): a chunk of an
 // OpenAI stream is a few hundred bytes, a big usage or logprobs object a few
 // kilobytes.
-const maxEventBytes = 8 << 20
+const MaxEventBytes = 8 << 20
 
-// errEventTooLong is returned by the framer for an event over its limit.
-var errEventTooLong = errors.New("sse event too long")
+// ErrEventTooLong is returned by the framer for an event over its limit.
+var ErrEventTooLong = errors.New("sse event too long")
 
-// sseEvent is one event of a stream: its exact bytes and its data.
-type sseEvent struct {
+// Event is one event of a stream: its exact bytes and its data.
+type Event struct {
 	// Raw is the event's bytes as received, through the blank line that
 	// ends it (or, at the end of input, whatever is left).
 	Raw []byte
@@ -30,8 +30,8 @@ type sseEvent struct {
 	HasData bool
 }
 
-// sseFramer cuts a Server-Sent Events stream (WHATWG HTML, "server-sent
-// events") into events without changing a byte, so the proxy can forward
+// Framer cuts a Server-Sent Events stream (WHATWG HTML, "server-sent
+// events") into events without changing a byte, so a front door can forward
 // each event the moment its blank line arrives and read its data on the side.
 //
 // Lines end in "\n" or "\r\n". A lone "\r" does not end a line (no
@@ -39,37 +39,37 @@ type sseEvent struct {
 // Where the input is split across reads does not change the events. Raw and
 // Data are valid until the next call to Next.
 //
-// sseFramer is not safe for concurrent use.
-type sseFramer struct {
+// Framer is not safe for concurrent use.
+type Framer struct {
 	br   *bufio.Reader
 	max  int
 	raw  []byte
 	data []byte
 }
 
-// newSSEFramer returns a framer reading r, accepting events up to max bytes
-// (maxEventBytes if max ≤ 0).
-func newSSEFramer(r io.Reader, max int) *sseFramer {
+// NewFramer returns a framer reading r, accepting events up to max bytes
+// (MaxEventBytes if max ≤ 0).
+func NewFramer(r io.Reader, max int) *Framer {
 	if max <= 0 {
-		max = maxEventBytes
+		max = MaxEventBytes
 	}
-	return &sseFramer{br: bufio.NewReaderSize(r, 32<<10), max: max}
+	return &Framer{br: bufio.NewReaderSize(r, 32<<10), max: max}
 }
 
 // Next returns the next event. At the end of input it returns io.EOF when
 // the input ended between events, or the partial event and
 // io.ErrUnexpectedEOF when it ended inside one. Other errors are the
-// reader's or errEventTooLong (with the partial event).
-func (f *sseFramer) Next() (sseEvent, error) {
+// reader's or ErrEventTooLong (with the partial event).
+func (f *Framer) Next() (Event, error) {
 	f.raw, f.data = f.raw[:0], f.data[:0]
 	hasData := false
 	for {
 		line, err := f.readLine()
 		if err != nil {
-			ev := sseEvent{Raw: f.raw, Data: f.data, HasData: hasData}
+			ev := Event{Raw: f.raw, Data: f.data, HasData: hasData}
 			if err == io.EOF {
 				if len(f.raw) == 0 {
-					return sseEvent{}, io.EOF
+					return Event{}, io.EOF
 				}
 				return ev, io.ErrUnexpectedEOF
 			}
@@ -77,7 +77,7 @@ func (f *sseFramer) Next() (sseEvent, error) {
 		}
 		body := bytes.TrimSuffix(bytes.TrimSuffix(line, []byte("\n")), []byte("\r"))
 		if len(body) == 0 {
-			return sseEvent{Raw: f.raw, Data: f.data, HasData: hasData}, nil
+			return Event{Raw: f.raw, Data: f.data, HasData: hasData}, nil
 		}
 		if body[0] == ':' {
 			continue // a comment
@@ -96,10 +96,10 @@ func (f *sseFramer) Next() (sseEvent, error) {
 	}
 }
 
-// ready reports whether the input already read holds the whole next event
+// Ready reports whether the input already read holds the whole next event
 // (Next will return it without reading): the stream's writer uses it to
 // flush once for events that arrived together.
-func (f *sseFramer) ready() bool {
+func (f *Framer) Ready() bool {
 	n := f.br.Buffered()
 	if n == 0 {
 		return false
@@ -114,13 +114,13 @@ func (f *sseFramer) ready() bool {
 // readLine appends the next line (with its "\n") to f.raw and returns it.
 // At the end of input a final line without "\n" is appended and io.EOF
 // returned.
-func (f *sseFramer) readLine() ([]byte, error) {
+func (f *Framer) readLine() ([]byte, error) {
 	start := len(f.raw)
 	for {
 		chunk, err := f.br.ReadSlice('\n')
 		if len(f.raw)+len(chunk) > f.max {
 			f.raw = append(f.raw, chunk[:max(0, f.max-len(f.raw))]...)
-			return nil, errEventTooLong
+			return nil, ErrEventTooLong
 		}
 		f.raw = append(f.raw, chunk...)
 		switch err {
@@ -134,7 +134,7 @@ func (f *sseFramer) readLine() ([]byte, error) {
 	}
 }
 
-// chunkInfo is what the proxy reads from one event's data on the side: the
+// chunkInfo is what a front door reads from one event's data on the side: the
 // fields of an OpenAI completion or chat chunk (or a whole non-streamed
 // response) that tell it about tokens and usage, and llama.cpp's timings.
 type chunkInfo struct {
@@ -150,7 +150,7 @@ type chunkInfo struct {
 			Content *string `json:"content"`
 		} `json:"message"`
 	} `json:"choices"`
-	Usage *usage          `json:"usage"`
+	Usage *Usage          `json:"usage"`
 	Error json.RawMessage `json:"error"`
 	// Timings is llama.cpp's timings object, kept raw: a server whose
 	// "timings" has another shape must not make its chunks garbage
@@ -158,8 +158,8 @@ type chunkInfo struct {
 	Timings json.RawMessage `json:"timings"`
 }
 
-// usage is an OpenAI usage object.
-type usage struct {
+// Usage is an OpenAI usage object.
+type Usage struct {
 	PromptTokens        int `json:"prompt_tokens"`
 	CompletionTokens    int `json:"completion_tokens"`
 	PromptTokensDetails *struct {
@@ -268,7 +268,7 @@ type Chunk struct {
 }
 
 // ReadChunk parses one completion or chat chunk — an SSE event's data, or
-// a whole non-streamed response — the way the proxy reads replies on the
+// a whole non-streamed response — the way serve reads replies on the
 // side (the endpoint picker shares it). ok is false when data is not JSON.
 func ReadChunk(data []byte) (c Chunk, ok bool) {
 	var ci chunkInfo
@@ -280,19 +280,15 @@ func ReadChunk(data []byte) (c Chunk, ok bool) {
 	if ci.Usage != nil {
 		c.HasUsage = true
 		c.PromptTokens, c.CompletionTokens = ci.Usage.PromptTokens, ci.Usage.CompletionTokens
-		c.CachedTokens = ci.Usage.cachedWith(c.Timings)
+		c.CachedTokens = ci.Usage.Cached(c.Timings)
 	}
 	return c, true
 }
 
-// cached returns the cached prompt tokens of prompt_tokens_details (vLLM,
-// SGLang), or -1 if none; cachedWith also reads llama.cpp's timings.
-func (u *usage) cached() int { return u.cachedWith(nil) }
-
-// cachedWith returns the reported cached prompt tokens: prompt_tokens_details
+// Cached returns the reported cached prompt tokens: prompt_tokens_details
 // when present (vLLM, SGLang), else from llama.cpp's timings t
-// (CachedFromTimings; nil: none), else -1.
-func (u *usage) cachedWith(t *Timings) int {
+// (CachedFromTimings; nil: none), else -1. A nil Usage reports -1.
+func (u *Usage) Cached(t *Timings) int {
 	if u == nil {
 		return -1
 	}
@@ -305,52 +301,56 @@ func (u *usage) cachedWith(t *Timings) int {
 // done reports whether data is the stream's terminator "[DONE]".
 func done(data []byte) bool { return string(bytes.TrimSpace(data)) == "[DONE]" }
 
-// streamState accumulates what the proxy learns from a stream's events.
-type streamState struct {
-	// tokens counts events that carried output (text, content, reasoning or
+// ErrNotJSON is returned by Stream.Observe for an event whose data is
+// neither "[DONE]" nor JSON: a replica answering garbage.
+var ErrNotJSON = errors.New("event data is not JSON")
+
+// Stream accumulates what a front door learns from a stream's events.
+type Stream struct {
+	// Tokens counts events that carried output (text, content, reasoning or
 	// tool calls): one token per chunk for vLLM without speculative decoding.
-	tokens int
-	// usage is the last usage object seen (nil if none).
-	usage *usage
-	// timings is the last llama.cpp timings object seen (nil if none): on
+	Tokens int
+	// Usage is the last usage object seen (nil if none).
+	Usage *Usage
+	// Timings is the last llama.cpp timings object seen (nil if none): on
 	// the final chunk, with the usage.
-	timings *Timings
-	// sawDone is set by the "[DONE]" event.
-	sawDone bool
-	// upstreamError is set by an in-stream {"error":...} event.
-	upstreamError bool
+	Timings *Timings
+	// SawDone is set by the "[DONE]" event.
+	SawDone bool
+	// UpstreamError is set by an in-stream {"error":...} event.
+	UpstreamError bool
 }
 
-// observe reads one event. It returns whether the event carried output
-// tokens, and an error if its data is neither "[DONE]" nor JSON (garbage).
-func (s *streamState) observe(ev *sseEvent) (token bool, err error) {
+// Observe reads one event. It returns whether the event carried output
+// tokens, and ErrNotJSON if its data is neither "[DONE]" nor JSON.
+func (s *Stream) Observe(ev *Event) (token bool, err error) {
 	if !ev.HasData {
 		return false, nil
 	}
 	if done(ev.Data) {
-		s.sawDone = true
+		s.SawDone = true
 		return false, nil
 	}
 	var c chunkInfo
 	if err := json.Unmarshal(ev.Data, &c); err != nil {
-		return false, errGarbage
+		return false, ErrNotJSON
 	}
 	if c.Usage != nil {
-		s.usage = c.Usage
+		s.Usage = c.Usage
 	}
 	if t := ParseTimings(c.Timings); t != nil {
-		s.timings = t
+		s.Timings = t
 	}
 	if len(c.Error) > 0 && string(c.Error) != "null" {
-		s.upstreamError = true
+		s.UpstreamError = true
 	}
 	token = c.output()
 	if token {
-		s.tokens++
+		s.Tokens++
 	}
 	return token, nil
 }
 
-// cached is the stream's reported cached prompt tokens (its last usage,
+// Cached is the stream's reported cached prompt tokens (its last usage,
 // with its timings), or -1.
-func (s *streamState) cached() int { return s.usage.cachedWith(s.timings) }
+func (s *Stream) Cached() int { return s.Usage.Cached(s.Timings) }

@@ -9,6 +9,9 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
@@ -144,14 +147,14 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	kind := KindCompletion
+	kind := openai.KindCompletion
 	var probe struct {
 		Messages json.RawMessage `json:"messages"`
 	}
 	if json.Unmarshal(body, &probe) == nil && probe.Messages != nil {
-		kind = KindChat
+		kind = openai.KindChat
 	}
-	req, err := ParseRequest(kind, body)
+	req, err := openai.ParseRequest(kind, body)
 	if err != nil {
 		writeError(w, err)
 		return
@@ -203,8 +206,8 @@ type ReplicaStatus struct {
 	KVTokens int `json:"kv_cache_tokens"`
 	// Kind is the replica's backend kind (BackendUnknown until detected);
 	// Slots a slot cache's slot count (0: a block cache).
-	Kind  BackendKind `json:"kind"`
-	Slots int         `json:"slots"`
+	Kind  upstream.Kind `json:"kind"`
+	Slots int           `json:"slots"`
 	// Cache is the router's view of the replica's cache and how well it
 	// has matched the replica's reports.
 	Cache router.CacheView `json:"cache"`

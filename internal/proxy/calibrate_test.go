@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
@@ -204,7 +206,7 @@ func calProxy(t *testing.T, backends []Backend, told string, calibrate bool) (*P
 	cfg.Policy = "round-robin"
 	cfg.Profile = told
 	cfg.Calibrate = calibrate
-	cfg.BackendKind = BackendVLLM
+	cfg.BackendKind = upstream.VLLM
 	cfg.HealthInterval = time.Hour // the engines are up; no checks needed
 	cfg.ScrapeInterval = 0
 	cfg.Logger = slog.New(slog.DiscardHandler)

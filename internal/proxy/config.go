@@ -13,6 +13,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"sigs.k8s.io/yaml"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -41,7 +44,7 @@ type Backend struct {
 	// Kind is the replica's engine: "auto" (detect it at start and on
 	// every re-admission), "vllm", "sglang" or "llamacpp" ("":
 	// Config.BackendKind). See BackendKind.
-	Kind BackendKind `json:"kind,omitempty"`
+	Kind upstream.Kind `json:"kind,omitempty"`
 	// Profile is the replica's own cost profile ("": Config.Profile), for
 	// a cluster of mixed GPUs: a built-in name or a YAML file, optionally
 	// with scaled times (costmodel.Resolve). With Calibrate it is the prior
@@ -82,7 +85,7 @@ type Config struct {
 	// DetectBackend). A llama.cpp replica's slot cache is modelled, its
 	// cached tokens read from its timings and its tokenizer probed through
 	// its own /tokenize.
-	BackendKind BackendKind
+	BackendKind upstream.Kind
 
 	// ConnectTimeout bounds dialing a replica.
 	ConnectTimeout time.Duration
@@ -168,7 +171,7 @@ type Config struct {
 	// ChunkKeyer{BlockTokens}). A tokenizer-backed Keyer must produce keys
 	// of BlockTokens tokens each; a *TokenizerKeyer is probed as Tokenizer
 	// is.
-	Keyer Keyer
+	Keyer keying.Keyer
 }
 
 // DefaultConfig returns the defaults: e2 on llama3.1-8b-h100, blocks of 16
@@ -184,7 +187,7 @@ func DefaultConfig() Config {
 		Calibration:           calibrate.DefaultConfig(),
 		BlockTokens:           blocks.DefaultBlockSize,
 		Seed:                  1,
-		BackendKind:           BackendAuto,
+		BackendKind:           upstream.Auto,
 		ConnectTimeout:        5 * time.Second,
 		ResponseHeaderTimeout: 10 * time.Minute,
 		IdleTimeout:           5 * time.Minute,
@@ -243,7 +246,7 @@ func (c *Config) Validate() error {
 				return bad(fmt.Sprintf("backends[%d].kv_replay", i), "%v", err)
 			}
 		}
-		if _, err := ParseBackendKind(string(b.Kind)); err != nil {
+		if _, err := upstream.ParseKind(string(b.Kind)); err != nil {
 			return fmt.Errorf("proxy: config: backends[%d].kind: %w", i, err)
 		}
 		n := backendName(b)
@@ -252,7 +255,7 @@ func (c *Config) Validate() error {
 		}
 		names[n] = true
 	}
-	if _, err := ParseBackendKind(string(c.BackendKind)); err != nil {
+	if _, err := upstream.ParseKind(string(c.BackendKind)); err != nil {
 		return fmt.Errorf("proxy: config: backend_kind: %w", err)
 	}
 	if c.BlockTokens < 1 {
@@ -502,7 +505,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 		c.Seed = *f.Seed
 	}
 	if f.BackendKind != nil {
-		c.BackendKind = BackendKind(*f.BackendKind)
+		c.BackendKind = upstream.Kind(*f.BackendKind)
 	}
 	setD(&c.ConnectTimeout, f.ConnectTimeout)
 	setD(&c.ResponseHeaderTimeout, f.ResponseHeaderTimeout)
@@ -551,12 +554,12 @@ func LoadConfig(path string, base Config) (Config, error) {
 
 // backendKind is backend b's configured kind: its own, else def (the
 // config's BackendKind), else auto. Both were validated.
-func backendKind(b Backend, def BackendKind) BackendKind {
-	if k, err := ParseBackendKind(string(b.Kind)); err == nil && b.Kind != "" {
+func backendKind(b Backend, def upstream.Kind) upstream.Kind {
+	if k, err := upstream.ParseKind(string(b.Kind)); err == nil && b.Kind != "" {
 		return k
 	}
-	if k, err := ParseBackendKind(string(def)); err == nil {
+	if k, err := upstream.ParseKind(string(def)); err == nil {
 		return k
 	}
-	return BackendAuto
+	return upstream.Auto
 }

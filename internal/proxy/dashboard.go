@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/dashboard"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/prefixtree"
@@ -113,7 +115,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 		views[i], _ = p.rt.CacheView(i)
 		speeds[i] = p.rt.Pricing(i, false)
 	}
-	kinds := make([]BackendKind, len(reps))
+	kinds := make([]upstream.Kind, len(reps))
 	for i := range reps {
 		kinds[i] = p.engines[i].kind
 	}

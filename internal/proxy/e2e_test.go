@@ -17,6 +17,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/openai"
 )
 
 // e2eResult is what the end-to-end test learns from one streamed response.
@@ -25,7 +26,7 @@ type e2eResult struct {
 	replica string
 	route   string
 	chunks  int // events with text
-	usage   *usage
+	usage   *openai.Usage
 	err     error
 }
 
@@ -232,7 +233,7 @@ func TestEndToEndPrefixReuse(t *testing.T) {
 		if t.Failed() {
 			return
 		}
-		cached := r.usage.cached()
+		cached := r.usage.Cached(nil)
 		if cached > 0 {
 			hits++
 		}
@@ -266,7 +267,7 @@ func TestEndToEndPrefixReuse(t *testing.T) {
 		if t.Failed() {
 			return
 		}
-		m, cached := matchedOf(r.route), r.usage.cached()
+		m, cached := matchedOf(r.route), r.usage.Cached(nil)
 		if m < prefix || cached < prefix {
 			t.Errorf("%s: router predicted %d cached tokens, replica reported %d, want both ≥ %d", what, m, cached, prefix)
 		}

@@ -2,10 +2,11 @@ package proxy
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+
+	"github.com/prefixlb/prefixlb/internal/openai"
 
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
@@ -67,7 +68,7 @@ func (e *attemptError) Unwrap() []error { return []error{ErrUpstream, e.err} }
 func statusOf(err error) int {
 	var ae *attemptError
 	switch {
-	case errors.Is(err, ErrBadRequest), errors.Is(err, router.ErrEmptyPrompt), errors.Is(err, router.ErrBadRequest),
+	case errors.Is(err, openai.ErrBadRequest), errors.Is(err, router.ErrEmptyPrompt), errors.Is(err, router.ErrBadRequest),
 		errors.Is(err, ErrPromptTooLong):
 		return http.StatusBadRequest
 	case errors.Is(err, ErrBodyTimeout):
@@ -90,49 +91,6 @@ func statusOf(err error) int {
 	return http.StatusInternalServerError
 }
 
-// errorType is the OpenAI error "type" for a status.
-func errorType(status int) string {
-	switch status {
-	case http.StatusBadRequest, http.StatusRequestEntityTooLarge, http.StatusMethodNotAllowed:
-		return "invalid_request_error"
-	case http.StatusRequestTimeout:
-		return "timeout_error"
-	case http.StatusTooManyRequests:
-		return "rate_limit_error"
-	case http.StatusUnauthorized:
-		return "authentication_error"
-	case http.StatusNotFound:
-		return "not_found_error"
-	case http.StatusServiceUnavailable:
-		return "service_unavailable_error"
-	case http.StatusGatewayTimeout:
-		return "timeout_error"
-	}
-	return "upstream_error"
-}
-
-// apiError is an OpenAI-style error object.
-type apiError struct {
-	Message string  `json:"message"`
-	Type    string  `json:"type"`
-	Param   *string `json:"param"`
-	Code    int     `json:"code"`
-}
-
-// errorBody renders the OpenAI error body for status and err.
-func errorBody(status int, err error) []byte {
-	var e struct {
-		Error apiError `json:"error"`
-	}
-	e.Error = apiError{Message: err.Error(), Type: errorType(status), Code: status}
-	if errors.Is(err, errNoModel) {
-		p := "model"
-		e.Error.Param = &p
-	}
-	b, _ := json.Marshal(e)
-	return b
-}
-
 // writeError answers err as an OpenAI-style JSON error.
 func writeError(w http.ResponseWriter, err error) int {
 	status := statusOf(err)
@@ -149,16 +107,5 @@ func writeErrorStatus(w http.ResponseWriter, status int, err error) {
 		h.Set("WWW-Authenticate", `Bearer realm="prefixlb"`)
 	}
 	w.WriteHeader(status)
-	_, _ = w.Write(errorBody(status, err))
-}
-
-// sseErrorEvent renders the event that ends a stream which failed after its
-// first bytes reached the client, followed by "[DONE]" as vLLM does.
-func sseErrorEvent(err error) []byte {
-	body := errorBody(http.StatusBadGateway, err)
-	out := make([]byte, 0, len(body)+32)
-	out = append(out, "data: "...)
-	out = append(out, body...)
-	out = append(out, "\n\ndata: [DONE]\n\n"...)
-	return out
+	_, _ = w.Write(openai.ErrorBody(status, err))
 }

@@ -3,7 +3,6 @@ package proxy
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -14,6 +13,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/prefixlb/prefixlb/internal/openai"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/policy"
@@ -36,7 +37,7 @@ type exchange struct {
 	w     http.ResponseWriter
 	r     *http.Request
 	body  []byte
-	req   *Request
+	req   *openai.Request
 	start time.Time
 	// wrote is set once any byte of the response went to the client: from
 	// then on the request cannot be retried.
@@ -65,7 +66,7 @@ type storedResponse struct {
 }
 
 // serveInference routes and forwards one /v1 request.
-func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind Kind) {
+func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind openai.Kind) {
 	x := &exchange{p: p, w: w, r: r, start: time.Now()}
 	replica := ""
 	defer func() {
@@ -80,7 +81,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind Kind
 		return
 	}
 	x.body = body
-	req, err := ParseRequest(kind, body)
+	req, err := openai.ParseRequest(kind, body)
 	if err != nil {
 		fail(err)
 		return
@@ -189,7 +190,7 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 		if errors.Is(err, ErrBodyTimeout) {
 			return nil, fmt.Errorf("proxy: read body: %w", err)
 		}
-		return nil, fmt.Errorf("proxy: read body: %w: %v", ErrBadRequest, err)
+		return nil, fmt.Errorf("proxy: read body: %w: %v", openai.ErrBadRequest, err)
 	}
 	return body, nil
 }
@@ -242,7 +243,7 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 		}
 		// A stream cut short (the replica died or closed the connection) is
 		// a connection failure; data that cannot be decoded is garbage.
-		if errors.Is(err, errGarbage) || errors.Is(err, errEventTooLong) {
+		if errors.Is(err, errGarbage) || errors.Is(err, openai.ErrEventTooLong) {
 			return &attemptError{replica: b.name, reason: reasonGarbage, err: err}
 		}
 		return &attemptError{replica: b.name, reason: reasonConn, err: err}
@@ -335,12 +336,12 @@ func (x *exchange) writeHead(d *policy.Decision, n int, resp *http.Response, con
 func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, body io.Reader, readFailure func(error) *attemptError) result {
 	p := x.p
 	rc := http.NewResponseController(x.w)
-	fr := newSSEFramer(body, 0)
-	var st streamState
+	fr := openai.NewFramer(body, 0)
+	var st openai.Stream
 	var gaps calibrate.Gaps
 	first := false
 	fail := func(err error) result {
-		p.finish(id, st.tokens, -1, false)
+		p.finish(id, st.Tokens, -1, false)
 		if !x.wrote {
 			return result{err: err, retry: x.r.Context().Err() == nil}
 		}
@@ -349,7 +350,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			return result{err: err}
 		}
 		p.log.Warn("stream failed after its first event", "replica", b.name, "err", err)
-		_, _ = x.w.Write(sseErrorEvent(err))
+		_, _ = x.w.Write(openai.ErrorEvent(err))
 		_ = rc.Flush()
 		x.code = "aborted"
 		return result{err: err}
@@ -357,7 +358,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 	for {
 		ev, err := fr.Next()
 		if err == io.EOF {
-			if !st.sawDone {
+			if !st.SawDone {
 				return fail(readFailure(errTruncated))
 			}
 			break
@@ -368,22 +369,22 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			}
 			return fail(readFailure(err))
 		}
-		token, gerr := st.observe(&ev)
+		token, gerr := st.Observe(&ev)
 		if gerr != nil {
-			return fail(readFailure(gerr))
+			return fail(readFailure(errGarbage))
 		}
 		if !x.wrote {
 			x.writeHead(d, n, resp, -1)
 		}
 		if _, werr := x.w.Write(ev.Raw); werr != nil {
-			p.finish(id, st.tokens, -1, false)
+			p.finish(id, st.Tokens, -1, false)
 			x.code = "cancelled"
 			return result{err: fmt.Errorf("proxy: write to client: %w", werr)}
 		}
 		// Flush now unless the next event has arrived already: events that
 		// came in one read (the usage chunk and [DONE], or tokens bunched
 		// up under load) leave in one write, at no cost to their latency.
-		if !fr.ready() {
+		if !fr.Ready() {
 			_ = rc.Flush()
 		}
 		if token {
@@ -394,13 +395,13 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			p.firstToken(id)
 			p.m.ttft.WithLabelValues(b.name).Observe(time.Since(x.start).Seconds())
 		}
-		if st.sawDone {
+		if st.SawDone {
 			break
 		}
 	}
-	fin := router.Finish{OutputTokens: st.tokens, CachedTokens: -1, OK: !st.upstreamError, Timings: st.timings.Calibration()}
-	if st.usage != nil {
-		fin.OutputTokens, fin.CachedTokens = st.usage.CompletionTokens, st.cached()
+	fin := router.Finish{OutputTokens: st.Tokens, CachedTokens: -1, OK: !st.UpstreamError, Timings: st.Timings.Calibration()}
+	if st.Usage != nil {
+		fin.OutputTokens, fin.CachedTokens = st.Usage.CompletionTokens, st.Cached()
 	}
 	fin.ITL, fin.ITLSamples = gaps.Median()
 	x.done(id, d, b, fin)
@@ -420,7 +421,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 	}
 	ok := resp.StatusCode < 400
 	out, cached := 0, -1
-	var timings *Timings
+	var timings *openai.Timings
 	if int64(len(buf)) > limit {
 		x.writeHead(d, n, resp, -1)
 		_, _ = x.w.Write(buf)
@@ -436,15 +437,15 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 		}
 		return result{}
 	}
-	if ok && resp.StatusCode < 300 && x.req.Kind != KindOther {
-		var c chunkInfo
-		if err := json.Unmarshal(buf, &c); err != nil {
+	if ok && resp.StatusCode < 300 && x.req.Kind != openai.KindOther {
+		c, isJSON := openai.ReadChunk(buf)
+		if !isJSON {
 			p.finish(id, 0, -1, false)
 			return result{err: readFailure(fmt.Errorf("%w: response is not JSON", errGarbage)), retry: true}
 		}
-		timings = ParseTimings(c.Timings)
-		if c.Usage != nil {
-			out, cached = c.Usage.CompletionTokens, c.Usage.cachedWith(timings)
+		timings = c.Timings
+		if c.HasUsage {
+			out, cached = c.CompletionTokens, c.CachedTokens
 		}
 	}
 	x.writeHead(d, n, resp, len(buf))

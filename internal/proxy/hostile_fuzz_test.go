@@ -9,6 +9,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
 // FuzzParseConfig feeds the YAML config reader arbitrary documents: it must
@@ -147,9 +149,9 @@ func FuzzParseLoad(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		l, err := parseLoad(bytes.NewReader(data))
+		l, err := upstream.ParseLoad(bytes.NewReader(data))
 		if err != nil {
-			if l != unknownLoad {
+			if l != upstream.UnknownLoad {
 				t.Fatalf("failed parse returned %+v", l)
 			}
 			return

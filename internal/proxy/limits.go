@@ -12,6 +12,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/prefixlb/prefixlb/internal/openai"
 )
 
 // limited wraps an inference handler with the checks that do not need the
@@ -26,7 +28,7 @@ func (p *Proxy) limited(h http.HandlerFunc) http.HandlerFunc {
 			// encoded ones ("%2e%2e", "..%2F"), which the forwarded path
 			// would carry decoded out of /v1 on the replica.
 			p.m.requests.WithLabelValues(p.policy, "", strconv.Itoa(http.StatusBadRequest)).Inc()
-			writeError(w, fmt.Errorf("proxy: %w: path %q has dot segments", ErrBadRequest, r.URL.Path))
+			writeError(w, fmt.Errorf("proxy: %w: path %q has dot segments", openai.ErrBadRequest, r.URL.Path))
 			return
 		}
 		if p.slots != nil {

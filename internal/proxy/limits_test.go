@@ -64,6 +64,14 @@ func rawExchange(t *testing.T, addr, raw string) (*http.Response, string) {
 	return resp, string(b)
 }
 
+// apiError is an OpenAI error object as a client reads it.
+type apiError struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    int     `json:"code"`
+}
+
 // openAIError decodes an OpenAI error body.
 func openAIError(t *testing.T, body string) apiError {
 	t.Helper()

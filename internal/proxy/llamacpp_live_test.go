@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/llamacpp"
 )
 
@@ -43,16 +46,16 @@ func TestLiveLlamaServer(t *testing.T) {
 	}
 	ctx := context.Background()
 	client := &http.Client{Timeout: 30 * time.Second}
-	d, err := DetectBackend(ctx, client, base, base+"/metrics", BackendAuto)
-	if err != nil || d.Kind != BackendLlamaCpp || d.Slots < 1 {
+	d, err := upstream.Detect(ctx, client, base, base+"/metrics", upstream.Auto)
+	if err != nil || d.Kind != upstream.LlamaCpp || d.Slots < 1 {
 		t.Fatalf("DetectBackend = %+v, %v; want llamacpp with its slots", d, err)
 	}
 	t.Logf("detected %+v", d)
 	tok := testTokenizer(t)
-	if state, err := NewTokenizerCheck(tok).CompareKind(ctx, client, base, BackendLlamaCpp); state != TokenizerMatch {
+	if state, err := keying.NewTokenizerCheck(tok).CompareKind(ctx, client, base, upstream.LlamaCpp); state != keying.TokenizerMatch {
 		t.Errorf("tokenizer check: %v, %v (the model must carry Qwen3's tokenizer)", state, err)
 	}
-	if state, _ := NewTokenizerCheck(tok).Compare(ctx, client, base); state != TokenizerUnknown {
+	if state, _ := keying.NewTokenizerCheck(tok).Compare(ctx, client, base); state != keying.TokenizerUnknown {
 		t.Errorf("vLLM-shaped check against llama.cpp: %v, want unknown", state)
 	}
 

@@ -20,6 +20,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
@@ -149,33 +153,33 @@ func TestDetectBackend(t *testing.T) {
 		name      string
 		routes    map[string]route
 		header    bool
-		kind      BackendKind // configured
-		want      Detection
+		kind      upstream.Kind // configured
+		want      upstream.Detection
 		wantNoAns bool
 		noGets    bool // a configured vLLM or SGLang needs no request
 	}{
-		{"llama.cpp by its metrics", llama, true, BackendAuto, Detection{BackendLlamaCpp, 2, "metrics"}, false, false},
-		{"llama.cpp without --metrics, by /props", withMetrics501, true, BackendAuto, Detection{BackendLlamaCpp, 2, "props"}, false, false},
-		{"llama.cpp by owned_by, slots from /slots", without(llama, "/metrics", "/props"), false, BackendAuto,
-			Detection{BackendLlamaCpp, 2, "models"}, false, false},
-		{"llama.cpp by its Server header", map[string]route{"/slots": llama["/slots"], "/v1/models": {body: plainModels}}, true, BackendAuto,
-			Detection{BackendLlamaCpp, 2, "header"}, false, false},
-		{"llama.cpp without --slots nor /props: slots unknown", map[string]route{"/v1/models": llama["/v1/models"]}, true, BackendAuto,
-			Detection{BackendLlamaCpp, 0, "models"}, false, false},
-		{"vllm by its metrics", map[string]route{"/metrics": {body: vllmMetrics}, "/v1/models": {body: vllmModels}}, false, BackendAuto,
-			Detection{BackendVLLM, 0, "metrics"}, false, false},
-		{"vllm by owned_by", map[string]route{"/v1/models": {body: vllmModels}}, false, BackendAuto, Detection{BackendVLLM, 0, "models"}, false, false},
-		{"sglang by its metrics", map[string]route{"/metrics": {body: sglangMetrics}}, false, BackendAuto, Detection{BackendSGLang, 0, "metrics"}, false, false},
-		{"sglang by owned_by", map[string]route{"/v1/models": {body: sglangModels}}, false, BackendAuto, Detection{BackendSGLang, 0, "models"}, false, false},
-		{"nothing says", map[string]route{"/v1/models": {body: plainModels}}, false, BackendAuto, Detection{BackendUnknown, 0, ""}, false, false},
-		{"configured llama.cpp reads its slots", llama, true, BackendLlamaCpp, Detection{BackendLlamaCpp, 2, "configured"}, false, false},
-		{"configured vllm", llama, true, BackendVLLM, Detection{BackendVLLM, 0, "configured"}, false, true},
-		{"configured sglang", llama, true, BackendSGLang, Detection{BackendSGLang, 0, "configured"}, false, true},
+		{"llama.cpp by its metrics", llama, true, upstream.Auto, upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "metrics"}, false, false},
+		{"llama.cpp without --metrics, by /props", withMetrics501, true, upstream.Auto, upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "props"}, false, false},
+		{"llama.cpp by owned_by, slots from /slots", without(llama, "/metrics", "/props"), false, upstream.Auto,
+			upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "models"}, false, false},
+		{"llama.cpp by its Server header", map[string]route{"/slots": llama["/slots"], "/v1/models": {body: plainModels}}, true, upstream.Auto,
+			upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "header"}, false, false},
+		{"llama.cpp without --slots nor /props: slots unknown", map[string]route{"/v1/models": llama["/v1/models"]}, true, upstream.Auto,
+			upstream.Detection{Kind: upstream.LlamaCpp, Slots: 0, Via: "models"}, false, false},
+		{"vllm by its metrics", map[string]route{"/metrics": {body: vllmMetrics}, "/v1/models": {body: vllmModels}}, false, upstream.Auto,
+			upstream.Detection{Kind: upstream.VLLM, Slots: 0, Via: "metrics"}, false, false},
+		{"vllm by owned_by", map[string]route{"/v1/models": {body: vllmModels}}, false, upstream.Auto, upstream.Detection{Kind: upstream.VLLM, Slots: 0, Via: "models"}, false, false},
+		{"sglang by its metrics", map[string]route{"/metrics": {body: sglangMetrics}}, false, upstream.Auto, upstream.Detection{Kind: upstream.SGLang, Slots: 0, Via: "metrics"}, false, false},
+		{"sglang by owned_by", map[string]route{"/v1/models": {body: sglangModels}}, false, upstream.Auto, upstream.Detection{Kind: upstream.SGLang, Slots: 0, Via: "models"}, false, false},
+		{"nothing says", map[string]route{"/v1/models": {body: plainModels}}, false, upstream.Auto, upstream.Detection{Kind: upstream.Unknown, Slots: 0, Via: ""}, false, false},
+		{"configured llama.cpp reads its slots", llama, true, upstream.LlamaCpp, upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "configured"}, false, false},
+		{"configured vllm", llama, true, upstream.VLLM, upstream.Detection{Kind: upstream.VLLM, Slots: 0, Via: "configured"}, false, true},
+		{"configured sglang", llama, true, upstream.SGLang, upstream.Detection{Kind: upstream.SGLang, Slots: 0, Via: "configured"}, false, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f := newFixtureServer(t, tt.routes, tt.header)
-			got, err := DetectBackend(context.Background(), nil, f.srv.URL, f.srv.URL+"/metrics", tt.kind)
+			got, err := upstream.Detect(context.Background(), nil, f.srv.URL, f.srv.URL+"/metrics", tt.kind)
 			if err != nil {
 				t.Fatalf("DetectBackend: %v", err)
 			}
@@ -193,12 +197,12 @@ func TestDetectBackend(t *testing.T) {
 	}
 	t.Run("no answer", func(t *testing.T) {
 		url := deadURL(t)
-		for _, kind := range []BackendKind{BackendAuto, BackendLlamaCpp} {
-			got, err := DetectBackend(context.Background(), nil, url, url+"/metrics", kind)
-			if !errors.Is(err, ErrNoAnswer) {
+		for _, kind := range []upstream.Kind{upstream.Auto, upstream.LlamaCpp} {
+			got, err := upstream.Detect(context.Background(), nil, url, url+"/metrics", kind)
+			if !errors.Is(err, upstream.ErrNoAnswer) {
 				t.Errorf("%s: error %v, want ErrNoAnswer", kind, err)
 			}
-			if want := map[BackendKind]BackendKind{BackendAuto: BackendUnknown, BackendLlamaCpp: BackendLlamaCpp}[kind]; got.Kind != want {
+			if want := map[upstream.Kind]upstream.Kind{upstream.Auto: upstream.Unknown, upstream.LlamaCpp: upstream.LlamaCpp}[kind]; got.Kind != want {
 				t.Errorf("%s: kind %s, want %s", kind, got.Kind, want)
 			}
 		}
@@ -249,17 +253,17 @@ func newLlamaEngine(t testing.TB) *llamaEngine {
 }
 
 // startDetected starts p's loops and waits for the detection of n replicas.
-func startDetected(t *testing.T, p *Proxy, n int) map[string]Detection {
+func startDetected(t *testing.T, p *Proxy, n int) map[string]upstream.Detection {
 	t.Helper()
 	got := make(chan [2]any, 16)
-	p.hookDetect = func(name string, d Detection) { got <- [2]any{name, d} }
+	p.hookDetect = func(name string, d upstream.Detection) { got <- [2]any{name, d} }
 	runLoops(t, p)
-	out := map[string]Detection{}
+	out := map[string]upstream.Detection{}
 	timeout := time.After(10 * time.Second)
 	for len(out) < n {
 		select {
 		case r := <-got:
-			out[r[0].(string)] = r[1].(Detection)
+			out[r[0].(string)] = r[1].(upstream.Detection)
 		case <-timeout:
 			t.Fatalf("detections: got %v, want %d replicas", out, n)
 		}
@@ -296,7 +300,7 @@ func TestLlamaCppCachedTokens(t *testing.T) {
 			cfg.HealthInterval, cfg.ScrapeInterval = time.Hour, 0
 			cfg.Logger = slog.New(slog.DiscardHandler)
 			p, srv := startProxy(t, cfg)
-			if d := startDetected(t, p, 1)["l0"]; d.Kind != BackendLlamaCpp || d.Slots != 2 {
+			if d := startDetected(t, p, 1)["l0"]; d.Kind != upstream.LlamaCpp || d.Slots != 2 {
 				t.Fatalf("detected %+v, want llamacpp with 2 slots", d)
 			}
 			resp := post(t, srv.URL, tt.path, tt.body)
@@ -368,11 +372,11 @@ func TestLlamaCppMetricsAndDebug(t *testing.T) {
 		t.Fatal(err)
 	}
 	l := dbg.Replicas[0]
-	if l.Kind != BackendLlamaCpp || l.Slots != 2 || l.Cache.Slots != 2 || l.Cache.Checked != 1 || l.Cache.LastErrorTokens != -600 ||
+	if l.Kind != upstream.LlamaCpp || l.Slots != 2 || l.Cache.Slots != 2 || l.Cache.Checked != 1 || l.Cache.LastErrorTokens != -600 ||
 		l.KVTokens != 615 || l.Running != 0 || l.Waiting != 0 || abs(l.KVUsage-0.0375366) > 1e-9 {
 		t.Errorf("llama.cpp replica in /debug/replicas: %+v", l)
 	}
-	if vr := dbg.Replicas[1]; vr.Kind != BackendVLLM || vr.Slots != 0 || vr.KVTokens != -1 || vr.Running != 2 {
+	if vr := dbg.Replicas[1]; vr.Kind != upstream.VLLM || vr.Slots != 0 || vr.KVTokens != -1 || vr.Running != 2 {
 		t.Errorf("vLLM replica in /debug/replicas: %+v", vr)
 	}
 	s := p.Snapshot()
@@ -399,16 +403,16 @@ func TestBackendKindReDetected(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(p.Close)
-	detected := make(chan Detection, 16)
+	detected := make(chan upstream.Detection, 16)
 	states := make(chan bool, 16)
-	p.hookDetect = func(_ string, d Detection) { detected <- d }
+	p.hookDetect = func(_ string, d upstream.Detection) { detected <- d }
 	p.hookState = func(_ string, up bool) { states <- up }
 	runLoops(t, p)
 	wait := func(what string, ch any) any {
 		t.Helper()
 		timeout := time.After(10 * time.Second)
 		switch c := ch.(type) {
-		case chan Detection:
+		case chan upstream.Detection:
 			select {
 			case v := <-c:
 				return v
@@ -430,7 +434,7 @@ func TestBackendKindReDetected(t *testing.T) {
 		v, _ := p.rt.CacheView(0)
 		return v.Slots
 	}
-	if d := wait("detection", detected).(Detection); d.Kind != BackendLlamaCpp || d.Slots != 2 || slots() != 2 {
+	if d := wait("detection", detected).(upstream.Detection); d.Kind != upstream.LlamaCpp || d.Slots != 2 || slots() != 2 {
 		t.Fatalf("first detection %+v, router slots %d", d, slots())
 	}
 	f.healthy.Store(false)
@@ -442,37 +446,37 @@ func TestBackendKindReDetected(t *testing.T) {
 	if up := wait("re-admission", states).(bool); !up {
 		t.Fatal("ejected, want re-admitted")
 	}
-	if d := wait("detection after re-admission", detected).(Detection); d.Kind != BackendVLLM || slots() != 0 {
+	if d := wait("detection after re-admission", detected).(upstream.Detection); d.Kind != upstream.VLLM || slots() != 0 {
 		t.Fatalf("after re-admission %+v, router slots %d", d, slots())
 	}
-	if e := p.engineOf(0); e.kind != BackendVLLM || e.due {
+	if e := p.engineOf(0); e.kind != upstream.VLLM || e.due {
 		t.Errorf("engine state %+v", e)
 	}
 }
 
 func TestParseLoadLlamaCpp(t *testing.T) {
-	l, err := parseLoad(strings.NewReader(fixture(t, "metrics.txt")))
+	l, err := upstream.ParseLoad(strings.NewReader(fixture(t, "metrics.txt")))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Load{Waiting: 0, Running: 0, KVUsage: 0.0375366, KVTokens: 615, Kind: BackendLlamaCpp}); l != want {
+	if want := (upstream.Load{Waiting: 0, Running: 0, KVUsage: 0.0375366, KVTokens: 615, Kind: upstream.LlamaCpp}); l != want {
 		t.Errorf("got %+v, want %+v", l, want)
 	}
 	busy := strings.NewReplacer("llamacpp:requests_processing 0", "llamacpp:requests_processing 2",
 		"llamacpp:requests_deferred 0", "llamacpp:requests_deferred 5").Replace(fixture(t, "metrics.txt"))
-	if l, _ := parseLoad(strings.NewReader(busy)); l.Running != 2 || l.Waiting != 5 {
+	if l, _ := upstream.ParseLoad(strings.NewReader(busy)); l.Running != 2 || l.Waiting != 5 {
 		t.Errorf("busy replica: %+v", l)
 	}
 	for _, tc := range []struct {
 		text string
-		want BackendKind
+		want upstream.Kind
 	}{
-		{vllmMetrics, BackendVLLM},
-		{sglangMetrics, BackendSGLang},
+		{vllmMetrics, upstream.VLLM},
+		{sglangMetrics, upstream.SGLang},
 		{"# TYPE up gauge\nup 1\n", ""},
-		{"vllm:a 1\nllamacpp:b 1\nllamacpp:c 1\n", BackendLlamaCpp},
+		{"vllm:a 1\nllamacpp:b 1\nllamacpp:c 1\n", upstream.LlamaCpp},
 	} {
-		if l, _ := parseLoad(strings.NewReader(tc.text)); l.Kind != tc.want {
+		if l, _ := upstream.ParseLoad(strings.NewReader(tc.text)); l.Kind != tc.want {
 			t.Errorf("kind of %q: %q, want %q", tc.text, l.Kind, tc.want)
 		}
 	}
@@ -510,7 +514,7 @@ func TestReadChunkCachedTokens(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c, ok := ReadChunk([]byte(tt.data))
+			c, ok := openai.ReadChunk([]byte(tt.data))
 			if !ok {
 				t.Fatalf("ReadChunk(%q) not ok", tt.data)
 			}
@@ -522,24 +526,24 @@ func TestReadChunkCachedTokens(t *testing.T) {
 			}
 		})
 	}
-	c, _ := ReadChunk([]byte(fixture(t, "completion.json")))
-	if want := (Timings{PromptN: 1, PromptMs: 11.397, PromptPerTokenMs: 11.397, PredictedN: 3, PredictedMs: 14.907, PredictedPerTokenMs: 4.969}); *c.Timings != want {
+	c, _ := openai.ReadChunk([]byte(fixture(t, "completion.json")))
+	if want := (openai.Timings{PromptN: 1, PromptMs: 11.397, PromptPerTokenMs: 11.397, PredictedN: 3, PredictedMs: 14.907, PredictedPerTokenMs: 4.969}); *c.Timings != want {
 		t.Errorf("timings %+v, want %+v", *c.Timings, want)
 	}
 	// A stream: the timings and usage of the final chunk.
-	var s streamState
-	fr := newSSEFramer(strings.NewReader(fixture(t, "completion-stream.txt")), 0)
+	var s openai.Stream
+	fr := openai.NewFramer(strings.NewReader(fixture(t, "completion-stream.txt")), 0)
 	for {
 		ev, err := fr.Next()
 		if err != nil {
 			break
 		}
-		if _, err := s.observe(&ev); err != nil {
+		if _, err := s.Observe(&ev); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if s.tokens != 3 || !s.sawDone || s.cached() != 601 || s.timings == nil || s.timings.PromptMs != 6.524 {
-		t.Errorf("stream state %+v, cached %d", s, s.cached())
+	if s.Tokens != 3 || !s.SawDone || s.Cached() != 601 || s.Timings == nil || s.Timings.PromptMs != 6.524 {
+		t.Errorf("stream state %+v, cached %d", s, s.Cached())
 	}
 }
 
@@ -560,14 +564,14 @@ backends:
 	if err := c.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	var got []BackendKind
+	var got []upstream.Kind
 	for _, b := range c.Backends {
 		got = append(got, backendKind(b, c.BackendKind))
 	}
-	if want := []BackendKind{BackendLlamaCpp, BackendVLLM, BackendAuto}; fmt.Sprint(got) != fmt.Sprint(want) {
+	if want := []upstream.Kind{upstream.LlamaCpp, upstream.VLLM, upstream.Auto}; fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("kinds %v, want %v", got, want)
 	}
-	if d := DefaultConfig(); d.BackendKind != BackendAuto {
+	if d := DefaultConfig(); d.BackendKind != upstream.Auto {
 		t.Errorf("default kind %q", d.BackendKind)
 	}
 	for _, tc := range []struct {
@@ -581,7 +585,7 @@ backends:
 			t.Fatal(err)
 		}
 		err = c.Validate()
-		if err == nil || err.Error() != tc.want || !errors.Is(err, ErrBackendKind) {
+		if err == nil || err.Error() != tc.want || !errors.Is(err, upstream.ErrKind) {
 			t.Errorf("%q: Validate = %v, want %q", tc.yaml, err, tc.want)
 		}
 		if _, err := New(c); err == nil || !strings.Contains(err.Error(), "unknown backend kind") {
@@ -589,12 +593,12 @@ backends:
 		}
 	}
 	for _, s := range []string{"", "auto", "vllm", "sglang", "llamacpp", " llamacpp "} {
-		if _, err := ParseBackendKind(s); err != nil {
+		if _, err := upstream.ParseKind(s); err != nil {
 			t.Errorf("ParseBackendKind(%q): %v", s, err)
 		}
 	}
 	for _, s := range []string{"llama.cpp", "VLLM", "unknown", "x"} {
-		if _, err := ParseBackendKind(s); !errors.Is(err, ErrBackendKind) {
+		if _, err := upstream.ParseKind(s); !errors.Is(err, upstream.ErrKind) {
 			t.Errorf("ParseBackendKind(%q) = %v, want ErrBackendKind", s, err)
 		}
 	}
@@ -648,7 +652,7 @@ func llamaTokenizer(t *testing.T, tok *tokenize.Tokenizer, template bool, alter 
 
 func TestTokenizerCheckLlamaCpp(t *testing.T) {
 	tok := testTokenizer(t)
-	c := NewTokenizerCheck(tok)
+	c := keying.NewTokenizerCheck(tok)
 	c.Timeout = 5 * time.Second
 	chatDiffers := func(content string, ids []uint32) []uint32 {
 		if strings.Contains(content, "<|im_start|>") {
@@ -659,16 +663,16 @@ func TestTokenizerCheckLlamaCpp(t *testing.T) {
 	tests := []struct {
 		name    string
 		srv     *httptest.Server
-		kind    BackendKind
-		want    TokenizerState
+		kind    upstream.Kind
+		want    keying.TokenizerState
 		wantErr string
 	}{
-		{"match", llamaTokenizer(t, tok, true, nil), BackendLlamaCpp, TokenizerMatch, ""},
-		{"chat differs", llamaTokenizer(t, tok, true, chatDiffers), BackendLlamaCpp, TokenizerMismatch, "probe chat"},
-		{"no /apply-template: the prompt alone", llamaTokenizer(t, tok, false, chatDiffers), BackendLlamaCpp, TokenizerMatch, ""},
-		{"prompt differs", llamaTokenizer(t, tok, true, func(_ string, ids []uint32) []uint32 { return ids[1:] }), BackendLlamaCpp,
-			TokenizerMismatch, "probe prompt"},
-		{"vLLM's request to llama.cpp", llamaTokenizer(t, tok, true, nil), BackendVLLM, TokenizerUnknown, "holds no ids"},
+		{"match", llamaTokenizer(t, tok, true, nil), upstream.LlamaCpp, keying.TokenizerMatch, ""},
+		{"chat differs", llamaTokenizer(t, tok, true, chatDiffers), upstream.LlamaCpp, keying.TokenizerMismatch, "probe chat"},
+		{"no /apply-template: the prompt alone", llamaTokenizer(t, tok, false, chatDiffers), upstream.LlamaCpp, keying.TokenizerMatch, ""},
+		{"prompt differs", llamaTokenizer(t, tok, true, func(_ string, ids []uint32) []uint32 { return ids[1:] }), upstream.LlamaCpp,
+			keying.TokenizerMismatch, "probe prompt"},
+		{"vLLM's request to llama.cpp", llamaTokenizer(t, tok, true, nil), upstream.VLLM, keying.TokenizerUnknown, "holds no ids"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -680,16 +684,16 @@ func TestTokenizerCheckLlamaCpp(t *testing.T) {
 	}
 	// Through the proxy: a configured llama.cpp is probed in its shape, a
 	// detected one too.
-	for _, kind := range []BackendKind{BackendLlamaCpp, BackendAuto} {
+	for _, kind := range []upstream.Kind{upstream.LlamaCpp, upstream.Auto} {
 		t.Run("proxy "+string(kind), func(t *testing.T) {
 			srv := llamaTokenizer(t, tok, true, nil)
 			cfg := DefaultConfig()
 			cfg.Backends = []Backend{{Name: "l0", URL: srv.URL, Kind: kind}}
 			cfg.HealthInterval, cfg.ScrapeInterval = time.Hour, 0
 			cfg.Logger = slog.New(slog.DiscardHandler)
-			cfg.Keyer = NewTokenizerKeyer(tok, cfg.BlockTokens)
+			cfg.Keyer = keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
 			p, _ := startProxy(t, cfg)
-			if got := probeAll(t, p, 1)["l0"]; got != int(TokenizerMatch) {
+			if got := probeAll(t, p, 1)["l0"]; got != int(keying.TokenizerMatch) {
 				t.Errorf("probe state %d, want match", got)
 			}
 		})
@@ -711,8 +715,9 @@ func TestLlamaCppFixturesDecode(t *testing.T) {
 	if err := json.Unmarshal([]byte(fixture(t, "props.json")), &props); err != nil {
 		t.Fatal(err)
 	}
-	if n, ok := slotCount(props["total_slots"]); !ok || n != 2 {
-		t.Errorf("total_slots %d %v", n, ok)
+	var n int
+	if err := json.Unmarshal(props["total_slots"], &n); err != nil || n != 2 {
+		t.Errorf("total_slots %d %v", n, err)
 	}
 	if !bytes.Contains([]byte(fixture(t, "models.json")), []byte(`"owned_by":"llamacpp"`)) {
 		t.Error("models fixture is not llama.cpp's")

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"github.com/prefixlb/prefixlb/internal/upstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
@@ -153,7 +154,7 @@ func (c cacheCollector) Collect(ch chan<- prometheus.Metric) {
 	p := c.p
 	type row struct {
 		v    router.CacheView
-		kind BackendKind
+		kind upstream.Kind
 	}
 	rows := make([]row, len(p.backends))
 	p.mu.Lock()

@@ -17,6 +17,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
 )
 
 // The proxy-overhead benchmarks (docs/router.md, "Proxy overhead") measure
@@ -371,11 +374,11 @@ func BenchmarkProxyThroughput(b *testing.B) {
 // at the HTTP front.
 func BenchmarkParseRequest4k(b *testing.B) {
 	body := ohBodies(1, 4096)[0]
-	k := ChunkKeyer{BlockTokens: 16}
+	k := keying.ChunkKeyer{BlockTokens: 16}
 	b.ReportAllocs()
 	b.SetBytes(int64(len(body)))
 	for b.Loop() {
-		r, err := ParseRequest(KindCompletion, body)
+		r, err := openai.ParseRequest(openai.KindCompletion, body)
 		if err != nil {
 			b.Fatal(err)
 		}

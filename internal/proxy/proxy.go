@@ -32,6 +32,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -70,11 +74,11 @@ type backend struct {
 // engineState is what the proxy knows of a replica's engine (BackendKind).
 type engineState struct {
 	// configured is the kind the config gives (BackendAuto: detect).
-	configured BackendKind
+	configured upstream.Kind
 	// kind is the kind in effect: configured, or detected (BackendUnknown
 	// until then); slots is its slot count for a slot cache (0: a block
 	// cache, or not known).
-	kind  BackendKind
+	kind  upstream.Kind
 	slots int
 	// due says a detection (or, for a configured llama.cpp, a read of its
 	// slot count) is due: at start, on re-admission, and when a scrape's
@@ -85,12 +89,12 @@ type engineState struct {
 }
 
 // newEngine is the engine state of a backend configured as kind.
-func newEngine(kind BackendKind) engineState {
+func newEngine(kind upstream.Kind) engineState {
 	e := engineState{configured: kind, kind: kind, kvTokens: -1}
 	switch kind {
-	case BackendAuto:
-		e.kind, e.due = BackendUnknown, true
-	case BackendLlamaCpp:
+	case upstream.Auto:
+		e.kind, e.due = upstream.Unknown, true
+	case upstream.LlamaCpp:
 		e.due = true
 	}
 	return e
@@ -108,7 +112,7 @@ type health struct {
 type Proxy struct {
 	cfg      Config
 	log      *slog.Logger
-	keyer    Keyer
+	keyer    keying.Keyer
 	backends []*backend
 	byName   map[string]*backend
 	kv       *kvState
@@ -117,7 +121,7 @@ type Proxy struct {
 	checks   *http.Client    // health checks, scrapes, /v1/models
 	m        *metrics
 	nextID   atomic.Uint64
-	tokProbe *tokenizerProbe // nil unless the keyer is a *TokenizerKeyer
+	tokProbe *tokenizerProbe // nil unless the keyer is a *keying.TokenizerKeyer
 	slots    chan struct{}   // one per inference request in flight; nil: no bound (limits.go)
 	adminTok tokenDigest     // digest of cfg.AdminToken, when set
 
@@ -137,7 +141,7 @@ type Proxy struct {
 	// hookDetect, when set (tests), is called after a replica's backend
 	// kind has been detected (or its slots read) and recorded, outside the
 	// lock.
-	hookDetect func(name string, d Detection)
+	hookDetect func(name string, d upstream.Detection)
 	// hookShutdown, when set (tests), is called once Serve has stopped
 	// accepting connections and is draining.
 	hookShutdown func()
@@ -174,14 +178,14 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	keyer := cfg.Keyer
 	if keyer == nil && cfg.Tokenizer != "" && cfg.Tokenizer != "none" {
-		tok, err := LoadTokenizer(cfg.Tokenizer)
+		tok, err := keying.LoadTokenizer(cfg.Tokenizer)
 		if err != nil {
 			return nil, fmt.Errorf("proxy: config: tokenizer: %w", err)
 		}
-		keyer = NewTokenizerKeyer(tok, cfg.BlockTokens)
+		keyer = keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
 	}
 	if keyer == nil {
-		keyer = ChunkKeyer{BlockTokens: cfg.BlockTokens}
+		keyer = keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}
 	}
 	p := &Proxy{
 		cfg:    cfg,
@@ -241,7 +245,7 @@ func New(cfg Config) (*Proxy, error) {
 		p.m.up.WithLabelValues(name).Set(1)
 		p.m.inflight.WithLabelValues(name)
 	}
-	if tk, ok := keyer.(*TokenizerKeyer); ok {
+	if tk, ok := keyer.(*keying.TokenizerKeyer); ok {
 		if tk.BlockTokens() != cfg.BlockTokens {
 			return nil, fmt.Errorf("proxy: config: keyer: tokenizer keys of %d tokens, block_tokens is %d", tk.BlockTokens(), cfg.BlockTokens)
 		}
@@ -281,10 +285,10 @@ func (p *Proxy) Config() Config { return p.cfg }
 // JSON at /ui/state.json (bearer AdminToken when set).
 func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindCompletion) }))
-	mux.HandleFunc("POST /v1/chat/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindChat) }))
+	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindCompletion) }))
+	mux.HandleFunc("POST /v1/chat/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindChat) }))
 	mux.HandleFunc("GET /v1/models", p.serveModels)
-	mux.HandleFunc("/v1/", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, KindOther) }))
+	mux.HandleFunc("/v1/", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindOther) }))
 	mux.HandleFunc("GET /health", p.serveHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))

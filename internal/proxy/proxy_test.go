@@ -18,6 +18,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
 // TestMain fails the package if a test leaves a goroutine of this package
@@ -704,7 +706,7 @@ func TestScrapeFeedsTheRouter(t *testing.T) {
 func TestParseLoad(t *testing.T) {
 	for _, tc := range []struct {
 		name, text string
-		want       Load
+		want       upstream.Load
 	}{
 		{"vllm", `# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -721,14 +723,14 @@ vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct
 # HELP vllm:prefix_cache_queries_total Prefix cache queries.
 # TYPE vllm:prefix_cache_queries_total counter
 vllm:prefix_cache_queries_total{engine="0",model_name="x"} 1024.0
-`, Load{Waiting: 7, Running: 5, KVUsage: 0.4}},
+`, upstream.Load{Waiting: 7, Running: 5, KVUsage: 0.4}},
 		{"vllm old", `# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="m"} 1
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="m"} 4
 # TYPE vllm:gpu_cache_usage_perc gauge
 vllm:gpu_cache_usage_perc{model_name="m"} 0.125
-`, Load{Waiting: 4, Running: 1, KVUsage: 0.125}},
+`, upstream.Load{Waiting: 4, Running: 1, KVUsage: 0.125}},
 		{"sglang", `# HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{model_name="qwen",tp_rank="0"} 12.0
@@ -738,12 +740,12 @@ sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 3.0
 # HELP sglang:token_usage The token usage.
 # TYPE sglang:token_usage gauge
 sglang:token_usage{model_name="qwen",tp_rank="0"} 0.82
-`, Load{Waiting: 3, Running: 12, KVUsage: 0.82}},
-		{"unknown engine", "# TYPE up gauge\nup 1\n", unknownLoad},
-		{"nan", "vllm:kv_cache_usage_perc NaN\nvllm:num_requests_running 1\n", Load{Waiting: -1, Running: 1, KVUsage: -1}},
+`, upstream.Load{Waiting: 3, Running: 12, KVUsage: 0.82}},
+		{"unknown engine", "# TYPE up gauge\nup 1\n", upstream.UnknownLoad},
+		{"nan", "vllm:kv_cache_usage_perc NaN\nvllm:num_requests_running 1\n", upstream.Load{Waiting: -1, Running: 1, KVUsage: -1}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := parseLoad(strings.NewReader(tc.text))
+			got, err := upstream.ParseLoad(strings.NewReader(tc.text))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -752,7 +754,7 @@ sglang:token_usage{model_name="qwen",tp_rank="0"} 0.82
 			}
 		})
 	}
-	if _, err := parseLoad(strings.NewReader("this is { not prometheus")); err == nil {
+	if _, err := upstream.ParseLoad(strings.NewReader("this is { not prometheus")); err == nil {
 		t.Error("garbage parsed")
 	}
 }

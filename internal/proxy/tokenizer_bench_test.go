@@ -1,59 +1,28 @@
 package proxy
 
 import (
-	"compress/gzip"
-	"encoding/json"
 	"fmt"
 	"log/slog"
-	"os"
 	"runtime"
-	"strings"
 	"testing"
 	"time"
+
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/tokenize/benchtext"
 
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
-// chat60kBody returns the messages of a ~58k-token Qwen3 conversation
-// (LooGLE documents, from internal/tokenize's benchmark text) and a ~2k-token
-// new user turn, as internal/tokenize's BenchmarkPrefixCacheChat60k builds
-// them.
+// chat60kBody returns the messages of a ~58k-token Qwen3 conversation and
+// a ~2k-token new user turn (benchtext.Chat60k).
 func chat60kBody(b *testing.B, tok *tokenize.Tokenizer) (history []map[string]string, tail string) {
-	f, err := os.Open("../tokenize/testdata/bench_text.json.gz")
+	history, tail, err := benchtext.Chat60k(tok)
 	if err != nil {
 		b.Skip("benchmark text:", err)
 	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		b.Fatal(err)
-	}
-	var d struct {
-		ShareGPT []string `json:"sharegpt"`
-		Loogle   []string `json:"loogle"`
-	}
-	if err := json.NewDecoder(zr).Decode(&d); err != nil {
-		b.Fatal(err)
-	}
-	docText := strings.Join(d.Loogle, "\n\n") + "\n\n"
-	if ids := tok.Encode(docText); len(ids) > 57000 {
-		docText = strings.ToValidUTF8(tok.Decode(ids[:57000]), "")
-	}
-	history = []map[string]string{
-		{"role": "system", "content": "You are a careful research assistant. Answer from the documents."},
-		{"role": "user", "content": "Read these documents.\n\n" + docText},
-		{"role": "assistant", "content": "I have read the documents. What would you like to know?"},
-	}
-	var t strings.Builder
-	for _, p := range d.ShareGPT {
-		if t.Len() > 8000 {
-			break
-		}
-		t.WriteString(p)
-		t.WriteString("\n")
-	}
-	return history, t.String()
+	return history, tail
 }
 
 // BenchmarkRouteChat60k is the router's work for a ~60k-token chat whose
@@ -76,7 +45,7 @@ func BenchmarkRouteChat60k(b *testing.B) {
 		cfg.Backends = append(cfg.Backends, Backend{Name: fmt.Sprintf("r%d", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 1+i)})
 	}
 	cfg.Logger = slog.New(slog.DiscardHandler)
-	cfg.Keyer = NewTokenizerKeyer(tok, cfg.BlockTokens)
+	cfg.Keyer = keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
 	p, err := New(cfg)
 	if err != nil {
 		b.Fatal(err)
@@ -89,7 +58,7 @@ func BenchmarkRouteChat60k(b *testing.B) {
 	var parse, key, route, parseCPU, keyCPU, routeCPU time.Duration
 	routeOnce := func(js []byte) (policy.Decision, int) {
 		t0, c0 := time.Now(), threadCPU()
-		req, err := ParseRequest(KindChat, js)
+		req, err := openai.ParseRequest(openai.KindChat, js)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -149,34 +118,9 @@ func BenchmarkRouteChat60k(b *testing.B) {
 
 // chat60kJSON is the body of a chat of history and a last user turn.
 func chat60kJSON(b *testing.B, history []map[string]string, last string) []byte {
-	msgs := append(history[:len(history):len(history)], map[string]string{"role": "user", "content": last})
-	js, err := json.Marshal(map[string]any{"model": "m", "max_tokens": 100, "stream": true, "messages": msgs})
+	js, err := benchtext.ChatJSON(history, last)
 	if err != nil {
 		b.Fatal(err)
 	}
 	return js
-}
-
-// BenchmarkParseChat60k is ParseRequest alone on the 263 KB body of
-// BenchmarkRouteChat60k, against the encoding/json reference it replaced.
-//
-//	go test -run '^$' -bench ParseChat60k -cpu 1 ./internal/proxy/
-func BenchmarkParseChat60k(b *testing.B) {
-	tok := testTokenizer(b)
-	history, tail := chat60kBody(b, tok)
-	js := chat60kJSON(b, history, tail)
-	for _, impl := range []struct {
-		name  string
-		parse func(Kind, []byte) (*Request, error)
-	}{{"scan", ParseRequest}, {"encoding-json", refParseRequest}} {
-		b.Run(impl.name, func(b *testing.B) {
-			b.SetBytes(int64(len(js)))
-			b.ReportAllocs()
-			for b.Loop() {
-				if _, err := impl.parse(KindChat, js); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-	}
 }

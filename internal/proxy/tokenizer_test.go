@@ -15,127 +15,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/upstream"
+
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
-	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 )
-
-// qwen3Tok loads the bundled tokenizer once for the package's tests (it
-// takes about a second).
-var qwen3Tok = sync.OnceValues(qwen3.Load)
-
-func testTokenizer(t testing.TB) *tokenize.Tokenizer {
-	t.Helper()
-	tok, err := qwen3Tok()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tok
-}
-
-func mustParse(t *testing.T, k Kind, body string) *Request {
-	t.Helper()
-	r, err := ParseRequest(k, []byte(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r
-}
-
-func TestTokenizerKeyerText(t *testing.T) {
-	tok := testTokenizer(t)
-	k := NewTokenizerKeyer(tok, 16)
-	text := strings.Repeat("The quick brown fox jumps over the lazy dog, 12345 times.\n", 20) + "<|im_end|> tail"
-	want := tok.Encode(text)
-	tests := []struct {
-		name       string
-		body       string
-		wantIDs    []uint32 // keyed
-		wantTokens int
-	}{
-		{"text", fmt.Sprintf(`{"model":"m","prompt":%q}`, text), want, len(want)},
-		{"batch of texts", fmt.Sprintf(`{"model":"m","prompt":[%q,"hello world"]}`, text), want, len(want) + 2},
-		{"token ids", `{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`,
-			[]uint32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}, 17},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			keys, n, err := k.Keys(mustParse(t, KindCompletion, tt.body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if wantKeys := blocks.Keys(nil, tt.wantIDs, 16); !slices.Equal(keys, wantKeys) {
-				t.Errorf("got %d keys, want %d (blocks.Keys of the ids)", len(keys), len(wantKeys))
-			}
-			if n != tt.wantTokens {
-				t.Errorf("prompt tokens %d, want %d", n, tt.wantTokens)
-			}
-		})
-	}
-}
-
-func TestTokenizerKeyerChat(t *testing.T) {
-	tok := testTokenizer(t)
-	k := NewTokenizerKeyer(tok, 16)
-	system := strings.Repeat("You are a careful assistant. Follow the rules below.\n", 30)
-	tool := `{"type":"function","function":{"name":"get_weather","description":"Weather in <city> & more","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}`
-	msgs := []tokenize.Message{
-		{Role: "system", Content: system},
-		{Role: "user", Content: "What's the weather in Paris?\nAnd in Zürich?"},
-		{Role: "assistant", ToolCalls: []tokenize.ToolCall{{ID: "c1", Type: "function",
-			Function: tokenize.FunctionCall{Name: "get_weather", Arguments: `{"city": "Paris"}`}}}},
-		{Role: "tool", Content: "18°C", ToolCallID: "c1"},
-	}
-	msgJSON, err := json.Marshal(msgs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tests := []struct {
-		name string
-		body string
-		msgs []tokenize.Message
-		opts tokenize.ChatOptions
-	}{
-		{"system and user", fmt.Sprintf(`{"model":"m","messages":[{"role":"system","content":%q},{"role":"user","content":"hi"}]}`, system),
-			msgs[:1:1], tokenize.ChatOptions{AddGenerationPrompt: true}},
-		{"content parts joined", `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}`,
-			[]tokenize.Message{{Role: "user", Content: "a\nb"}}, tokenize.ChatOptions{AddGenerationPrompt: true}},
-		{"tools and tool calls", fmt.Sprintf(`{"model":"m","messages":%s,"tools":[%s]}`, msgJSON, tool),
-			msgs, tokenize.ChatOptions{AddGenerationPrompt: true, Tools: []json.RawMessage{json.RawMessage(tool)}}},
-		{"no generation prompt, kwargs", `{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":false,"chat_template_kwargs":{"enable_thinking":false}}`,
-			[]tokenize.Message{{Role: "user", Content: "x"}},
-			tokenize.ChatOptions{Kwargs: map[string]json.RawMessage{"enable_thinking": json.RawMessage("false")}}},
-	}
-	tests[0].msgs = []tokenize.Message{{Role: "system", Content: system}, {Role: "user", Content: "hi"}}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			want, err := tok.EncodeChat(tt.msgs, tt.opts)
-			if err != nil {
-				t.Fatal(err)
-			}
-			keys, n, err := k.Keys(mustParse(t, KindChat, tt.body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if wantKeys := blocks.Keys(nil, want, 16); !slices.Equal(keys, wantKeys) {
-				t.Errorf("got %d keys, want %d (blocks.Keys of EncodeChat)", len(keys), len(wantKeys))
-			}
-			if n != len(want) {
-				t.Errorf("prompt tokens %d, want %d", n, len(want))
-			}
-		})
-	}
-
-	// Fallback: text chunks, exactly ChunkKeyer's keys.
-	r := mustParse(t, KindChat, tests[0].body)
-	k.SetFallback(true)
-	got, n, _ := k.Keys(r)
-	want, wn, _ := ChunkKeyer{BlockTokens: 16}.Keys(r)
-	if !slices.Equal(got, want) || n != wn {
-		t.Errorf("fallback: %d keys, %d tokens; ChunkKeyer %d keys, %d tokens", len(got), n, len(want), wn)
-	}
-}
 
 // tokenizeReplica is a fake replica: /health answers 200 and /tokenize
 // what answer returns (nil: 404).
@@ -226,7 +113,7 @@ func TestTokenizerProbe(t *testing.T) {
 			for i, a := range tt.answers {
 				cfg.Backends = append(cfg.Backends, tokenizeReplica(t, fmt.Sprintf("r%d", i), a))
 			}
-			keyer := NewTokenizerKeyer(tok, cfg.BlockTokens)
+			keyer := keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
 			cfg.Keyer = keyer
 			p, srv := startProxy(t, cfg)
 			states := probeAll(t, p, len(tt.answers))
@@ -249,9 +136,9 @@ func TestTokenizerProbe(t *testing.T) {
 				t.Errorf("metrics lack %q:\n%s", line, grep(metrics, "prefixlb_tokenizer"))
 			}
 			// The keys the proxy uses now: token ids, or text chunks in fallback.
-			r := mustParse(t, KindChat, chat)
+			r := mustParse(t, openai.KindChat, chat)
 			keys, _, _ := p.keyer.Keys(r)
-			want, _, _ := ChunkKeyer{BlockTokens: cfg.BlockTokens}.Keys(r)
+			want, _, _ := keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}.Keys(r)
 			if !tt.wantFallback {
 				ids, _ := keyer.EncodeChat(r.Chat)
 				want = blocks.Keys(nil, ids, cfg.BlockTokens)
@@ -285,7 +172,7 @@ func TestTokenizerProbeOnReadmission(t *testing.T) {
 	cfg.ScrapeInterval = 0
 	cfg.ReadmitAfter = 1
 	cfg.Logger = slog.New(slog.DiscardHandler)
-	keyer := NewTokenizerKeyer(tok, cfg.BlockTokens)
+	keyer := keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
 	cfg.Keyer = keyer
 	p, _ := startProxy(t, cfg)
 	if st := probeAll(t, p, 1)["r0"]; st != 0 || !keyer.Fallback() {
@@ -326,7 +213,7 @@ func TestEndToEndTokenizerChat(t *testing.T) {
 	cfg.HealthInterval = time.Hour
 	cfg.ScrapeInterval = 0
 	cfg.Logger = slog.New(slog.DiscardHandler)
-	keyer := NewTokenizerKeyer(tok, cfg.BlockTokens)
+	keyer := keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
 	cfg.Keyer = keyer
 	p, srv := startProxy(t, cfg)
 	for name, st := range probeAll(t, p, len(backends)) {
@@ -338,7 +225,7 @@ func TestEndToEndTokenizerChat(t *testing.T) {
 		t.Fatal("fallback on with matching replicas")
 	}
 	system := strings.Repeat("You are the support assistant of a large shop. Answer politely, cite the policy, never invent prices.\n", 25)
-	send := func(question string) (replica string, matched int, u usage) {
+	send := func(question string) (replica string, matched int, u openai.Usage) {
 		t.Helper()
 		body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 4, "messages": []map[string]string{
 			{"role": "system", "content": system}, {"role": "user", "content": question}}})
@@ -347,7 +234,7 @@ func TestEndToEndTokenizerChat(t *testing.T) {
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("status %d: %s", resp.StatusCode, b)
 		}
-		var out struct{ Usage usage }
+		var out struct{ Usage openai.Usage }
 		if err := json.Unmarshal(b, &out); err != nil {
 			t.Fatal(err)
 		}
@@ -364,7 +251,7 @@ func TestEndToEndTokenizerChat(t *testing.T) {
 	}
 	for i, q := range []string{"Can I return a gift?", "Do you ship to Zürich, Switzerland?", "What is 12+30?"} {
 		r, m, u := send(q)
-		c := u.cached()
+		c := u.Cached(nil)
 		if c <= 0 {
 			t.Errorf("follow-up %d on %s: cached_tokens %d, want > 0", i, r, c)
 		}
@@ -384,7 +271,7 @@ func TestEndToEndTokenizerChat(t *testing.T) {
 // URL has a path prefix.
 func TestTokenizerCheckCompare(t *testing.T) {
 	tok := testTokenizer(t)
-	c := NewTokenizerCheck(tok)
+	c := keying.NewTokenizerCheck(tok)
 	c.Timeout = 5 * time.Second
 	urlOf := func(b Backend) string { return b.URL }
 	hangUp := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -409,28 +296,28 @@ func TestTokenizerCheckCompare(t *testing.T) {
 	tests := []struct {
 		name       string
 		url        string
-		want       TokenizerState
+		want       keying.TokenizerState
 		wantErr    bool
 		wantNoAnsw bool
 	}{
-		{"match", urlOf(tokenizeReplica(t, "m", exactTokenize(tok))), TokenizerMatch, false, false},
-		{"match behind a path and a slash", prefixedSrv.URL + "/v1/", TokenizerMatch, false, false},
+		{"match", urlOf(tokenizeReplica(t, "m", exactTokenize(tok))), keying.TokenizerMatch, false, false},
+		{"match behind a path and a slash", prefixedSrv.URL + "/v1/", keying.TokenizerMatch, false, false},
 		{"chat differs", urlOf(tokenizeReplica(t, "d", func(b map[string]json.RawMessage) []uint32 {
 			ids := exactTokenize(tok)(b)
 			if _, chat := b["messages"]; chat {
 				ids = ids[1:] // no BOS-like first token, say
 			}
 			return ids
-		})), TokenizerMismatch, true, false},
-		{"404", urlOf(tokenizeReplica(t, "n", func(map[string]json.RawMessage) []uint32 { return nil })), TokenizerUnknown, true, false},
-		{"not vLLM's answer", garbage.URL, TokenizerUnknown, true, false},
-		{"connection closed", hangUp.URL, TokenizerUnknown, true, true},
-		{"not listening", down.URL, TokenizerUnknown, true, true},
+		})), keying.TokenizerMismatch, true, false},
+		{"404", urlOf(tokenizeReplica(t, "n", func(map[string]json.RawMessage) []uint32 { return nil })), keying.TokenizerUnknown, true, false},
+		{"not vLLM's answer", garbage.URL, keying.TokenizerUnknown, true, false},
+		{"connection closed", hangUp.URL, keying.TokenizerUnknown, true, true},
+		{"not listening", down.URL, keying.TokenizerUnknown, true, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			got, err := c.Compare(context.Background(), nil, tt.url)
-			if got != tt.want || (err != nil) != tt.wantErr || errors.Is(err, ErrNoAnswer) != tt.wantNoAnsw {
+			if got != tt.want || (err != nil) != tt.wantErr || errors.Is(err, upstream.ErrNoAnswer) != tt.wantNoAnsw {
 				t.Errorf("Compare = %v, %v; want %v, error %v, ErrNoAnswer %v", got, err, tt.want, tt.wantErr, tt.wantNoAnsw)
 			}
 		})
@@ -445,9 +332,9 @@ func TestTokenizerCheckCompare(t *testing.T) {
 		}))
 		defer slow.Close()
 		defer close(release)
-		c := NewTokenizerCheck(tok)
+		c := keying.NewTokenizerCheck(tok)
 		c.Timeout = 50 * time.Millisecond
-		if got, err := c.Compare(context.Background(), nil, slow.URL); got != TokenizerUnknown || !errors.Is(err, ErrNoAnswer) {
+		if got, err := c.Compare(context.Background(), nil, slow.URL); got != keying.TokenizerUnknown || !errors.Is(err, upstream.ErrNoAnswer) {
 			t.Errorf("Compare = %v, %v; want unknown and ErrNoAnswer", got, err)
 		}
 	})

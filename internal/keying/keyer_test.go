@@ -1,0 +1,142 @@
+package keying
+
+import (
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/openai"
+)
+
+func TestChunkKeyer(t *testing.T) {
+	k := ChunkKeyer{BlockTokens: 16}
+	text := strings.Repeat("x", 200)
+	keys, n, err := k.Keys(&openai.Request{Texts: []string{text}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(keys) != 3 || n != 50 {
+		t.Errorf("text: %d keys, %d tokens; want 3, 50", len(keys), n)
+	}
+	if want := blocks.TextKeys(nil, text, 64); keys[2] != want[2] {
+		t.Error("text keys differ from blocks.TextKeys")
+	}
+	ids := make([]uint32, 40)
+	keys, n, _ = k.Keys(&openai.Request{TokenIDs: [][]uint32{ids, {1}}})
+	if len(keys) != 2 || n != 41 {
+		t.Errorf("ids: %d keys, %d tokens; want 2, 41", len(keys), n)
+	}
+	_, n, _ = k.Keys(&openai.Request{})
+	if n != 1 {
+		t.Errorf("empty request: %d tokens, want 1", n)
+	}
+}
+
+// TestKeyMemo checks that the keyer's memo of recent prompts returns
+// exactly blocks.Keys for prompts that share prefixes of every length with
+// earlier ones, including while it evicts.
+func TestKeyMemo(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	m := newKeyMemo(16)
+	var prompts [][]uint32
+	base := make([]uint32, 40000)
+	for i := range base {
+		base[i] = rng.Uint32() % 1000
+	}
+	for i := range 300 {
+		var ids []uint32
+		switch {
+		case i%3 == 0 || len(prompts) == 0: // a prefix of the base and a new tail
+			ids = append(ids, base[:rng.IntN(len(base))]...)
+		default: // an earlier prompt, cut, and extended
+			p := prompts[rng.IntN(len(prompts))]
+			ids = append(ids, p[:rng.IntN(len(p)+1)]...)
+		}
+		for range rng.IntN(3000) {
+			ids = append(ids, rng.Uint32()%1000)
+		}
+		prompts = append(prompts, ids)
+		got, want := m.keys(ids), blocks.Keys(nil, ids, 16)
+		if !slices.Equal(got, want) {
+			t.Fatalf("prompt %d (%d ids): keys differ from blocks.Keys", i, len(ids))
+		}
+		if m.held > memoMaxKeys {
+			t.Fatalf("memo holds %d keys, over its bound", m.held)
+		}
+	}
+	// Eviction keeps the bound and the map consistent.
+	for i := range 2*memoMaxKeys/(len(base)/16) + 4 {
+		ids := append([]uint32{uint32(i) + 5000}, base...)
+		if got := m.keys(ids); !slices.Equal(got, blocks.Keys(nil, ids, 16)) {
+			t.Fatal("keys differ after eviction")
+		}
+	}
+	if m.held > memoMaxKeys {
+		t.Fatalf("memo holds %d keys, over its bound", m.held)
+	}
+	for p, e := range m.byPrint {
+		if e.prev == nil || !slices.Contains(e.prints, p) {
+			t.Fatal("the fingerprint map points to an evicted or foreign entry")
+		}
+	}
+}
+
+// TestKeyMemoConcurrent keys prompts that share prefixes from several
+// goroutines at once (run it with -race).
+func TestKeyMemoConcurrent(t *testing.T) {
+	m := newKeyMemo(16)
+	base := make([]uint32, 8000)
+	for i := range base {
+		base[i] = uint32(i * 7919 % 1000)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan string, 4)
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 30 {
+				ids := append(base[:len(base)-i*100:len(base)-i*100], uint32(g), uint32(i))
+				if !slices.Equal(m.keys(ids), blocks.Keys(nil, ids, 16)) {
+					errs <- "keys differ from blocks.Keys"
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Fatal(e)
+	}
+}
+
+// FuzzChunkKeys holds ChunkKeyer's promise on whatever ParseRequest
+// accepts: at least one prompt token, and at least a block's worth per key.
+func FuzzChunkKeys(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","prompt":"hello world"}`,
+		`{"model":"m","prompt":["a","b"],"n":3,"max_tokens":7}`,
+		`{"model":"m","prompt":[[1,2],[3,4]],"max_tokens":5,"n":2}`,
+		`{"model":"m","prompt":[` + strings.Repeat("7,", 40) + `7]}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}`,
+	} {
+		f.Add(uint8(1), []byte(s))
+		f.Add(uint8(2), []byte(s))
+	}
+	k := ChunkKeyer{BlockTokens: 16}
+	f.Fuzz(func(t *testing.T, kind uint8, body []byte) {
+		r, err := openai.ParseRequest(openai.Kind(kind%3), body)
+		if err != nil {
+			return
+		}
+		keys, n, err := k.Keys(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n < 1 || n < len(keys)*16 {
+			t.Fatalf("%d prompt tokens for %d keys", n, len(keys))
+		}
+	})
+}
