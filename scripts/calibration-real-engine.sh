@@ -8,8 +8,8 @@
 #
 #   scripts/calibration-real-engine.sh [OUT_DIR]  (default docs/results/real-engines/calibration)
 #
-# Needs llama-server as scripts/real-engines.sh does. About 2.5 minutes a run,
-# five runs.
+# Needs llama-server as scripts/real-engines.sh does. About 2 minutes a run (1m51–1m53 measured),
+# five runs: about 10 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/results/real-engines/calibration}
