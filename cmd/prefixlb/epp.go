@@ -42,6 +42,7 @@ type eppFlags struct {
 	blockTokens              int
 	seed                     uint64
 	fallbacks, maxQueue      int
+	maxPromptTokens          int
 	state, routerID, pool    string
 	stateTTL                 time.Duration
 	ports                    discovery.Ports
@@ -102,6 +103,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.Uint64Var(&f.seed, "seed", 0, "random seed of the router")
 	fs.IntVar(&f.fallbacks, "fallbacks", 2, "fallback endpoints after the primary (-1: none)")
 	fs.IntVar(&f.maxQueue, "max-queue", 0, "answer 429 when every replica's queue is at least this (0: never)")
+	fs.IntVar(&f.maxPromptTokens, "max-prompt-tokens", 1<<20, "longest prompt accepted, in tokens (estimated from bytes without --tokenizer); longer ones get 400, as serve's")
 	fs.StringVar(&f.state, "state", "", "shared in-flight state: redis://[user:pass@]host:6379/DB (\"\": none)")
 	fs.DurationVar(&f.stateTTL, "state-ttl", 15*time.Second, "how long a dead router's counts outlive it")
 	fs.StringVar(&f.routerID, "router-id", "", "this router's id in the shared state (default $POD_NAME, else hostname-pid)")
@@ -149,7 +151,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		return fmt.Errorf("epp: --backend-kind: %w", err)
 	}
 	cfg := epp.Config{Policy: f.policy, Profile: f.profile, NoCalibrate: !f.calibrate, BlockTokens: f.blockTokens, Seed: f.seed,
-		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, ScrapeInterval: f.scrape, Tokenizer: f.tokenizer,
+		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, MaxPromptTokens: f.maxPromptTokens, ScrapeInterval: f.scrape, Tokenizer: f.tokenizer,
 		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Logger: log}
 	if f.fallbacks == 0 {
 		cfg.Fallbacks = -1

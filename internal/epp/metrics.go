@@ -10,7 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/prefixlb/prefixlb/internal/calmetrics"
-	"github.com/prefixlb/prefixlb/internal/kvevents"
+	"github.com/prefixlb/prefixlb/internal/cluster"
 )
 
 // metrics are the picker's Prometheus metrics, on a private registry (so
@@ -35,8 +35,7 @@ type metrics struct {
 	streamsN  prometheus.Counter
 	errors    *prometheus.CounterVec // kind
 	scrapeErr *prometheus.CounterVec // replica
-	kvApplied *prometheus.CounterVec // replica, outcome
-	kv        *kvevents.Metrics
+	kv        *cluster.KV            // the KV-event index, its streams' metrics and prefixlb_kvevents_router_total
 }
 
 // decisionBuckets span 25 µs to ~0.8 s: a decision on a short prompt to one
@@ -108,17 +107,13 @@ func newMetrics(p *Picker) *metrics {
 			Name: "prefixlb_scrape_errors_total",
 			Help: "Failed scrapes of a replica's /metrics.",
 		}, []string{"replica"}),
-		kvApplied: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "prefixlb_kvevents_router_total",
-			Help: "KV events applied to the router by replica and outcome: stored, removed, cleared, cpu_ignored (offloaded blocks, not routed on).",
-		}, []string{"replica", "outcome"}),
-		kv: kvevents.NewMetrics(),
 	}
 	m.reg.MustRegister(m.decisions, m.prompt, m.matched, m.latency, m.predicted, m.reported, m.outcomes,
-		m.immediate, m.streams, m.streamsN, m.errors, m.scrapeErr, m.kvApplied, stateCollector{p},
+		m.immediate, m.streams, m.streamsN, m.errors, m.scrapeErr, stateCollector{p},
 		calmetrics.Collector{Rows: p.calibrationRows},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	if err := m.kv.Register(m.reg); err != nil {
+	var err error
+	if m.kv, err = cluster.NewKV(m.reg); err != nil {
 		panic(err) // distinct names on a fresh registry: a programming error
 	}
 	for _, o := range []string{"exact", "over", "under"} {
@@ -160,8 +155,8 @@ func (m *metrics) prediction(predicted, reported, blockTokens int) {
 func (m *metrics) replicaAdded(name string, kvEvents bool) {
 	m.scrapeErr.WithLabelValues(name)
 	if kvEvents {
-		for _, o := range []string{"stored", "removed", "cleared", "cpu_ignored"} {
-			m.kvApplied.WithLabelValues(name, o)
+		for _, o := range cluster.Outcomes {
+			m.kv.Applied.WithLabelValues(name, o)
 		}
 	}
 }
@@ -170,10 +165,10 @@ func (m *metrics) replicaAdded(name string, kvEvents bool) {
 func (m *metrics) replicaRemoved(name string) {
 	l := prometheus.Labels{"replica": name}
 	for _, v := range []*prometheus.MetricVec{m.decisions.MetricVec, m.prompt.MetricVec, m.matched.MetricVec,
-		m.scrapeErr.MetricVec, m.kvApplied.MetricVec} {
+		m.scrapeErr.MetricVec, m.kv.Applied.MetricVec} {
 		v.DeletePartialMatch(l)
 	}
-	m.kv.Forget(name)
+	m.kv.Metrics.Forget(name)
 }
 
 // The router-state gauges, read at scrape time.

@@ -22,6 +22,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/upstream"
@@ -104,6 +105,10 @@ type Config struct {
 	MaxQueue int
 	// DefaultOutputTokens is the output assumed without max_tokens (256).
 	DefaultOutputTokens int
+	// MaxPromptTokens bounds a prompt's length in tokens (counted or
+	// estimated by the keyer), as serve's max_prompt_tokens does: a longer
+	// one is answered 400 before it costs a decision (default 1<<20).
+	MaxPromptTokens int
 	// SpeculativeTTL: router.Config's (0: its default).
 	SpeculativeTTL time.Duration
 	// Keyer keys prompts (nil: Tokenizer's keys if set, else
@@ -163,6 +168,9 @@ func (c *Config) defaults() {
 	if c.DefaultOutputTokens == 0 {
 		c.DefaultOutputTokens = 256
 	}
+	if c.MaxPromptTokens == 0 {
+		c.MaxPromptTokens = 1 << 20
+	}
 	if c.ScrapeTimeout == 0 {
 		c.ScrapeTimeout = 2 * time.Second
 	}
@@ -186,6 +194,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("epp: max_queue must be ≥ 0, got %d", c.MaxQueue)
 	case c.DefaultOutputTokens < 0:
 		return fmt.Errorf("epp: default_output_tokens must be ≥ 0, got %d", c.DefaultOutputTokens)
+	case c.MaxPromptTokens < 0:
+		return fmt.Errorf("epp: max_prompt_tokens must be ≥ 0, got %d", c.MaxPromptTokens)
 	case c.ScrapeInterval < 0 || c.ScrapeTimeout < 0:
 		return errors.New("epp: scrape interval and timeout must be ≥ 0")
 	case c.TreeMaxBlocks < 0:
@@ -238,17 +248,18 @@ type flight struct {
 // Picker is the routing core of the endpoint picker. It is safe for
 // concurrent use: one mutex serialises the router, as in internal/proxy.
 type Picker struct {
-	cfg     Config
-	log     *slog.Logger
-	prof    costmodel.Profile
-	policy  string // the policy's name, a metrics label
-	m       *metrics
-	nextID  atomic.Uint64
-	kvIndex *kvevents.Index
+	cfg    Config
+	log    *slog.Logger
+	prof   costmodel.Profile
+	policy string // the policy's name, a metrics label
+	m      *metrics
+	nextID atomic.Uint64
+	core   *cluster.Core
 
-	mu      sync.Mutex // guards everything below
+	mu      *sync.Mutex // core.Mu: guards everything below
 	rt      *router.Router
-	cons    *policy.Constrained
+	sink    *cluster.Sink // applies the replicas' KV events to core
+	allowed []int         // scratch: the replicas a decision may choose (pickLocked)
 	byName  map[string]*replica
 	byAddr  map[string]*replica
 	slots   []*replica // by router ID; nil for a free slot
@@ -277,43 +288,23 @@ func NewPicker(cfg Config) (*Picker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	prof, err := costmodel.Resolve(cfg.Profile)
-	if err != nil {
-		return nil, fmt.Errorf("epp: profile: %w", err)
-	}
-	o := policy.DefaultOptions()
-	o.ApproxCapacityBlocks = o.ApproxCapacityBlocks * o.BlockTokens / cfg.BlockTokens
-	o.BlockTokens = cfg.BlockTokens
-	pol, err := policy.Parse(cfg.Policy, o)
-	if err != nil {
-		return nil, fmt.Errorf("epp: policy: %w", err)
-	}
-	cons := policy.NewConstrained(pol)
 	var cal *calibrate.Config
 	if !cfg.NoCalibrate {
 		c := cfg.Calibration
 		cal = &c
 	}
-	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: cons,
-		Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL, DefaultOutputTokens: cfg.DefaultOutputTokens,
-		TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal})
+	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
+		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
+		TreeMaxBlocks: cfg.TreeMaxBlocks, DefaultOutputTokens: cfg.DefaultOutputTokens, Calibrate: cal,
+		MaxPromptTokens: cfg.MaxPromptTokens})
 	if err != nil {
-		return nil, fmt.Errorf("epp: router: %w", err)
+		return nil, fmt.Errorf("epp: %w", err)
 	}
-	if cfg.Keyer == nil && cfg.Tokenizer != "" {
-		tok, err := keying.LoadTokenizer(cfg.Tokenizer)
-		if err != nil {
-			return nil, fmt.Errorf("epp: tokenizer: %w", err)
-		}
-		cfg.Keyer = keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
-	}
-	if cfg.Keyer == nil {
-		cfg.Keyer = keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}
-	}
+	cfg.Keyer = core.Keyer
 	kind, _ := upstream.ParseKind(string(cfg.BackendKind)) // validated
 	p := &Picker{
-		cfg: cfg, log: cfg.Logger, prof: prof, policy: pol.Name(), kvIndex: kvevents.NewIndex(),
-		rt: rt, cons: cons, kind: kind,
+		cfg: cfg, log: cfg.Logger, core: core, mu: &core.Mu, prof: core.Profile, policy: core.Policy,
+		rt: core.Router, kind: kind,
 		byName:  make(map[string]*replica),
 		byAddr:  make(map[string]*replica),
 		flights: make(map[uint64]*flight),
@@ -322,6 +313,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 		p.tok = newTokenizerChecks(tk, &cfg)
 	}
 	p.m = newMetrics(p)
+	p.sink = p.kvSink()
 	return p, nil
 }
 
@@ -394,7 +386,7 @@ func (p *Picker) remove(r *replica) {
 	if r.stop != nil {
 		r.stop()
 	}
-	p.kvIndex.Forget(r.Name)
+	p.m.kv.Index.Forget(r.Name)
 	p.m.replicaRemoved(r.Name)
 	p.slots[r.id] = nil
 	delete(p.byName, r.Name)
@@ -473,9 +465,9 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	if err != nil {
 		return Pick{}, err
 	}
-	keys, promptTokens, err := p.cfg.Keyer.Keys(pr)
+	keys, promptTokens, err := p.core.Key(pr)
 	if err != nil {
-		return Pick{}, fmt.Errorf("epp: key prompt: %w", err)
+		return Pick{}, fmt.Errorf("epp: %w", err)
 	}
 	session := in.Session
 	if session == "" {
@@ -521,23 +513,23 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 		}
 	}
 	// Candidates: ready replicas, within the subset hint if there is one.
-	p.cons.Allowed = p.cons.Allowed[:0]
+	p.allowed = p.allowed[:0]
+	var within router.Constraint
 	if subset != nil {
-		p.cons.Restrict = true
 		for _, a := range subset {
 			if r, ok := p.byAddr[strings.TrimSpace(a)]; ok && r.Ready {
-				p.cons.Allowed = append(p.cons.Allowed, r.id)
+				p.allowed = append(p.allowed, r.id)
 			}
 		}
+		within.Only = p.allowed
 	} else {
 		for id, r := range p.slots {
 			if r != nil && r.Ready {
-				p.cons.Allowed = append(p.cons.Allowed, id)
+				p.allowed = append(p.allowed, id)
 			}
 		}
 	}
-	defer func() { p.cons.Restrict = false }()
-	if len(p.cons.Allowed) == 0 {
+	if len(p.allowed) == 0 {
 		if subset != nil {
 			return Pick{}, nil, fmt.Errorf("%w in the subset hint %v", ErrNoEndpoint, subset)
 		}
@@ -545,7 +537,7 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 	}
 	if p.cfg.MaxQueue > 0 {
 		shed := true
-		for _, id := range p.cons.Allowed {
+		for _, id := range p.allowed {
 			st, _ := p.rt.Replica(id)
 			if st.Queue() < p.cfg.MaxQueue { // the waiting queue (engine's, else requests not yet started), as GIE's saturation detector reads
 				shed = false
@@ -557,7 +549,7 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 		}
 	}
 	now := time.Now()
-	d, err := p.rt.Route(*req, now)
+	d, err := p.rt.RouteWithin(*req, now, within)
 	if err != nil {
 		if errors.Is(err, policy.ErrNoReplica) {
 			return Pick{}, nil, ErrNoEndpoint
@@ -592,7 +584,7 @@ func (p *Picker) fallbacks(d policy.Decision) []string {
 	}
 	type cand struct{ id, matched, inflight int }
 	var cs []cand
-	for _, id := range p.cons.Allowed {
+	for _, id := range p.allowed {
 		if id == d.Replica {
 			continue
 		}
@@ -629,9 +621,7 @@ func (p *Picker) Served(id uint64, endpoint string) {
 	now := time.Now()
 	old, oldLoad := f.replica, f.load
 	_ = p.rt.Finished(id, 0, -1, false, now)
-	p.cons.Force = r.id
-	d, err := p.rt.Route(f.req, now)
-	p.cons.Force = -1
+	d, err := p.rt.Assign(f.req, r.id, now)
 	if err != nil {
 		delete(p.flights, id)
 		p.mu.Unlock()
@@ -751,7 +741,7 @@ func (p *Picker) Run(ctx context.Context) error {
 		p.start(r)
 	}
 	p.mu.Unlock()
-	p.rt.ExpireSpeculativeEvery(ctx, 500*time.Millisecond, &p.mu)
+	p.core.ExpireSpeculative(ctx, 500*time.Millisecond)
 	p.mu.Lock()
 	p.runCtx = nil
 	p.mu.Unlock()
@@ -766,7 +756,7 @@ func (p *Picker) start(r *replica) {
 	if r.KVEvents != "" {
 		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{
 			Replica: r.Name, Endpoint: r.KVEvents, ReplayEndpoint: r.KVReplay, Topic: r.KVTopic,
-			Index: p.kvIndex, Sink: sink{p}, Metrics: p.m.kv, Logger: p.log,
+			Index: p.m.kv.Index, Sink: p.sink, Metrics: p.m.kv.Metrics, Logger: p.log,
 		})
 		p.wg.Add(1)
 		go func() {
@@ -799,59 +789,20 @@ func (p *Picker) start(r *replica) {
 	}
 }
 
-// sink applies one replica's KV events to the router (GPU blocks only).
-type sink struct{ p *Picker }
-
-var _ kvevents.Sink = sink{}
-
-// id returns the router ID of the replica called name, or -1.
-func (s sink) id(name string) int {
-	if r, ok := s.p.byName[name]; ok {
-		return r.id
-	}
-	return -1
-}
-
-// Stored implements kvevents.Sink.
-func (s sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blocks.Key, medium string) {
-	s.p.mu.Lock()
-	defer s.p.mu.Unlock()
-	id := s.id(name)
-	switch {
-	case id < 0:
-	case medium != kvevents.MediumGPU: // offloaded blocks are not routed on
-		s.p.m.kvApplied.WithLabelValues(name, "cpu_ignored").Inc()
-	default:
-		_ = s.p.rt.CacheStored(id, parent, hasParent, keys, time.Now())
-		s.p.m.kvApplied.WithLabelValues(name, "stored").Inc()
-		s.p.kvApplied()
-	}
-}
-
-// Removed implements kvevents.Sink.
-func (s sink) Removed(name string, keys []blocks.Key, medium string) {
-	s.p.mu.Lock()
-	defer s.p.mu.Unlock()
-	id := s.id(name)
-	switch {
-	case id < 0:
-	case medium != kvevents.MediumGPU: // offloaded blocks are not routed on
-		s.p.m.kvApplied.WithLabelValues(name, "cpu_ignored").Inc()
-	default:
-		_ = s.p.rt.CacheRemoved(id, keys)
-		s.p.m.kvApplied.WithLabelValues(name, "removed").Inc()
-		s.p.kvApplied()
-	}
-}
-
-// Cleared implements kvevents.Sink.
-func (s sink) Cleared(name string) {
-	s.p.mu.Lock()
-	defer s.p.mu.Unlock()
-	if id := s.id(name); id >= 0 {
-		_ = s.p.rt.CacheCleared(id)
-		s.p.m.kvApplied.WithLabelValues(name, "cleared").Inc()
-		s.p.kvApplied()
+// kvSink is the core's KV sink over the picker's replicas.
+func (p *Picker) kvSink() *cluster.Sink {
+	return &cluster.Sink{Core: p.core, KV: p.m.kv, Log: p.log,
+		ID: func(name string) int {
+			if r, ok := p.byName[name]; ok {
+				return r.id
+			}
+			return -1
+		},
+		Applied: func(_, outcome string) {
+			if outcome != cluster.OutcomeCPUIgnored {
+				p.kvApplied()
+			}
+		},
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/openai"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -264,7 +265,7 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	if err != nil {
 		code := typev3.StatusCode_InternalServerError
 		switch {
-		case errors.Is(err, openai.ErrBadRequest):
+		case errors.Is(err, openai.ErrBadRequest), errors.Is(err, cluster.ErrPromptTooLong):
 			code = typev3.StatusCode_BadRequest
 		case errors.Is(err, ErrNoEndpoint):
 			code = typev3.StatusCode_ServiceUnavailable

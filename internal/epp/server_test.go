@@ -3,7 +3,9 @@ package epp
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"strings"
@@ -74,6 +76,9 @@ func startServer(t *testing.T, s *Server) *grpc.ClientConn {
 type envoy struct {
 	t      *testing.T
 	stream extprocv3.ExternalProcessor_ProcessClient
+	// answered, when set, lets a send find the stream closed: the test
+	// expects an immediate answer before the request is all sent.
+	answered bool
 }
 
 func newEnvoy(t *testing.T, conn *grpc.ClientConn) *envoy {
@@ -98,6 +103,9 @@ func hdrs(kv ...string) *corev3.HeaderMap {
 func (e *envoy) send(r *extprocv3.ProcessingRequest) {
 	e.t.Helper()
 	if err := e.stream.Send(r); err != nil {
+		if errors.Is(err, io.EOF) && e.answered {
+			return // the server answered at once and closed; Envoy stops sending too
+		}
 		e.t.Fatalf("send: %v", err)
 	}
 }
@@ -361,9 +369,24 @@ func TestExtProcErrors(t *testing.T) {
 	t.Run("too large", func(t *testing.T) {
 		p := newTestPicker(t, Config{}, 2)
 		e := newEnvoy(t, startServer(t, NewServer(p, ServerConfig{MaxBodyBytes: 100})))
+		// The server answers 413 once 100 bytes are in and may close the
+		// stream while the rest of the body is still being sent.
+		e.answered = true
 		e.request("/v1/completions", completionBody(strings.Repeat("x", 200), false), 50, nil)
 		if got := e.immediate(); got != typev3.StatusCode_PayloadTooLarge {
 			t.Errorf("status %v, want 413", got)
+		}
+	})
+	t.Run("prompt too long", func(t *testing.T) {
+		// serve's max_prompt_tokens, held the same way: 400 before a decision.
+		p := newTestPicker(t, Config{MaxPromptTokens: 10}, 2)
+		e := newEnvoy(t, startServer(t, NewServer(p, ServerConfig{})))
+		e.request("/v1/completions", completionBody(strings.Repeat("x", 200), false), 1<<20, nil)
+		if got := e.immediate(); got != typev3.StatusCode_BadRequest {
+			t.Errorf("status %v, want 400", got)
+		}
+		if n := p.rt.InFlight(); n != 0 {
+			t.Errorf("%d requests routed", n)
 		}
 	})
 	t.Run("shed", func(t *testing.T) {

@@ -159,13 +159,9 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	keys, tokens, err := p.keyer.Keys(req)
+	keys, tokens, err := p.core.Key(req)
 	if err != nil {
-		writeError(w, fmt.Errorf("proxy: key prompt: %w", err))
-		return
-	}
-	if err := p.checkPromptTokens(tokens); err != nil {
-		writeError(w, err)
+		writeError(w, fmt.Errorf("proxy: %w", err))
 		return
 	}
 	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession)}

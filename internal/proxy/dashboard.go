@@ -119,7 +119,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	for i := range reps {
 		kinds[i] = p.engines[i].kind
 	}
-	e2, _ := p.excl.Inner.(*policy.E2)
+	e2, _ := p.rt.Policy().(*policy.E2)
 	window := make([][2]float64, len(reps)) // load, hit ratio
 	var e2Window time.Duration
 	if e2 != nil {

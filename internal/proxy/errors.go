@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/openai"
 
 	"github.com/prefixlb/prefixlb/internal/policy"
@@ -21,7 +22,7 @@ var (
 	// Config.BodyReadTimeout.
 	ErrBodyTimeout = errors.New("request body read timeout")
 	// ErrPromptTooLong is returned for a prompt over Config.MaxPromptTokens.
-	ErrPromptTooLong = errors.New("prompt too long")
+	ErrPromptTooLong = cluster.ErrPromptTooLong
 	// ErrOverloaded is returned for a request over Config.MaxConcurrent.
 	ErrOverloaded = errors.New("too many requests in flight")
 	// ErrUnauthorized is returned for an admin or debug request without the

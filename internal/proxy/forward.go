@@ -87,13 +87,9 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		return
 	}
 	x.req = req
-	keys, tokens, err := p.keyer.Keys(req)
+	keys, tokens, err := p.core.Key(req)
 	if err != nil {
-		fail(fmt.Errorf("proxy: key prompt: %w", err))
-		return
-	}
-	if err := p.checkPromptTokens(tokens); err != nil {
-		fail(err)
+		fail(fmt.Errorf("proxy: %w", err))
 		return
 	}
 	preq := policy.Request{Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession),

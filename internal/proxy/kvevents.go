@@ -2,27 +2,14 @@ package proxy
 
 import (
 	"context"
-	"errors"
 	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
-	"github.com/prefixlb/prefixlb/internal/prefixtree"
 )
-
-// kvState is the proxy's side of the replicas' KV-event streams: one Index
-// for all replicas (each has its own lock), one Subscriber per replica that
-// publishes events, and the Sink that applies the router keys to the core.
-type kvState struct {
-	index   *kvevents.Index
-	metrics *kvevents.Metrics
-	applied *prometheus.CounterVec // replica, outcome
-}
 
 // kvCounters count what one replica's events did to the router.
 type kvCounters struct {
@@ -31,23 +18,33 @@ type kvCounters struct {
 	unknownParent            atomic.Uint64 // BlockStored the router could not place
 }
 
-// newKVState builds the shared index and registers the metrics.
-func newKVState(reg prometheus.Registerer) (*kvState, error) {
-	k := &kvState{
-		index:   kvevents.NewIndex(),
-		metrics: kvevents.NewMetrics(),
-		applied: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "prefixlb_kvevents_router_total",
-			Help: "KV events applied to the router by replica and outcome: stored, removed, cleared, cpu_ignored (offloaded blocks, not routed on), unknown_parent (a stored chain the router could not place).",
-		}, []string{"replica", "outcome"}),
+// add counts one event's outcome (cluster.Sink's Applied).
+func (k *kvCounters) add(outcome string) {
+	switch outcome {
+	case cluster.OutcomeStored:
+		k.stored.Add(1)
+	case cluster.OutcomeRemoved:
+		k.removed.Add(1)
+	case cluster.OutcomeCleared:
+		k.cleared.Add(1)
+	case cluster.OutcomeCPUIgnored:
+		k.cpu.Add(1)
+	case cluster.OutcomeUnknownParent:
+		k.unknownParent.Add(1)
 	}
-	if err := k.metrics.Register(reg); err != nil {
-		return nil, err
+}
+
+// kvSink is the core's KV sink over the proxy's fixed set of backends.
+func (p *Proxy) kvSink() *cluster.Sink {
+	return &cluster.Sink{Core: p.core, KV: p.kv, Log: p.log,
+		ID: func(name string) int {
+			if b := p.byName[name]; b != nil && b.kv != nil {
+				return b.id
+			}
+			return -1
+		},
+		Applied: func(name, outcome string) { p.byName[name].kv.add(outcome) },
 	}
-	if err := reg.Register(k.applied); err != nil {
-		return nil, err
-	}
-	return k, nil
 }
 
 // addSubscriber sets up b's subscriber (started by Run).
@@ -62,13 +59,13 @@ func (p *Proxy) addSubscriber(b *backend, cfg Backend) error {
 		Endpoint:       cfg.KVEvents,
 		ReplayEndpoint: replay,
 		Topic:          cfg.KVTopic,
-		Index:          p.kv.index,
-		Sink:           routerSink{p},
-		Metrics:        p.kv.metrics,
+		Index:          p.kv.Index,
+		Sink:           p.sink,
+		Metrics:        p.kv.Metrics,
 		Logger:         p.log,
 	})
-	for _, o := range []string{"stored", "removed", "cleared", "cpu_ignored", "unknown_parent"} {
-		p.kv.applied.WithLabelValues(b.name, o)
+	for _, o := range cluster.Outcomes {
+		p.kv.Applied.WithLabelValues(b.name, o)
 	}
 	return nil
 }
@@ -92,90 +89,9 @@ func (p *Proxy) runKV(ctx context.Context) {
 		}()
 	}
 	if haveKV {
-		// Route and CacheStored expire speculative entries too; this keeps an
-		// idle router's view honest.
-		p.rt.ExpireSpeculativeEvery(ctx, 500*time.Millisecond, &p.mu)
+		p.core.ExpireSpeculative(ctx, 500*time.Millisecond)
 	}
 	wg.Wait()
-}
-
-// routerSink applies one replica's router-key changes to the core, under
-// the proxy's lock. Only GPU blocks count: a block offloaded to CPU memory
-// is not a prefix-cache hit for routing (it is counted).
-type routerSink struct{ p *Proxy }
-
-var _ kvevents.Sink = routerSink{}
-
-func (s routerSink) backend(name string) *backend {
-	return s.p.byName[name]
-}
-
-// Stored implements kvevents.Sink.
-func (s routerSink) Stored(replica string, parent blocks.Key, hasParent bool, keys []blocks.Key, medium string) {
-	b := s.backend(replica)
-	if b == nil {
-		return
-	}
-	if medium != kvevents.MediumGPU {
-		b.kv.cpu.Add(1)
-		s.p.kv.applied.WithLabelValues(b.name, "cpu_ignored").Inc()
-		return
-	}
-	now := time.Now()
-	s.p.mu.Lock()
-	err := s.p.rt.CacheStored(b.id, parent, hasParent, keys, now)
-	s.p.mu.Unlock()
-	switch {
-	case err == nil:
-		b.kv.stored.Add(1)
-		s.p.kv.applied.WithLabelValues(b.name, "stored").Inc()
-	case errors.Is(err, prefixtree.ErrUnknownParent):
-		// The index holds the parent but the router's tree lost it (its
-		// global bound evicted the chain): the blocks cannot be placed.
-		b.kv.unknownParent.Add(1)
-		s.p.kv.applied.WithLabelValues(b.name, "unknown_parent").Inc()
-	default:
-		s.p.log.Warn("kv events: router cache stored", "replica", b.name, "err", err)
-	}
-}
-
-// Removed implements kvevents.Sink.
-func (s routerSink) Removed(replica string, keys []blocks.Key, medium string) {
-	b := s.backend(replica)
-	if b == nil {
-		return
-	}
-	if medium != kvevents.MediumGPU {
-		b.kv.cpu.Add(1)
-		s.p.kv.applied.WithLabelValues(b.name, "cpu_ignored").Inc()
-		return
-	}
-	s.p.mu.Lock()
-	err := s.p.rt.CacheRemoved(b.id, keys)
-	s.p.mu.Unlock()
-	if err != nil {
-		s.p.log.Warn("kv events: router cache removed", "replica", b.name, "err", err)
-		return
-	}
-	b.kv.removed.Add(1)
-	s.p.kv.applied.WithLabelValues(b.name, "removed").Inc()
-}
-
-// Cleared implements kvevents.Sink.
-func (s routerSink) Cleared(replica string) {
-	b := s.backend(replica)
-	if b == nil {
-		return
-	}
-	s.p.mu.Lock()
-	err := s.p.rt.CacheCleared(b.id)
-	s.p.mu.Unlock()
-	if err != nil {
-		s.p.log.Warn("kv events: router cache cleared", "replica", b.name, "err", err)
-		return
-	}
-	b.kv.cleared.Add(1)
-	s.p.kv.applied.WithLabelValues(b.name, "cleared").Inc()
 }
 
 // CacheReplica is one replica in GET /debug/cache.

@@ -95,15 +95,6 @@ func hasDotSegment(path string) bool {
 	return false
 }
 
-// checkPromptTokens rejects a prompt of more than Config.MaxPromptTokens
-// tokens (counted or estimated by the keyer).
-func (p *Proxy) checkPromptTokens(tokens int) error {
-	if tokens > p.cfg.MaxPromptTokens {
-		return fmt.Errorf("proxy: %w: %d tokens, over the limit of %d (max_prompt_tokens)", ErrPromptTooLong, tokens, p.cfg.MaxPromptTokens)
-	}
-	return nil
-}
-
 // tokenDigest is what an admin token is compared by: its SHA-256.
 type tokenDigest [sha256.Size]byte
 

@@ -32,6 +32,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/upstream"
@@ -112,10 +113,10 @@ type health struct {
 type Proxy struct {
 	cfg      Config
 	log      *slog.Logger
-	keyer    keying.Keyer
 	backends []*backend
 	byName   map[string]*backend
-	kv       *kvState
+	kv       *cluster.KV
+	sink     *cluster.Sink   // applies the replicas' KV events to core (kvevents.go)
 	policy   string          // the policy's name, as a metric label
 	fwd      *http.Transport // forwards client requests
 	checks   *http.Client    // health checks, scrapes, /v1/models
@@ -125,9 +126,9 @@ type Proxy struct {
 	slots    chan struct{}   // one per inference request in flight; nil: no bound (limits.go)
 	adminTok tokenDigest     // digest of cfg.AdminToken, when set
 
-	mu      sync.Mutex // guards rt, excl, state, engines and dash
+	core    *cluster.Core
+	mu      *sync.Mutex // core.Mu: guards rt, state, engines and dash
 	rt      *router.Router
-	excl    *policy.Constrained
 	state   []health
 	engines []engineState // by replica id (backendkind.go)
 	dash    dashRing      // recent decisions for the dashboard (dashboard.go)
@@ -153,48 +154,30 @@ func New(cfg Config) (*Proxy, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	prof, err := costmodel.Resolve(cfg.Profile)
-	if err != nil {
-		return nil, fmt.Errorf("proxy: config: profile: %w", err)
-	}
-	pol, err := policy.Parse(cfg.Policy, policyOptions(&cfg))
-	if err != nil {
-		return nil, fmt.Errorf("proxy: config: policy: %w", err)
-	}
-	ex := policy.NewConstrained(pol)
 	var cal *calibrate.Config
 	if cfg.Calibrate {
 		c := cfg.Calibration
 		cal = &c
 	}
-	rt, err := router.New(router.Config{BlockTokens: cfg.BlockTokens, Profile: prof, Policy: ex, Seed: cfg.Seed,
-		SpeculativeTTL: cfg.SpeculativeTTL, TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal})
+	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
+		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
+		TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal, MaxPromptTokens: cfg.MaxPromptTokens})
 	if err != nil {
-		return nil, fmt.Errorf("proxy: new router: %w", err)
+		return nil, fmt.Errorf("proxy: config: %w", err)
 	}
+	rt, keyer := core.Router, core.Keyer
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
 	}
-	keyer := cfg.Keyer
-	if keyer == nil && cfg.Tokenizer != "" && cfg.Tokenizer != "none" {
-		tok, err := keying.LoadTokenizer(cfg.Tokenizer)
-		if err != nil {
-			return nil, fmt.Errorf("proxy: config: tokenizer: %w", err)
-		}
-		keyer = keying.NewTokenizerKeyer(tok, cfg.BlockTokens)
-	}
-	if keyer == nil {
-		keyer = keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}
-	}
 	p := &Proxy{
 		cfg:    cfg,
 		log:    log,
-		keyer:  keyer,
-		policy: pol.Name(),
+		policy: core.Policy,
+		core:   core,
+		mu:     &core.Mu,
 		m:      newMetrics(),
 		rt:     rt,
-		excl:   ex,
 		byName: make(map[string]*backend),
 	}
 	if cfg.MaxConcurrent > 0 {
@@ -216,9 +199,10 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
 	}
-	if p.kv, err = newKVState(p.m.reg); err != nil {
+	if p.kv, err = cluster.NewKV(p.m.reg); err != nil {
 		return nil, fmt.Errorf("proxy: kv events metrics: %w", err)
 	}
+	p.sink = p.kvSink()
 	for i, b := range cfg.Backends {
 		u, _ := url.Parse(b.URL) // Validate parsed it
 		name := backendName(b)
@@ -246,9 +230,6 @@ func New(cfg Config) (*Proxy, error) {
 		p.m.inflight.WithLabelValues(name)
 	}
 	if tk, ok := keyer.(*keying.TokenizerKeyer); ok {
-		if tk.BlockTokens() != cfg.BlockTokens {
-			return nil, fmt.Errorf("proxy: config: keyer: tokenizer keys of %d tokens, block_tokens is %d", tk.BlockTokens(), cfg.BlockTokens)
-		}
 		p.tokProbe = newTokenizerProbe(tk, len(p.backends))
 		for _, b := range p.backends {
 			p.m.tokMatch.WithLabelValues(b.name).Set(tokUnknown)
@@ -373,9 +354,7 @@ func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, error
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.excl.Exclude = exclude
-	d, err := p.rt.Route(req, now)
-	p.excl.Exclude = nil
+	d, err := p.rt.RouteWithin(req, now, router.Constraint{Exclude: exclude})
 	if err == nil {
 		p.dash.record(now, req.PromptTokens, &d)
 	}

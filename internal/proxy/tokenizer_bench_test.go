@@ -63,7 +63,7 @@ func BenchmarkRouteChat60k(b *testing.B) {
 			b.Fatal(err)
 		}
 		t1, c1 := time.Now(), threadCPU()
-		keys, tokens, err := p.keyer.Keys(req)
+		keys, tokens, err := p.core.Keyer.Keys(req)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -137,7 +137,7 @@ func TestTokenizerProbe(t *testing.T) {
 			}
 			// The keys the proxy uses now: token ids, or text chunks in fallback.
 			r := mustParse(t, openai.KindChat, chat)
-			keys, _, _ := p.keyer.Keys(r)
+			keys, _, _ := p.core.Keyer.Keys(r)
 			want, _, _ := keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}.Keys(r)
 			if !tt.wantFallback {
 				ids, _ := keyer.EncodeChat(r.Chat)

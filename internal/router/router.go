@@ -147,6 +147,7 @@ type Router struct {
 	victims     prefixtree.Match // slotVictims' lookups, during a decision
 	cache       []replicaCache   // per replica: slot model, feedback (cacheview.go)
 	view        policy.View
+	masked      []policy.Replica // the view's replicas under a Constraint (decide)
 	stats       Stats
 	spec        speculation
 	ext         []ExternalLoad // other routers' load by replica (SetExternalLoad)
@@ -419,10 +420,40 @@ func (r *Router) ReplicaLoad(id, waiting, running int, kvUsage float64) error {
 	return nil
 }
 
+// Constraint holds one decision to some replicas without marking the
+// others down in the router (which would tell the policy they left the
+// pool and drop their placements): serve excludes replicas a request
+// already failed on, epp holds a decision to the gateway's subset hint.
+// The policy sees the replicas it may not choose as down, for this
+// decision only. The zero Constraint constrains nothing.
+type Constraint struct {
+	// Exclude lists replicas this decision must not choose.
+	Exclude []int
+	// Only, when non-nil, lists the only replicas this decision may choose.
+	Only []int
+}
+
 // Route decides where req goes and commits the decision: the request is
 // in flight on the chosen replica until Finished. The router keeps req.Keys
 // until then (to release the path's references): do not modify them.
 func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, error) {
+	return r.RouteWithin(req, now, Constraint{})
+}
+
+// Assign commits req to replica id without asking the policy (Branch
+// "served"): epp records the endpoint that actually served a request when
+// the gateway picked another than the picker's choice. id must be up.
+func (r *Router) Assign(req policy.Request, id int, now time.Time) (policy.Decision, error) {
+	return r.route(req, now, Constraint{}, id)
+}
+
+// RouteWithin is Route with the decision held to c.
+func (r *Router) RouteWithin(req policy.Request, now time.Time, c Constraint) (policy.Decision, error) {
+	return r.route(req, now, c, -1)
+}
+
+// route is Route, RouteWithin and Assign: force ≥ 0 is Assign's replica.
+func (r *Router) route(req policy.Request, now time.Time, c Constraint, force int) (policy.Decision, error) {
 	if req.PromptTokens <= 0 && len(req.Keys) == 0 {
 		return policy.Decision{}, ErrEmptyPrompt
 	}
@@ -441,15 +472,48 @@ func (r *Router) Route(req policy.Request, now time.Time) (policy.Decision, erro
 	r.expireSpeculative(now)
 	r.tree.Insert(req.Keys, now, &r.match)
 	r.prepareView(req.Keys, req.PromptTokens)
-	d, err := r.pol.Route(&req, &r.view, now)
-	if err != nil {
-		return d, err
+	var d policy.Decision
+	if force >= 0 {
+		d = policy.Decision{Replica: force, Branch: "served", MatchedTokens: r.view.MatchedTokens(force, &req)}
+	} else {
+		var err error
+		if d, err = r.decide(&req, now, c); err != nil {
+			return d, err
+		}
 	}
 	if d.Replica < 0 || d.Replica >= len(r.reps) || !r.reps[d.Replica].Up {
 		return d, fmt.Errorf("router: policy %s chose replica %d, which is not up", r.pol.Name(), d.Replica)
 	}
 	r.commit(&req, &d, now)
 	return d, nil
+}
+
+// decide asks the policy, showing it the replicas c rules out as down. The
+// view the decision is then committed and observed with is the whole one.
+func (r *Router) decide(req *policy.Request, now time.Time, c Constraint) (policy.Decision, error) {
+	if c.Only == nil && len(c.Exclude) == 0 {
+		return r.pol.Route(req, &r.view, now)
+	}
+	r.masked = append(r.masked[:0], r.reps...)
+	if c.Only != nil {
+		for i := range r.masked {
+			r.masked[i].Up = false
+		}
+		for _, id := range c.Only {
+			if id >= 0 && id < len(r.masked) {
+				r.masked[id].Up = r.reps[id].Up
+			}
+		}
+	}
+	for _, id := range c.Exclude {
+		if id >= 0 && id < len(r.masked) {
+			r.masked[id].Up = false
+		}
+	}
+	r.view.Replicas = r.masked
+	d, err := r.pol.Route(req, &r.view, now)
+	r.view.Replicas = r.reps
+	return d, err
 }
 
 // prepareView readies the view for a decision on keys (already looked up

@@ -1,8 +1,6 @@
 package router
 
 import (
-	"context"
-	"sync"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -101,26 +99,9 @@ func (r *Router) Speculative() int { return len(r.spec.pending) }
 
 // ExpireSpeculative unmarks the speculative blocks whose deadline is at or
 // before now and that no event confirmed. Route and CacheStored call it; an
-// owner that may go a while without either can call it on a timer.
+// owner that may go a while without either calls it on a timer
+// (cluster.Core.ExpireSpeculative).
 func (r *Router) ExpireSpeculative(now time.Time) { r.expireSpeculative(now) }
-
-// ExpireSpeculativeEvery calls ExpireSpeculative every interval, holding mu
-// (the owner's lock that serialises the router), until ctx is done: the
-// timer of an owner that may go a while without routing.
-func (r *Router) ExpireSpeculativeEvery(ctx context.Context, interval time.Duration, mu sync.Locker) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case now := <-t.C:
-			mu.Lock()
-			r.expireSpeculative(now)
-			mu.Unlock()
-		}
-	}
-}
 
 func (r *Router) expireSpeculative(now time.Time) {
 	s := &r.spec
