@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/prefixlb/prefixlb/internal/calmetrics"
@@ -22,20 +21,14 @@ import (
 // leave with it; so are the router's cache views (updated by every finished
 // request) and the replicas' backend kinds.
 type metrics struct {
-	reg       *prometheus.Registry
-	decisions *prometheus.CounterVec // policy, branch, replica
-	prompt    *prometheus.CounterVec // replica
-	matched   *prometheus.CounterVec // replica
-	latency   prometheus.Histogram
-	predicted prometheus.Counter
-	reported  prometheus.Counter
-	outcomes  *prometheus.CounterVec // outcome
-	immediate *prometheus.CounterVec // code
-	streams   prometheus.Gauge
-	streamsN  prometheus.Counter
-	errors    *prometheus.CounterVec // kind
-	scrapeErr *prometheus.CounterVec // replica
-	kv        *cluster.KV            // the KV-event index, its streams' metrics and prefixlb_kvevents_router_total
+	*cluster.Metrics                        // the ones serve exports too: decisions, predictions, scrape errors, KV events
+	prompt           *prometheus.CounterVec // replica
+	matched          *prometheus.CounterVec // replica
+	latency          prometheus.Histogram
+	immediate        *prometheus.CounterVec // code
+	streams          prometheus.Gauge
+	streamsN         prometheus.Counter
+	errors           *prometheus.CounterVec // kind
 }
 
 // decisionBuckets span 25 µs to ~0.8 s: a decision on a short prompt to one
@@ -56,12 +49,12 @@ const (
 )
 
 func newMetrics(p *Picker) *metrics {
+	cm, err := cluster.NewMetrics("Routing decisions by policy, branch and primary replica (a request the gateway served elsewhere counts where it was first routed).")
+	if err != nil {
+		panic(err) // distinct names on a fresh registry: a programming error
+	}
 	m := &metrics{
-		reg: prometheus.NewRegistry(),
-		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "prefixlb_decisions_total",
-			Help: "Routing decisions by policy, branch and primary replica (a request the gateway served elsewhere counts where it was first routed).",
-		}, []string{"policy", "branch", "replica"}),
+		Metrics: cm,
 		prompt: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "prefixlb_prompt_tokens_total",
 			Help: "Prompt tokens routed, by primary replica (tokens with --tokenizer, else estimated from bytes).",
@@ -75,18 +68,6 @@ func newMetrics(p *Picker) *metrics {
 			Help:    "Time to pick for one request: parse, key, read the shared state, route, publish. Successful picks only.",
 			Buckets: decisionBuckets,
 		}),
-		predicted: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "prefixlb_cached_tokens_predicted_total",
-			Help: "Prompt tokens the router predicted cached, over requests whose replica reported cached tokens.",
-		}),
-		reported: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "prefixlb_cached_tokens_reported_total",
-			Help: "Prompt tokens the replicas reported cached (usage.prompt_tokens_details.cached_tokens, or llama.cpp's usage.prompt_tokens - timings.prompt_n).",
-		}),
-		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "prefixlb_cache_predictions_total",
-			Help: "Cache predictions checked against the replica's report: exact (within one block), over or under.",
-		}, []string{"outcome"}),
 		immediate: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "prefixlb_epp_immediate_responses_total",
 			Help: "Requests answered by the picker itself (ImmediateResponse) by HTTP status: 503 no endpoint, 429 shed, 400 bad body, 413 too large, 500 internal.",
@@ -103,22 +84,9 @@ func newMetrics(p *Picker) *metrics {
 			Name: "prefixlb_epp_errors_total",
 			Help: "Errors by kind: receive/send (the stream with Envoy), shared_read/shared_write (Redis), route (the keyer or router refused a request: 500).",
 		}, []string{"kind"}),
-		scrapeErr: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "prefixlb_scrape_errors_total",
-			Help: "Failed scrapes of a replica's /metrics.",
-		}, []string{"replica"}),
 	}
-	m.reg.MustRegister(m.decisions, m.prompt, m.matched, m.latency, m.predicted, m.reported, m.outcomes,
-		m.immediate, m.streams, m.streamsN, m.errors, m.scrapeErr, stateCollector{p},
-		calmetrics.Collector{Rows: p.calibrationRows},
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	var err error
-	if m.kv, err = cluster.NewKV(m.reg); err != nil {
-		panic(err) // distinct names on a fresh registry: a programming error
-	}
-	for _, o := range []string{"exact", "over", "under"} {
-		m.outcomes.WithLabelValues(o)
-	}
+	m.Reg.MustRegister(m.prompt, m.matched, m.latency, m.immediate, m.streams, m.streamsN, m.errors,
+		stateCollector{p}, cluster.CacheCollector{Rows: p.cacheRows}, calmetrics.Collector{Rows: p.calibrationRows})
 	for _, c := range immediateCodes {
 		m.immediate.WithLabelValues(strconv.Itoa(c))
 	}
@@ -130,45 +98,18 @@ func newMetrics(p *Picker) *metrics {
 
 // decided records one successful pick.
 func (m *metrics) decided(policy string, pick *Pick, promptTokens int, took time.Duration) {
-	m.decisions.WithLabelValues(policy, pick.Decision.Branch, pick.Replica).Inc()
+	m.Decisions.WithLabelValues(policy, pick.Decision.Branch, pick.Replica).Inc()
 	m.prompt.WithLabelValues(pick.Replica).Add(float64(promptTokens))
 	m.matched.WithLabelValues(pick.Replica).Add(float64(pick.Decision.MatchedTokens))
 	m.latency.Observe(took.Seconds())
 }
 
-// prediction records one checked cache prediction; blockTokens is the
-// tolerance of "exact" (the router's own: one block).
-func (m *metrics) prediction(predicted, reported, blockTokens int) {
-	m.predicted.Add(float64(predicted))
-	m.reported.Add(float64(reported))
-	switch d := predicted - reported; {
-	case d > blockTokens:
-		m.outcomes.WithLabelValues("over").Inc()
-	case d < -blockTokens:
-		m.outcomes.WithLabelValues("under").Inc()
-	default:
-		m.outcomes.WithLabelValues("exact").Inc()
-	}
-}
-
-// replicaAdded creates r's series at 0.
-func (m *metrics) replicaAdded(name string, kvEvents bool) {
-	m.scrapeErr.WithLabelValues(name)
-	if kvEvents {
-		for _, o := range cluster.Outcomes {
-			m.kv.Applied.WithLabelValues(name, o)
-		}
-	}
-}
-
 // replicaRemoved deletes every series of a replica that left the pool.
 func (m *metrics) replicaRemoved(name string) {
+	m.ReplicaRemoved(name)
 	l := prometheus.Labels{"replica": name}
-	for _, v := range []*prometheus.MetricVec{m.decisions.MetricVec, m.prompt.MetricVec, m.matched.MetricVec,
-		m.scrapeErr.MetricVec, m.kv.Applied.MetricVec} {
-		v.DeletePartialMatch(l)
-	}
-	m.kv.Metrics.Forget(name)
+	m.prompt.DeletePartialMatch(l)
+	m.matched.DeletePartialMatch(l)
 }
 
 // The router-state gauges, read at scrape time.
@@ -189,20 +130,6 @@ var (
 	descTokFallback = prometheus.NewDesc("prefixlb_tokenizer_fallback",
 		"1 while some replica's tokenizer differs from the router's, so text and chat prompts are keyed by text chunks instead of token ids.",
 		nil, nil)
-	// The router's view of each replica's cache (router.CacheView) and its
-	// backend kind; names and help are prefixlb serve's.
-	descPredictionError = prometheus.NewDesc("prefixlb_cache_prediction_error_tokens",
-		"Moving average (about the last 32 reports) of the cached prompt tokens the router predicted minus those the replica reported; positive: the router believes the replica caches more than it does.",
-		[]string{"replica"}, nil)
-	descCapacity = prometheus.NewDesc("prefixlb_cache_capacity_tokens",
-		"The router's current estimate of the replica's cache capacity in tokens, learned from the cached tokens it reports (mirrored block caches; the configured capacity otherwise).",
-		[]string{"replica"}, nil)
-	descCorrections = prometheus.NewDesc("prefixlb_cache_corrections_total",
-		"Reports of cached tokens that changed the router's view of the replica's cache (capacity shrunk or grown, slot contents corrected).",
-		[]string{"replica"}, nil)
-	descReplicaInfo = prometheus.NewDesc("prefixlb_replica_info",
-		"1 for each replica, labelled with its backend kind: vllm, sglang, llamacpp, or unknown (not detected yet, or nothing said).",
-		[]string{"replica", "kind"}, nil)
 )
 
 // stateCollector reads the router's state under the picker's lock.
@@ -214,10 +141,6 @@ func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descShared
 	ch <- descUp
 	ch <- descTree
-	ch <- descPredictionError
-	ch <- descCapacity
-	ch <- descCorrections
-	ch <- descReplicaInfo
 	if c.p.tok != nil {
 		ch <- descTokMatch
 		ch <- descTokFallback
@@ -242,11 +165,6 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(st.InFlight-ext), r.Name)
 		ch <- prometheus.MustNewConstMetric(descShared, prometheus.GaugeValue, float64(ext), r.Name)
 		ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, up, r.Name)
-		v, _ := p.rt.CacheView(r.id)
-		ch <- prometheus.MustNewConstMetric(descPredictionError, prometheus.GaugeValue, v.ErrorTokens, r.Name)
-		ch <- prometheus.MustNewConstMetric(descCapacity, prometheus.GaugeValue, float64(v.CapacityTokens), r.Name)
-		ch <- prometheus.MustNewConstMetric(descCorrections, prometheus.CounterValue, float64(v.Corrections), r.Name)
-		ch <- prometheus.MustNewConstMetric(descReplicaInfo, prometheus.GaugeValue, 1, r.Name, string(r.kind))
 		if p.tok != nil {
 			ch <- prometheus.MustNewConstMetric(descTokMatch, prometheus.GaugeValue, float64(r.tokState), r.Name)
 		}
@@ -264,12 +182,25 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 // MetricsHandler serves the picker's Prometheus metrics (the text
 // exposition format), for --metrics-listen's /metrics.
 func (p *Picker) MetricsHandler() http.Handler {
-	return promhttp.HandlerFor(p.m.reg, promhttp.HandlerOpts{})
+	return promhttp.HandlerFor(p.m.Reg, promhttp.HandlerOpts{})
 }
 
 // Registry is the picker's private Prometheus registry, for callers that
 // add collectors of their own.
-func (p *Picker) Registry() *prometheus.Registry { return p.m.reg }
+func (p *Picker) Registry() *prometheus.Registry { return p.m.Reg }
+
+// cacheRows snapshots the router's cache view and the engine of each
+// replica, under the picker's lock (cluster.CacheCollector).
+func (p *Picker) cacheRows() []cluster.CacheRow {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	rows := make([]cluster.CacheRow, 0, len(p.byName))
+	for _, r := range p.byName {
+		v, _ := p.rt.CacheView(r.id)
+		rows = append(rows, cluster.CacheRow{Name: r.Name, Cache: v, Kind: r.kind})
+	}
+	return rows
+}
 
 // calibrationRows snapshots each replica's calibration for the metrics
 // (calmetrics, the same series as prefixlb serve's).

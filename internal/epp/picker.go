@@ -359,7 +359,7 @@ func (p *Picker) Add(r Replica) {
 	p.slots[rep.id] = rep
 	p.byName[r.Name] = rep
 	p.byAddr[r.Address] = rep
-	p.m.replicaAdded(r.Name, r.KVEvents != "")
+	p.m.ReplicaAdded(r.Name, r.KVEvents != "")
 	if p.runCtx != nil {
 		p.start(rep)
 	}
@@ -386,7 +386,7 @@ func (p *Picker) remove(r *replica) {
 	if r.stop != nil {
 		r.stop()
 	}
-	p.m.kv.Index.Forget(r.Name)
+	p.m.KV.Index.Forget(r.Name)
 	p.m.replicaRemoved(r.Name)
 	p.slots[r.id] = nil
 	delete(p.byName, r.Name)
@@ -680,7 +680,7 @@ func (p *Picker) Finish(id uint64, fin router.Finish) {
 	name, load, matched, hook := f.replica.Name, f.load, f.matched, p.onFinish
 	p.mu.Unlock()
 	if ok && cachedTokens >= 0 {
-		p.m.prediction(matched, cachedTokens, p.cfg.BlockTokens)
+		p.m.Prediction(matched, cachedTokens, p.cfg.BlockTokens)
 	}
 	p.publish(name, neg(load))
 	if hook != nil {
@@ -756,7 +756,7 @@ func (p *Picker) start(r *replica) {
 	if r.KVEvents != "" {
 		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{
 			Replica: r.Name, Endpoint: r.KVEvents, ReplayEndpoint: r.KVReplay, Topic: r.KVTopic,
-			Index: p.m.kv.Index, Sink: p.sink, Metrics: p.m.kv.Metrics, Logger: p.log,
+			Index: p.m.KV.Index, Sink: p.sink, Metrics: p.m.KV.Metrics, Logger: p.log,
 		})
 		p.wg.Add(1)
 		go func() {
@@ -791,7 +791,7 @@ func (p *Picker) start(r *replica) {
 
 // kvSink is the core's KV sink over the picker's replicas.
 func (p *Picker) kvSink() *cluster.Sink {
-	return &cluster.Sink{Core: p.core, KV: p.m.kv, Log: p.log,
+	return &cluster.Sink{Core: p.core, KV: p.m.KV, Log: p.log,
 		ID: func(name string) int {
 			if r, ok := p.byName[name]; ok {
 				return r.id

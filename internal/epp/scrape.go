@@ -33,7 +33,7 @@ func (p *Picker) scrape(ctx context.Context, client *http.Client, r *replica) {
 	}
 	if err != nil {
 		p.log.Debug("epp: metrics scrape failed", "replica", r.Name, "err", err)
-		p.m.scrapeErr.WithLabelValues(r.Name).Inc()
+		p.m.ScrapeErrs.WithLabelValues(r.Name).Inc()
 		l = upstream.UnknownLoad
 	}
 	p.mu.Lock()

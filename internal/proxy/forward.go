@@ -119,7 +119,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		}
 		b := p.backends[d.Replica]
 		replica = b.name
-		p.m.decisions.WithLabelValues(p.policy, d.Branch, b.name).Inc()
+		p.m.Decisions.WithLabelValues(p.policy, d.Branch, b.name).Inc()
 		res := x.attempt(ctx, preq.ID, &d, b, attempt)
 		if res.err == nil {
 			return
@@ -462,7 +462,7 @@ func (x *exchange) done(id uint64, d *policy.Decision, b *backend, fin router.Fi
 	if fin.OK {
 		p.m.latency.WithLabelValues(b.name).Observe(time.Since(x.start).Seconds())
 		if fin.CachedTokens >= 0 {
-			p.m.prediction(d.MatchedTokens, fin.CachedTokens, p.cfg.BlockTokens)
+			p.m.Prediction(d.MatchedTokens, fin.CachedTokens, p.cfg.BlockTokens)
 		}
 	}
 }

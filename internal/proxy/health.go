@@ -74,7 +74,7 @@ func (p *Proxy) scrape(ctx context.Context, b *backend) {
 		return
 	}
 	if err != nil {
-		p.m.scrapeErrs.WithLabelValues(b.name).Inc()
+		p.m.ScrapeErrs.WithLabelValues(b.name).Inc()
 		p.log.Debug("metrics scrape failed", "replica", b.name, "err", err)
 		l = upstream.UnknownLoad
 	}

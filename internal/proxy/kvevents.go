@@ -64,9 +64,6 @@ func (p *Proxy) addSubscriber(b *backend, cfg Backend) error {
 		Metrics:        p.kv.Metrics,
 		Logger:         p.log,
 	})
-	for _, o := range cluster.Outcomes {
-		p.kv.Applied.WithLabelValues(b.name, o)
-	}
 	return nil
 }
 

@@ -170,13 +170,18 @@ func New(cfg Config) (*Proxy, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	m, err := newMetrics()
+	if err != nil {
+		return nil, fmt.Errorf("proxy: metrics: %w", err)
+	}
 	p := &Proxy{
 		cfg:    cfg,
 		log:    log,
 		policy: core.Policy,
 		core:   core,
 		mu:     &core.Mu,
-		m:      newMetrics(),
+		m:      m,
+		kv:     m.KV,
 		rt:     rt,
 		byName: make(map[string]*backend),
 	}
@@ -184,7 +189,7 @@ func New(cfg Config) (*Proxy, error) {
 		p.slots = make(chan struct{}, cfg.MaxConcurrent)
 	}
 	// The global tree's size, read under the core's lock at scrape time.
-	p.m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+	p.m.Reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "prefixlb_tree_blocks",
 		Help: "Blocks held by the router's global prefix tree (bounded by tree_max_blocks).",
 	}, func() float64 {
@@ -194,13 +199,10 @@ func New(cfg Config) (*Proxy, error) {
 	}))
 	// The router's view of each replica's cache, and each replica's kind,
 	// read under the core's lock at scrape time (metrics.go).
-	p.m.reg.MustRegister(cacheCollector{p})
-	p.m.reg.MustRegister(calmetrics.Collector{Rows: p.calibrationRows})
+	p.m.Reg.MustRegister(cluster.CacheCollector{Rows: p.cacheRows})
+	p.m.Reg.MustRegister(calmetrics.Collector{Rows: p.calibrationRows})
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
-	}
-	if p.kv, err = cluster.NewKV(p.m.reg); err != nil {
-		return nil, fmt.Errorf("proxy: kv events metrics: %w", err)
 	}
 	p.sink = p.kvSink()
 	for i, b := range cfg.Backends {
@@ -226,6 +228,7 @@ func New(cfg Config) (*Proxy, error) {
 		p.byName[name] = be
 		p.state = append(p.state, health{up: true})
 		p.engines = append(p.engines, newEngine(backendKind(b, cfg.BackendKind)))
+		p.m.ReplicaAdded(name, b.KVEvents != "")
 		p.m.up.WithLabelValues(name).Set(1)
 		p.m.inflight.WithLabelValues(name)
 	}
@@ -271,7 +274,7 @@ func (p *Proxy) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/models", p.serveModels)
 	mux.HandleFunc("/v1/", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindOther) }))
 	mux.HandleFunc("GET /health", p.serveHealth)
-	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.reg, promhttp.HandlerOpts{}))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.Reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
 	mux.HandleFunc("GET /debug/replicas", p.admin(p.serveDebugReplicas))
 	mux.HandleFunc("GET /debug/cache", p.admin(p.serveDebugCache))
