@@ -2,31 +2,19 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"net/http"
 	"os"
 	"os/signal"
-	"strings"
-	"sync"
 	"syscall"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
 	"github.com/spf13/cobra"
-	"google.golang.org/grpc"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/epp"
-	"github.com/prefixlb/prefixlb/internal/sharedstate"
 )
 
 // eppFlags are `prefixlb epp`'s flags.
@@ -122,16 +110,8 @@ pod its own speed (docs/calibration.md).`,
 
 func init() { rootCmd.AddCommand(newEPPCmd()) }
 
-// registry adapts the picker to discovery.Registry (the two packages do
-// not import each other: each has its own heavy dependencies).
-type registry struct{ p *epp.Picker }
-
-func (r registry) Add(x discovery.Replica)          { r.p.Add(epp.Replica(x)) }
-func (r registry) Remove(name string)               { r.p.Remove(name) }
-func (r registry) SetReady(name string, ready bool) { r.p.SetReady(name, ready) }
-
-// runEPP wires picker, discovery, shared state and the gRPC servers, and
-// runs them until ctx ends.
+// runEPP reads the flags into an epp.RunConfig and runs it until ctx
+// ends (or SIGINT, SIGTERM).
 func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	if ctx == nil {
 		ctx = context.Background()
@@ -143,231 +123,18 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		return fmt.Errorf("epp: --log-level: %w", err)
 	}
 	log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
-	if (f.backends == "") == (f.discovery == "") {
-		return errors.New("epp: give exactly one of --backend and --discovery")
-	}
 	kind, err := upstream.ParseKind(f.backendKind)
 	if err != nil {
 		return fmt.Errorf("epp: --backend-kind: %w", err)
 	}
 	cfg := epp.Config{Policy: f.policy, Profile: f.profile, NoCalibrate: !f.calibrate, BlockTokens: f.blockTokens, Seed: f.seed,
 		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, MaxPromptTokens: f.maxPromptTokens, ScrapeInterval: f.scrape, Tokenizer: f.tokenizer,
-		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Logger: log}
+		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind}
 	if f.fallbacks == 0 {
 		cfg.Fallbacks = -1
 	}
-	var runners []func(context.Context) error
-	if f.state != "" {
-		id := f.routerID
-		if id == "" {
-			id = os.Getenv("POD_NAME")
-		}
-		pool := f.pool
-		if pool == "" {
-			pool = strings.NewReplacer(":", "-", "/", "-").Replace(f.discovery + f.backends)
-		}
-		rs, err := sharedstate.NewRedis(sharedstate.RedisConfig{URL: f.state, Pool: pool, Router: id, TTL: f.stateTTL})
-		if err != nil {
-			return fmt.Errorf("epp: --state: %w", err)
-		}
-		defer rs.Close()
-		if err := rs.Ping(ctx); err != nil {
-			log.Warn("epp: shared state unreachable at start; routing on local counts until it answers", "err", err)
-		}
-		cfg.Shared = rs
-		runners = append(runners, rs.Run)
-		log.Info("epp: shared in-flight state", "redis", redactURL(f.state), "router", rs.Router(), "pool", pool)
-	}
-	p, err := epp.NewPicker(cfg)
-	if err != nil {
-		return err
-	}
-	runners = append(runners, p.Run)
-	srv := epp.NewServer(p, epp.ServerConfig{Explain: f.explain, Logger: log})
-
-	var synced <-chan struct{}
-	if f.backends != "" {
-		mp := f.ports
-		for _, b := range strings.Split(f.backends, ",") {
-			b = strings.TrimSpace(b)
-			host, port, err := net.SplitHostPort(b)
-			if err != nil {
-				return fmt.Errorf("epp: --backend %q: want ip:port: %w", b, err)
-			}
-			var n int
-			fmt.Sscan(port, &n)
-			r := discovery.Replica{Name: b, Address: b, Ready: true}
-			if mp.Metrics >= 0 && f.scrape > 0 {
-				m := n
-				if mp.Metrics > 0 {
-					m = mp.Metrics
-				}
-				r.MetricsURL = fmt.Sprintf("http://%s/metrics", net.JoinHostPort(host, fmt.Sprint(m)))
-			}
-			if mp.KVEvents > 0 {
-				r.KVEvents = fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(mp.KVEvents)))
-				if mp.KVReplay >= 0 {
-					rp := mp.KVEvents + 1
-					if mp.KVReplay > 0 {
-						rp = mp.KVReplay
-					}
-					r.KVReplay = fmt.Sprintf("tcp://%s", net.JoinHostPort(host, fmt.Sprint(rp)))
-				}
-				r.KVTopic = strings.NewReplacer("{ip}", host, "{port}", port).Replace(mp.KVTopic)
-			}
-			p.Add(epp.Replica(r))
-		}
-		done := make(chan struct{})
-		close(done)
-		synced = done
-	} else {
-		kind, ns, name, err := discovery.ParseTarget(f.discovery)
-		if err != nil {
-			return err
-		}
-		rc, err := kubeConfig(f.kubeconfig)
-		if err != nil {
-			return fmt.Errorf("epp: kubernetes config: %w", err)
-		}
-		cs, err := kubernetes.NewForConfig(rc)
-		if err != nil {
-			return fmt.Errorf("epp: kubernetes client: %w", err)
-		}
-		dcfg := discovery.Config{Namespace: ns, Name: name, Ports: f.ports, Registry: registry{p}, Logger: log}
-		if kind == "service" {
-			w, err := discovery.NewServiceWatcher(cs, dcfg)
-			if err != nil {
-				return err
-			}
-			runners = append(runners, w.Run)
-			synced = w.Synced()
-		} else {
-			dyn, err := dynamic.NewForConfig(rc)
-			if err != nil {
-				return fmt.Errorf("epp: kubernetes dynamic client: %w", err)
-			}
-			w, err := discovery.NewPoolWatcher(cs, dyn, dcfg)
-			if err != nil {
-				return err
-			}
-			runners = append(runners, w.Run)
-			synced = w.Synced()
-		}
-	}
-
-	g := grpc.NewServer()
-	srv.Register(g)
-	healthpb.RegisterHealthServer(g, srv.Health())
-	ln, err := net.Listen("tcp", f.grpcListen)
-	if err != nil {
-		return fmt.Errorf("epp: --grpc-listen: %w", err)
-	}
-	servers := []*grpc.Server{g}
-	listeners := []net.Listener{ln}
-	if f.healthListen != "" {
-		hg := grpc.NewServer()
-		healthpb.RegisterHealthServer(hg, srv.Health())
-		hl, err := net.Listen("tcp", f.healthListen)
-		if err != nil {
-			ln.Close()
-			return fmt.Errorf("epp: --health-listen: %w", err)
-		}
-		servers = append(servers, hg)
-		listeners = append(listeners, hl)
-	}
-	var metricsSrv *http.Server
-	var metricsLn net.Listener
-	if f.metricsListen != "" {
-		if metricsLn, err = net.Listen("tcp", f.metricsListen); err != nil {
-			for _, l := range listeners {
-				l.Close()
-			}
-			return fmt.Errorf("epp: --metrics-listen: %w", err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("GET /metrics", p.MetricsHandler())
-		mux.Handle("GET /debug/replicas", p.DebugHandler())
-		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	}
-	srv.SetServing(false)
-	log.Info("prefixlb epp", "grpc", ln.Addr().String(), "health", f.healthListen, "metrics", f.metricsListen,
-		"policy", f.policy, "profile", f.profile, "tokenizer", f.tokenizer, "backend_kind", kind, "discovery", f.discovery, "backends", f.backends)
-
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var wg sync.WaitGroup
-	errc := make(chan error, len(runners)+len(servers)+1) // +1: the metrics server
-	for _, run := range runners {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := run(runCtx); err != nil {
-				errc <- err
-			}
-		}()
-	}
-	for i, s := range servers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := s.Serve(listeners[i]); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-				errc <- fmt.Errorf("epp: grpc serve: %w", err)
-			}
-		}()
-	}
-	if metricsSrv != nil {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := metricsSrv.Serve(metricsLn); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				errc <- fmt.Errorf("epp: metrics serve: %w", err)
-			}
-		}()
-	}
-	select {
-	case <-synced:
-		srv.SetServing(true)
-		log.Info("epp: replicas discovered; serving", "ready", p.Ready())
-	case <-ctx.Done():
-	case err = <-errc:
-	}
-	if err == nil {
-		select {
-		case <-ctx.Done():
-		case err = <-errc:
-		}
-	}
-	srv.SetServing(false)
-	for _, s := range servers {
-		s.GracefulStop()
-	}
-	if metricsSrv != nil {
-		sctx, scancel := context.WithTimeout(context.Background(), 2*time.Second)
-		_ = metricsSrv.Shutdown(sctx)
-		scancel()
-	}
-	cancel()
-	wg.Wait()
-	return err
-}
-
-// kubeConfig is the in-cluster config, or path's.
-func kubeConfig(path string) (*rest.Config, error) {
-	if path == "" {
-		path = os.Getenv("KUBECONFIG")
-	}
-	if path == "" {
-		return rest.InClusterConfig()
-	}
-	return clientcmd.BuildConfigFromFlags("", path)
-}
-
-// redactURL hides a password in a Redis URL for logs.
-func redactURL(u string) string {
-	if at := strings.LastIndex(u, "@"); at >= 0 {
-		if i := strings.Index(u, "://"); i >= 0 && i < at {
-			return u[:i+3] + "***" + u[at:]
-		}
-	}
-	return u
+	return epp.Run(ctx, epp.RunConfig{Picker: cfg, GRPCListen: f.grpcListen, HealthListen: f.healthListen,
+		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
+		Kubeconfig: f.kubeconfig, Ports: f.ports, State: f.state, RouterID: f.routerID, Pool: f.pool,
+		StateTTL: f.stateTTL, Logger: log})
 }

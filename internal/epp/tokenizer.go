@@ -106,15 +106,7 @@ func (p *Picker) checkTokenizer(ctx context.Context, r *replica) {
 	p.setTokenizerFallback()
 	hook := p.onTokenizer
 	p.mu.Unlock()
-	switch state {
-	case keying.TokenizerMatch:
-		p.log.Info("epp: tokenizer matches the replica's", "replica", r.Name)
-	case keying.TokenizerMismatch:
-		p.log.Warn("epp: tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
-			"replica", r.Name, "err", err)
-	default:
-		p.log.Warn("epp: cannot verify the tokenizer: the replica's /tokenize failed; keeping token keys", "replica", r.Name, "err", err)
-	}
+	state.Log(p.log, r.Name, err)
 	if hook != nil {
 		hook(r.Name, state, err)
 	}

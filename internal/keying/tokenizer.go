@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/url"
 	"slices"
@@ -310,6 +311,21 @@ func (s TokenizerState) String() string {
 		return "unknown"
 	}
 	return fmt.Sprintf("TokenizerState(%d)", int(s))
+}
+
+// Log reports a check's result for replica on log: a match as info, a
+// mismatch (keys fall back to text chunks) or a failed /tokenize (token
+// keys are kept) as a warning with err.
+func (s TokenizerState) Log(log *slog.Logger, replica string, err error) {
+	switch s {
+	case TokenizerMatch:
+		log.Info("tokenizer matches the replica's", "replica", replica)
+	case TokenizerMismatch:
+		log.Warn("tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
+			"replica", replica, "err", err)
+	default:
+		log.Warn("cannot verify the tokenizer: the replica's /tokenize failed; keeping token keys", "replica", replica, "err", err)
+	}
 }
 
 // TokenizerCheck compares a local tokenizer with a replica's: it posts a

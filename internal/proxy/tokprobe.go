@@ -79,15 +79,7 @@ func (p *Proxy) probeTokenizer(ctx context.Context, b *backend) {
 	}
 	anyMismatch := tp.set(b.id, state)
 	p.m.tokMatch.WithLabelValues(b.name).Set(float64(state))
-	switch state {
-	case keying.TokenizerMatch:
-		p.log.Info("tokenizer matches the replica's", "replica", b.name)
-	case keying.TokenizerMismatch:
-		p.log.Warn("tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
-			"replica", b.name, "err", err)
-	default:
-		p.log.Warn("cannot verify the tokenizer: the replica's /tokenize failed; keeping token keys", "replica", b.name, "err", err)
-	}
+	state.Log(p.log, b.name, err)
 	if was := tp.keyer.Fallback(); was != anyMismatch {
 		tp.keyer.SetFallback(anyMismatch)
 		if !anyMismatch {

@@ -1,0 +1,215 @@
+package epp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/prefixlb/prefixlb/internal/discovery"
+	"github.com/prefixlb/prefixlb/internal/sharedstate"
+)
+
+// RunConfig is a whole endpoint picker, as `prefixlb epp` runs it.
+type RunConfig struct {
+	// Picker is the routing core's configuration (its Shared is set from
+	// State).
+	Picker Config
+	// GRPCListen is the ext_proc address (gRPC health is served there too);
+	// HealthListen a second gRPC health address for probes ("": none);
+	// MetricsListen the HTTP address of /metrics and /debug/replicas ("":
+	// none).
+	GRPCListen, HealthListen, MetricsListen string
+	// Explain adds x-prefixlb-route to upstream requests.
+	Explain bool
+	// Backends is a static replica list "ip:port,.."; Discovery a
+	// Kubernetes target ("service:NS/NAME", "inferencepool:NS/NAME").
+	// Exactly one is set. Kubeconfig is the cluster's ("": $KUBECONFIG,
+	// else in-cluster). Ports place each replica's metrics and KV events.
+	Backends, Discovery, Kubeconfig string
+	Ports                           discovery.Ports
+	// State is the Redis URL of the shared in-flight state ("": none);
+	// StateTTL how long a dead router's counts outlive it; RouterID this
+	// router's id in it ("": $POD_NAME, else hostname-pid); Pool its key
+	// namespace ("": from the target).
+	State, RouterID, Pool string
+	StateTTL              time.Duration
+	// Logger receives the logs (nil: slog.Default()).
+	Logger *slog.Logger
+}
+
+// registry adapts the picker to discovery.Registry.
+type registry struct{ p *Picker }
+
+func (r registry) Add(x discovery.Replica)          { r.p.Add(Replica(x)) }
+func (r registry) Remove(name string)               { r.p.Remove(name) }
+func (r registry) SetReady(name string, ready bool) { r.p.SetReady(name, ready) }
+
+// Run builds the picker, its replica source and shared state, serves
+// ext_proc (and health and metrics) until ctx ends, then drains: the gRPC
+// servers stop gracefully before the picker's feeds end. It reports
+// NOT_SERVING until the replica source has synced once.
+func Run(ctx context.Context, rc RunConfig) error {
+	log := rc.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	rc.Picker.Logger = log
+	if (rc.Backends == "") == (rc.Discovery == "") {
+		return errors.New("epp: give exactly one of --backend and --discovery")
+	}
+	var runners []func(context.Context) error
+	if rc.State != "" {
+		id := rc.RouterID
+		if id == "" {
+			id = os.Getenv("POD_NAME")
+		}
+		pool := rc.Pool
+		if pool == "" {
+			pool = strings.NewReplacer(":", "-", "/", "-").Replace(rc.Discovery + rc.Backends)
+		}
+		rs, err := sharedstate.NewRedis(sharedstate.RedisConfig{URL: rc.State, Pool: pool, Router: id, TTL: rc.StateTTL})
+		if err != nil {
+			return fmt.Errorf("epp: --state: %w", err)
+		}
+		defer rs.Close()
+		if err := rs.Ping(ctx); err != nil {
+			log.Warn("epp: shared state unreachable at start; routing on local counts until it answers", "err", err)
+		}
+		rc.Picker.Shared = rs
+		runners = append(runners, rs.Run)
+		log.Info("epp: shared in-flight state", "redis", redactURL(rc.State), "router", rs.Router(), "pool", pool)
+	}
+	p, err := NewPicker(rc.Picker)
+	if err != nil {
+		return err
+	}
+	runners = append(runners, p.Run)
+	srv := NewServer(p, ServerConfig{Explain: rc.Explain, Logger: log})
+	var source discovery.Watcher
+	if rc.Backends != "" {
+		if rc.Picker.ScrapeInterval <= 0 {
+			rc.Ports.Metrics = -1
+		}
+		if source, err = discovery.NewStatic(rc.Backends, rc.Ports, registry{p}); err != nil {
+			return fmt.Errorf("epp: --backend: %w", err)
+		}
+	} else if source, err = discovery.NewWatcher(rc.Discovery, rc.Kubeconfig,
+		discovery.Config{Ports: rc.Ports, Registry: registry{p}, Logger: log}); err != nil {
+		return err
+	}
+	runners = append(runners, source.Run)
+
+	var listeners []net.Listener
+	closeAll := func() {
+		for _, l := range listeners {
+			l.Close()
+		}
+	}
+	listen := func(flag, addr string) (net.Listener, error) {
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			closeAll()
+			return nil, fmt.Errorf("epp: --%s: %w", flag, err)
+		}
+		listeners = append(listeners, ln)
+		return ln, nil
+	}
+	g := grpc.NewServer()
+	srv.Register(g)
+	healthpb.RegisterHealthServer(g, srv.Health())
+	ln, err := listen("grpc-listen", rc.GRPCListen)
+	if err != nil {
+		return err
+	}
+	servers := []*grpc.Server{g}
+	if rc.HealthListen != "" {
+		hg := grpc.NewServer()
+		healthpb.RegisterHealthServer(hg, srv.Health())
+		if _, err := listen("health-listen", rc.HealthListen); err != nil {
+			return err
+		}
+		servers = append(servers, hg)
+	}
+	var metricsSrv *http.Server
+	var metricsLn net.Listener
+	if rc.MetricsListen != "" {
+		if metricsLn, err = listen("metrics-listen", rc.MetricsListen); err != nil {
+			return err
+		}
+		listeners = listeners[:len(listeners)-1] // served by metricsSrv, not gRPC
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", p.MetricsHandler())
+		mux.Handle("GET /debug/replicas", p.DebugHandler())
+		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	}
+	srv.SetServing(false)
+	log.Info("prefixlb epp", "grpc", ln.Addr().String(), "health", rc.HealthListen, "metrics", rc.MetricsListen,
+		"policy", rc.Picker.Policy, "profile", rc.Picker.Profile, "tokenizer", rc.Picker.Tokenizer,
+		"backend_kind", rc.Picker.BackendKind, "discovery", rc.Discovery, "backends", rc.Backends)
+
+	// The feeds run until the servers have drained, so that streams in
+	// flight finish against a live picker.
+	feeds, stopFeeds := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopFeeds()
+	eg, egCtx := errgroup.WithContext(ctx)
+	for _, run := range runners {
+		eg.Go(func() error { return run(feeds) })
+	}
+	for i, s := range servers {
+		eg.Go(func() error {
+			if err := s.Serve(listeners[i]); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+				return fmt.Errorf("epp: grpc serve: %w", err)
+			}
+			return nil
+		})
+	}
+	if metricsSrv != nil {
+		eg.Go(func() error {
+			if err := metricsSrv.Serve(metricsLn); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("epp: metrics serve: %w", err)
+			}
+			return nil
+		})
+	}
+	eg.Go(func() error {
+		select {
+		case <-source.Synced():
+			srv.SetServing(true)
+			log.Info("epp: replicas discovered; serving", "ready", p.Ready())
+		case <-egCtx.Done():
+		}
+		<-egCtx.Done()
+		srv.SetServing(false)
+		for _, s := range servers {
+			s.GracefulStop()
+		}
+		if metricsSrv != nil {
+			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			_ = metricsSrv.Shutdown(sctx)
+			cancel()
+		}
+		stopFeeds()
+		return nil
+	})
+	return eg.Wait()
+}
+
+// redactURL hides a password in a Redis URL for logs.
+func redactURL(u string) string {
+	if at := strings.LastIndex(u, "@"); at >= 0 {
+		if i := strings.Index(u, "://"); i >= 0 && i < at {
+			return u[:i+3] + "***" + u[at:]
+		}
+	}
+	return u
+}
