@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/signal"
 	"strings"
-	"sync"
 	"syscall"
 
 	"github.com/prefixlb/prefixlb/internal/upstream"
@@ -233,17 +232,7 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
 		"backends", strings.Join(names, ","), "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
 
-	runCtx, stopRun := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		_ = p.Run(runCtx)
-	}()
-	err = p.Serve(ctx, ln)
-	stopRun() // health checks run on while draining
-	wg.Wait()
-	if err != nil {
+	if err := p.RunAndServe(ctx, ln); err != nil {
 		return fmt.Errorf("serve: %w", err)
 	}
 	log.Info("drained")

@@ -36,6 +36,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/upstream"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -343,6 +344,20 @@ func (p *Proxy) Serve(ctx context.Context, ln net.Listener) error {
 		return fmt.Errorf("proxy: drain: %w", err)
 	}
 	return nil
+}
+
+// RunAndServe is Run and Serve together, as `prefixlb serve` runs them:
+// the health loops and KV feeds keep running while Serve drains, and stop
+// once it has.
+func (p *Proxy) RunAndServe(ctx context.Context, ln net.Listener) error {
+	feeds, stop := context.WithCancel(context.WithoutCancel(ctx))
+	defer stop()
+	var g errgroup.Group
+	g.Go(func() error { return p.Run(feeds) })
+	err := p.Serve(ctx, ln)
+	stop()
+	_ = g.Wait() // Run returns nil
+	return err
 }
 
 // Close releases idle connections to the replicas.
