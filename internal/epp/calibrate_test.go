@@ -18,13 +18,13 @@ import (
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/promtest"
 )
 
 // This file checks calibration (internal/calibrate) through the ext_proc
@@ -349,52 +349,9 @@ func TestCalibrationExtProc(t *testing.T) {
 
 	msrv := httptest.NewServer(p.MetricsHandler())
 	t.Cleanup(msrv.Close)
-	checkCalibrationFamilies(t, families(t, msrv.URL), reps)
-}
-
-// checkCalibrationFamilies checks that the picker's metrics carry, for
-// every replica of reps (nothing having happened since), the calibration
-// series with the figures ReplicaViews gave.
-func checkCalibrationFamilies(t *testing.T, fams map[string]*dto.MetricFamily, reps map[string]ReplicaView) {
-	t.Helper()
-	type want struct {
-		metric string
-		labels []string
-		v      float64
-	}
+	fams := promtest.Scrape(t, nil, msrv.URL)
 	for name, r := range reps {
-		sp := r.Speed
-		ws := []want{
-			{"prefixlb_replica_prefill_seconds_per_1k_tokens", nil, sp.PrefillSecondsPer1K},
-			{"prefixlb_replica_decode_step_seconds", nil, sp.DecodeStepSeconds},
-			{"prefixlb_replica_profile_prefill_seconds_per_1k_tokens", nil, sp.PriorPrefillSecondsPer1K},
-			{"prefixlb_replica_profile_decode_step_seconds", nil, sp.PriorDecodeStepSeconds},
-		}
-		if st := r.Learnt; st != nil {
-			ws = append(ws,
-				want{"prefixlb_replica_calibration_error_ratio", []string{"phase", "prefill"}, sp.PrefillError},
-				want{"prefixlb_replica_calibration_error_ratio", []string{"phase", "decode"}, sp.DecodeError},
-				want{"prefixlb_replica_calibration_profile_error_ratio", []string{"phase", "prefill"}, sp.PriorPrefillError},
-				want{"prefixlb_replica_calibration_profile_error_ratio", []string{"phase", "decode"}, sp.PriorDecodeError},
-				want{"prefixlb_replica_calibration_observations_total", []string{"phase", "prefill", "source", "period"}, float64(st.PrefillPeriods)},
-				want{"prefixlb_replica_calibration_observations_total", []string{"phase", "prefill", "source", "timings"}, float64(st.PrefillTimings)},
-				want{"prefixlb_replica_calibration_observations_total", []string{"phase", "decode", "source", "itl"}, float64(st.DecodeITL)},
-				want{"prefixlb_replica_calibration_observations_total", []string{"phase", "decode", "source", "timings"}, float64(st.DecodeTimings)},
-				want{"prefixlb_replica_calibration_observations_total", []string{"phase", "decode", "source", "clock"}, float64(st.DecodeRequests)})
-			for reason, n := range st.Skipped {
-				ws = append(ws, want{"prefixlb_replica_calibration_skipped_total", []string{"reason", reason}, float64(n)})
-			}
-		}
-		for _, w := range ws {
-			labels := append([]string{"replica", name}, w.labels...)
-			got, ok := value(fams, w.metric, labels...)
-			switch {
-			case !ok:
-				t.Errorf("/metrics has no %s%v", w.metric, labels)
-			case got != w.v:
-				t.Errorf("/metrics %s%v = %v, want %v (ReplicaViews)", w.metric, labels, got, w.v)
-			}
-		}
+		promtest.CheckPricing(t, fams, name, r.Pricing)
 	}
 }
 
@@ -424,8 +381,10 @@ func TestCalibrationExtProcOff(t *testing.T) {
 	}
 	msrv := httptest.NewServer(p.MetricsHandler())
 	t.Cleanup(msrv.Close)
-	fams := families(t, msrv.URL)
-	checkCalibrationFamilies(t, fams, reps)
+	fams := promtest.Scrape(t, nil, msrv.URL)
+	for name, r := range reps {
+		promtest.CheckPricing(t, fams, name, r.Pricing)
+	}
 	for _, name := range []string{"prefixlb_replica_calibration_error_ratio", "prefixlb_replica_calibration_profile_error_ratio",
 		"prefixlb_replica_calibration_observations_total", "prefixlb_replica_calibration_skipped_total"} {
 		if f := fams[name]; len(f.GetMetric()) > 0 {

@@ -3,9 +3,7 @@ package epp
 import (
 	"context"
 	"errors"
-	"io"
 	"log/slog"
-	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -13,65 +11,13 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/promtest"
 
 	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
-
-// families scrapes url and parses the Prometheus text it serves.
-func families(t *testing.T, url string) map[string]*dto.MetricFamily {
-	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatalf("scrape %s: %v", url, err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("scrape %s: status %d", url, resp.StatusCode)
-	}
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := parser.TextToMetricFamilies(io.LimitReader(resp.Body, 16<<20))
-	if err != nil {
-		t.Fatalf("scrape %s: parse: %v", url, err)
-	}
-	return fams
-}
-
-// value returns the sum of family name's series whose labels include
-// labels (pairs); a histogram counts its samples. ok is false when no
-// series matched.
-func value(fams map[string]*dto.MetricFamily, name string, labels ...string) (v float64, ok bool) {
-	f := fams[name]
-	if f == nil {
-		return 0, false
-	}
-next:
-	for _, m := range f.GetMetric() {
-		have := map[string]string{}
-		for _, l := range m.GetLabel() {
-			have[l.GetName()] = l.GetValue()
-		}
-		for i := 0; i+1 < len(labels); i += 2 {
-			if have[labels[i]] != labels[i+1] {
-				continue next
-			}
-		}
-		ok = true
-		switch {
-		case m.Counter != nil:
-			v += m.GetCounter().GetValue()
-		case m.Gauge != nil:
-			v += m.GetGauge().GetValue()
-		case m.Histogram != nil:
-			v += float64(m.GetHistogram().GetSampleCount())
-		}
-	}
-	return v, ok
-}
 
 // failingShared is a shared state that is always down.
 type failingShared struct{}
@@ -102,7 +48,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	check := func(stage string, fams map[string]*dto.MetricFamily, ws []want) {
 		t.Helper()
 		for _, w := range ws {
-			got, ok := value(fams, w.name, w.labels...)
+			got, ok := promtest.Sum(fams, w.name, w.labels...)
 			if !ok || got != w.v {
 				t.Errorf("%s: %s%v = %v (present %v), want %v", stage, w.name, w.labels, got, ok, w.v)
 			}
@@ -110,7 +56,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	}
 
 	// Before anything: every series that must exist from the start.
-	check("at start", families(t, url), []want{
+	check("at start", promtest.Scrape(t, nil, url), []want{
 		{"prefixlb_replica_up", []string{"replica", "r0"}, 1},
 		{"prefixlb_replica_up", []string{"replica", "r2"}, 0},
 		{"prefixlb_inflight", nil, 0},
@@ -131,7 +77,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	if primary == "" {
 		t.Fatalf("destination %q: want r0 or r1 first", h)
 	}
-	fams := families(t, url)
+	fams := promtest.Scrape(t, nil, url)
 	check("request held", fams, []want{
 		{"prefixlb_epp_streams", nil, 1},
 		{"prefixlb_epp_streams_total", nil, 1},
@@ -144,16 +90,16 @@ func TestMetricsEndpoint(t *testing.T) {
 		{"prefixlb_epp_errors_total", []string{"kind", "shared_write"}, 1},
 		{"prefixlb_epp_shared_inflight", nil, 0},
 	})
-	if v, _ := value(fams, "prefixlb_prompt_tokens_total", "replica", primary); v < 1000 {
+	if v, _ := promtest.Sum(fams, "prefixlb_prompt_tokens_total", "replica", primary); v < 1000 {
 		t.Errorf("prefixlb_prompt_tokens_total{replica=%s} = %v, want the prompt's ~1400 tokens", primary, v)
 	}
-	if v, _ := value(fams, "prefixlb_tree_blocks"); v < 1 {
+	if v, _ := promtest.Sum(fams, "prefixlb_tree_blocks"); v < 1 {
 		t.Errorf("prefixlb_tree_blocks = %v, want the routed prompt's blocks", v)
 	}
 
 	// The replica answers: 0 cached tokens, as predicted.
 	e.respond(primary, "application/json", []string{`{"choices":[{"text":"x"}],"usage":{"prompt_tokens":1400,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`}, nil)
-	check("response done", families(t, url), []want{
+	check("response done", promtest.Scrape(t, nil, url), []want{
 		{"prefixlb_inflight", nil, 0},
 		{"prefixlb_cache_predictions_total", []string{"outcome", "exact"}, 1},
 		{"prefixlb_cached_tokens_reported_total", nil, 0},
@@ -175,7 +121,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	e = newEnvoy(t, conn)
 	e.request("/v1/completions", completionBody(strings.Repeat("the same long system prompt ", 200)+"and more", false), 4096, nil)
 	e.decision()
-	fams = families(t, url)
+	fams = promtest.Scrape(t, nil, url)
 	check("errors", fams, []want{
 		{"prefixlb_epp_immediate_responses_total", []string{"code", "503"}, 1},
 		{"prefixlb_epp_immediate_responses_total", []string{"code", "400"}, 1},
@@ -184,8 +130,8 @@ func TestMetricsEndpoint(t *testing.T) {
 		{"prefixlb_epp_decision_seconds", nil, 2},
 		{"prefixlb_epp_errors_total", []string{"kind", "shared_read"}, 3},
 	})
-	matched, _ := value(fams, "prefixlb_matched_tokens_total")
-	prompt, _ := value(fams, "prefixlb_prompt_tokens_total")
+	matched, _ := promtest.Sum(fams, "prefixlb_matched_tokens_total")
+	prompt, _ := promtest.Sum(fams, "prefixlb_prompt_tokens_total")
 	if ratio := matched / prompt; ratio < 0.4 || ratio > 0.5 {
 		t.Errorf("prefix hit ratio %v/%v = %.2f, want about 0.5 (the second prompt is the first plus 2 words)", matched, prompt, ratio)
 	}
@@ -193,9 +139,9 @@ func TestMetricsEndpoint(t *testing.T) {
 	// A replica that leaves takes its series with it.
 	p.Remove("r0")
 	p.Remove("r1")
-	fams = families(t, url)
+	fams = promtest.Scrape(t, nil, url)
 	for _, name := range []string{"prefixlb_decisions_total", "prefixlb_inflight", "prefixlb_prompt_tokens_total"} {
-		if v, ok := value(fams, name, "replica", primary); ok {
+		if v, ok := promtest.Sum(fams, name, "replica", primary); ok {
 			t.Errorf("%s{replica=%s} = %v after the replica was removed, want no series", name, primary, v)
 		}
 	}
@@ -301,7 +247,7 @@ func TestTokenizerKeysMatchKVEvents(t *testing.T) {
 			}
 			web := httptest.NewServer(p.MetricsHandler())
 			defer web.Close()
-			fams := families(t, web.URL+"/metrics")
+			fams := promtest.Scrape(t, nil, web.URL+"/metrics")
 			for _, w := range []struct {
 				name   string
 				labels []string
@@ -309,7 +255,7 @@ func TestTokenizerKeysMatchKVEvents(t *testing.T) {
 				{"prefixlb_kvevents_events_applied_total", []string{"replica", "r1", "type", kvevents.TypeBlockStored}},
 				{"prefixlb_kvevents_router_total", []string{"replica", "r1", "outcome", "stored"}},
 			} {
-				if v, _ := value(fams, w.name, w.labels...); v != 1 {
+				if v, _ := promtest.Sum(fams, w.name, w.labels...); v != 1 {
 					t.Errorf("%s%v = %v, want 1", w.name, w.labels, v)
 				}
 			}

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/promtest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
@@ -284,11 +285,11 @@ func procBurstRun(t *testing.T, bin, policy string, procs, replicas, n, wave int
 
 	// The processes' own metrics agree with what the replicas hold.
 	for i, p := range ps {
-		fams := families(t, p.metrics)
-		if v, _ := value(fams, "prefixlb_decisions_total", "policy", policy); int(v) != out.perProc[i] {
+		fams := promtest.Scrape(t, nil, p.metrics)
+		if v, _ := promtest.Sum(fams, "prefixlb_decisions_total", "policy", policy); int(v) != out.perProc[i] {
 			t.Errorf("process %d: prefixlb_decisions_total = %v, want the %d requests sent through it", i, v, out.perProc[i])
 		}
-		if v, _ := value(fams, "prefixlb_inflight"); int(v) != out.perProc[i] {
+		if v, _ := promtest.Sum(fams, "prefixlb_inflight"); int(v) != out.perProc[i] {
 			t.Errorf("process %d: prefixlb_inflight = %v, want %d (every pick held open)", i, v, out.perProc[i])
 		}
 		wantShared := 0
@@ -297,11 +298,11 @@ func procBurstRun(t *testing.T, bin, policy string, procs, replicas, n, wave int
 		}
 		// The last read of the shared state precedes this process's last
 		// decision: the other's picks since may be missing.
-		if v, _ := value(fams, "prefixlb_epp_shared_inflight"); int(v) > wantShared || int(v) < wantShared-wave {
+		if v, _ := promtest.Sum(fams, "prefixlb_epp_shared_inflight"); int(v) > wantShared || int(v) < wantShared-wave {
 			t.Errorf("process %d: prefixlb_epp_shared_inflight = %v, want %d to %d", i, v, wantShared-wave, wantShared)
 		}
 		for _, kind := range []string{errSharedRead, errSharedWrite} {
-			if v, _ := value(fams, "prefixlb_epp_errors_total", "kind", kind); v != 0 {
+			if v, _ := promtest.Sum(fams, "prefixlb_epp_errors_total", "kind", kind); v != 0 {
 				t.Errorf("process %d: %v %s errors (Redis calls over 100 ms? the machine may be overloaded)", i, v, kind)
 			}
 		}

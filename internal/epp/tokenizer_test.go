@@ -17,6 +17,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/promtest"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -180,13 +181,13 @@ func TestTokenizerCheck(t *testing.T) {
 	}
 	check := func(stage string, ws ...want) {
 		t.Helper()
-		fams := families(t, url)
+		fams := promtest.Scrape(t, nil, url)
 		for _, w := range ws {
 			name, labels := "prefixlb_tokenizer_match", []string{"replica", w.replica}
 			if w.replica == "" {
 				name, labels = "prefixlb_tokenizer_fallback", nil
 			}
-			if got, ok := value(fams, name, labels...); !ok || got != w.v {
+			if got, ok := promtest.Sum(fams, name, labels...); !ok || got != w.v {
 				t.Errorf("%s: %s%v = %v (present %v), want %v", stage, name, labels, got, ok, w.v)
 			}
 		}
@@ -249,7 +250,7 @@ func TestTokenizerCheck(t *testing.T) {
 	keysAre("late joined", chunkKeys, "text chunks")
 	p.Remove("late")
 	check("late left", want{"", 0})
-	if v, ok := value(families(t, url), "prefixlb_tokenizer_match", "replica", "late"); ok {
+	if v, ok := promtest.Sum(promtest.Scrape(t, nil, url), "prefixlb_tokenizer_match", "replica", "late"); ok {
 		t.Errorf("prefixlb_tokenizer_match{replica=late} = %v after it left, want no series", v)
 	}
 	keysAre("late left", tokenKeys, "token keys")
@@ -262,7 +263,7 @@ func TestTokenizerCheck(t *testing.T) {
 	plain := newTestPicker(t, Config{}, 1)
 	pw := httptest.NewServer(plain.MetricsHandler())
 	defer pw.Close()
-	fams := families(t, pw.URL+"/metrics")
+	fams := promtest.Scrape(t, nil, pw.URL+"/metrics")
 	for _, name := range []string{"prefixlb_tokenizer_match", "prefixlb_tokenizer_fallback"} {
 		if _, ok := fams[name]; ok {
 			t.Errorf("a text-chunk picker exports %s", name)

@@ -16,11 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/promtest"
 	"github.com/prefixlb/prefixlb/internal/upstream"
-
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
@@ -142,56 +139,6 @@ func settled(t *testing.T, client *http.Client, url string) map[string]ReplicaSt
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-}
-
-// scrapeFamilies reads url's Prometheus text exposition and parses it.
-func scrapeFamilies(t *testing.T, client *http.Client, url string) map[string]*dto.MetricFamily {
-	t.Helper()
-	resp, err := client.Get(url)
-	if err != nil {
-		t.Fatalf("scrape %s: %v", url, err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("scrape %s: status %d", url, resp.StatusCode)
-	}
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := parser.TextToMetricFamilies(io.LimitReader(resp.Body, 16<<20))
-	if err != nil {
-		t.Fatalf("scrape %s: parse: %v", url, err)
-	}
-	return fams
-}
-
-// series returns the value of family name's one series whose labels are
-// exactly labels (name, value pairs); ok is false when there is none.
-func series(fams map[string]*dto.MetricFamily, name string, labels ...string) (v float64, ok bool) {
-	f := fams[name]
-	if f == nil {
-		return 0, false
-	}
-next:
-	for _, m := range f.GetMetric() {
-		if len(m.GetLabel())*2 != len(labels) {
-			continue
-		}
-		have := map[string]string{}
-		for _, l := range m.GetLabel() {
-			have[l.GetName()] = l.GetValue()
-		}
-		for i := 0; i+1 < len(labels); i += 2 {
-			if v, ok := have[labels[i]]; !ok || v != labels[i+1] {
-				continue next
-			}
-		}
-		switch {
-		case m.Gauge != nil:
-			return m.GetGauge().GetValue(), true
-		case m.Counter != nil:
-			return m.GetCounter().GetValue(), true
-		}
-	}
-	return 0, false
 }
 
 // relDiff is |a/b − 1|.
@@ -421,66 +368,11 @@ func TestCalibrationMixedCluster(t *testing.T) {
 			1e3*slow.DecodeStepSeconds, 1e3*d, 1e3*tr.DecodeStepSeconds, 1e3*dt)
 	}
 
-	checkCalibrationMetrics(t, scrapeFamilies(t, client, url+"/metrics"), reps)
-	t.Logf("%d requests in %v", k, time.Since(begin).Round(time.Millisecond))
-}
-
-// checkCalibrationMetrics checks that /metrics exports, for every replica
-// of reps (as GET /debug/replicas gave them, nothing having happened
-// since), the calibration series with its figures.
-func checkCalibrationMetrics(t *testing.T, fams map[string]*dto.MetricFamily, reps map[string]ReplicaStatus) {
-	t.Helper()
+	fams := promtest.Scrape(t, client, url+"/metrics")
 	for name, r := range reps {
-		sp := r.Speed
-		gauges := []struct {
-			metric string
-			want   float64
-			labels []string
-		}{
-			{"prefixlb_replica_prefill_seconds_per_1k_tokens", sp.PrefillSecondsPer1K, nil},
-			{"prefixlb_replica_decode_step_seconds", sp.DecodeStepSeconds, nil},
-			{"prefixlb_replica_profile_prefill_seconds_per_1k_tokens", sp.PriorPrefillSecondsPer1K, nil},
-			{"prefixlb_replica_profile_decode_step_seconds", sp.PriorDecodeStepSeconds, nil},
-		}
-		if r.Calibrated {
-			st := r.Learnt
-			gauges = append(gauges, []struct {
-				metric string
-				want   float64
-				labels []string
-			}{
-				{"prefixlb_replica_calibration_error_ratio", sp.PrefillError, []string{"phase", "prefill"}},
-				{"prefixlb_replica_calibration_error_ratio", sp.DecodeError, []string{"phase", "decode"}},
-				{"prefixlb_replica_calibration_profile_error_ratio", sp.PriorPrefillError, []string{"phase", "prefill"}},
-				{"prefixlb_replica_calibration_profile_error_ratio", sp.PriorDecodeError, []string{"phase", "decode"}},
-				{"prefixlb_replica_calibration_observations_total", float64(st.PrefillPeriods), []string{"phase", "prefill", "source", "period"}},
-				{"prefixlb_replica_calibration_observations_total", float64(st.PrefillTimings), []string{"phase", "prefill", "source", "timings"}},
-				{"prefixlb_replica_calibration_observations_total", float64(st.DecodeITL), []string{"phase", "decode", "source", "itl"}},
-				{"prefixlb_replica_calibration_observations_total", float64(st.DecodeTimings), []string{"phase", "decode", "source", "timings"}},
-				{"prefixlb_replica_calibration_observations_total", float64(st.DecodeRequests), []string{"phase", "decode", "source", "clock"}},
-			}...)
-			for reason, n := range st.Skipped {
-				gauges = append(gauges, struct {
-					metric string
-					want   float64
-					labels []string
-				}{"prefixlb_replica_calibration_skipped_total", float64(n), []string{"reason", reason}})
-			}
-		}
-		for _, g := range gauges {
-			if typ, want := fams[g.metric].GetType(), calMetricType(g.metric); fams[g.metric] != nil && typ != want {
-				t.Errorf("/metrics %s is a %v, want a %v", g.metric, typ, want)
-			}
-			labels := append([]string{"replica", name}, g.labels...)
-			got, ok := series(fams, g.metric, labels...)
-			switch {
-			case !ok:
-				t.Errorf("/metrics has no %s%v", g.metric, labels)
-			case got != g.want:
-				t.Errorf("/metrics %s%v = %v, want %v (GET /debug/replicas)", g.metric, labels, got, g.want)
-			}
-		}
+		promtest.CheckPricing(t, fams, name, r.Pricing)
 	}
+	t.Logf("%d requests in %v", k, time.Since(begin).Round(time.Millisecond))
 }
 
 // TestCalibrationOff: with Config.Calibrate false (--calibrate=false) the
@@ -517,8 +409,10 @@ func TestCalibrationOff(t *testing.T) {
 			t.Errorf("%s: speed %+v, want the profile's own figures %+v", name, r.Speed, fit)
 		}
 	}
-	fams := scrapeFamilies(t, client, url+"/metrics")
-	checkCalibrationMetrics(t, fams, reps)
+	fams := promtest.Scrape(t, client, url+"/metrics")
+	for name, r := range reps {
+		promtest.CheckPricing(t, fams, name, r.Pricing)
+	}
 	for _, name := range []string{"prefixlb_replica_calibration_error_ratio", "prefixlb_replica_calibration_profile_error_ratio",
 		"prefixlb_replica_calibration_observations_total", "prefixlb_replica_calibration_skipped_total"} {
 		if f := fams[name]; len(f.GetMetric()) > 0 {
@@ -558,12 +452,12 @@ func TestCalibrationNonStreamedSkipped(t *testing.T) {
 		r.Speed.PrefillSecondsPer1K != r.Speed.PriorPrefillSecondsPer1K || r.Speed.DecodeStepSeconds != r.Speed.PriorDecodeStepSeconds {
 		t.Errorf("%s: speed %+v after non-streamed requests only; want no samples and the profile's figures", name, r.Speed)
 	}
-	fams := scrapeFamilies(t, client, url+"/metrics")
-	if v, ok := series(fams, "prefixlb_replica_calibration_skipped_total", "replica", name, "reason", calibrate.SkipNoFirstToken); !ok || v != n {
+	fams := promtest.Scrape(t, client, url+"/metrics")
+	if v, ok := promtest.Series(fams, "prefixlb_replica_calibration_skipped_total", "replica", name, "reason", calibrate.SkipNoFirstToken); !ok || v != n {
 		t.Errorf("prefixlb_replica_calibration_skipped_total{replica=%q,reason=%q} = %v (present %v), want %d",
 			name, calibrate.SkipNoFirstToken, v, ok, n)
 	}
-	checkCalibrationMetrics(t, fams, map[string]ReplicaStatus{name: r})
+	promtest.CheckPricing(t, fams, name, r.Pricing)
 }
 
 // TestParseConfigCalibration: the YAML keys calibrate, calibration and a
@@ -653,13 +547,4 @@ func errorNames(t *testing.T, op string, err error, want []string) bool {
 		}
 	}
 	return err == nil
-}
-
-// calMetricType is the type of calibration metric name: the counts are
-// counters, every figure a gauge.
-func calMetricType(name string) dto.MetricType {
-	if strings.HasSuffix(name, "_total") {
-		return dto.MetricType_COUNTER
-	}
-	return dto.MetricType_GAUGE
 }
