@@ -24,6 +24,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/engine/enginetest"
 	"github.com/prefixlb/prefixlb/internal/promtest"
 )
 
@@ -65,41 +66,7 @@ func startCalEngine(t *testing.T, spec string, scale float64) string {
 	ec := engine.DefaultConfig()
 	ec.Replica.Profile = resolveProfile(t, spec)
 	ec.TimeScale = scale
-	ec.Logger = slog.New(slog.DiscardHandler)
-	e, err := engine.New(ec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- e.Run(ctx) }()
-	srv := httptest.NewServer(e.Handler())
-	t.Cleanup(func() {
-		srv.Close()
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("engine %s: Run: %v", spec, err)
-		}
-	})
-	return strings.TrimPrefix(srv.URL, "http://")
-}
-
-// calBody is a completions body of tokens token ids unique to request k.
-func calBody(k, tokens, maxTokens int, stream bool) []byte {
-	var b strings.Builder
-	b.WriteString(`{"model":"prefixlb-sim","prompt":[`)
-	for i := range tokens {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		b.WriteString(strconv.Itoa(200000 + 4096*k + i))
-	}
-	fmt.Fprintf(&b, `],"max_tokens":%d,"stream":%v`, maxTokens, stream)
-	if stream {
-		b.WriteString(`,"stream_options":{"include_usage":true}`)
-	}
-	b.WriteString("}")
-	return []byte(b.String())
+	return strings.TrimPrefix(enginetest.Start(t, ec), "http://")
 }
 
 // calTokens is request k's prompt length: 768 to 1279 tokens.
@@ -261,7 +228,7 @@ func TestCalibrationExtProc(t *testing.T) {
 	k := 0
 	for range sequential {
 		k++
-		if _, err := relay(ctx, conn, client, calBody(k, calTokens(k), maxTokens, true)); err != nil {
+		if _, err := relay(ctx, conn, client, []byte(enginetest.UniquePrompt(k, calTokens(k), maxTokens, true))); err != nil {
 			t.Fatalf("request %d: %v", k, err)
 		}
 	}
@@ -272,7 +239,7 @@ func TestCalibrationExtProc(t *testing.T) {
 			k++
 			kk := k
 			wg.Go(func() {
-				if _, err := relay(ctx, conn, client, calBody(kk, calTokens(kk), maxTokens, true)); err != nil {
+				if _, err := relay(ctx, conn, client, []byte(enginetest.UniquePrompt(kk, calTokens(kk), maxTokens, true))); err != nil {
 					errs <- fmt.Errorf("request %d: %w", kk, err)
 				}
 			})
@@ -330,7 +297,7 @@ func TestCalibrationExtProc(t *testing.T) {
 	before := reps
 	for range nonStream {
 		k++
-		if _, err := relay(ctx, conn, client, calBody(k, calTokens(k), 4, false)); err != nil {
+		if _, err := relay(ctx, conn, client, []byte(enginetest.UniquePrompt(k, calTokens(k), 4, false))); err != nil {
 			t.Fatalf("request %d (not streamed): %v", k, err)
 		}
 	}

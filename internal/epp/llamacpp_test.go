@@ -7,8 +7,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,20 +16,10 @@ import (
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/upstream"
+	"github.com/prefixlb/prefixlb/internal/upstream/upstreamtest"
 
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
-
-// fixture reads testdata/llamacpp/name: real llama-server answers (see the
-// README there).
-func fixture(t testing.TB, name string) string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join("testdata", "llamacpp", name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
-}
 
 // engineFake is a model server answering GETs as llama-server does (from
 // the captured fixtures, with its Server header) or, switched, as vLLM
@@ -46,7 +34,7 @@ func newEngineFake(t *testing.T) *engineFake {
 	t.Helper()
 	f := &engineFake{}
 	llama := map[string]string{
-		"/metrics": fixture(t, "metrics.txt"), "/props": fixture(t, "props.json"), "/v1/models": fixture(t, "models.json"),
+		"/metrics": upstreamtest.LlamaCpp(t, "metrics.txt"), "/props": upstreamtest.LlamaCpp(t, "props.json"), "/v1/models": upstreamtest.LlamaCpp(t, "models.json"),
 	}
 	vllm := map[string]string{
 		"/metrics":   "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 4\n",
@@ -150,7 +138,7 @@ func TestPickerLlamaCpp(t *testing.T) {
 				t.Fatal(err)
 			}
 			w := watcher{sse: tt.sse, max: 1 << 20}
-			w.feed([]byte(fixture(t, tt.fixture)))
+			w.feed([]byte(upstreamtest.LlamaCpp(t, tt.fixture)))
 			out, cached := w.result()
 			if out != tt.wantOut || cached != tt.wantCached {
 				t.Fatalf("watcher: %d out, %d cached; want %d, %d", out, cached, tt.wantOut, tt.wantCached)
@@ -298,7 +286,9 @@ func TestWatcherTimings(t *testing.T) {
 func TestTokenizerCheckLlamaCpp(t *testing.T) {
 	tok := testTokenizer(t)
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /props", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, fixture(t, "props.json")) })
+	mux.HandleFunc("GET /props", func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, upstreamtest.LlamaCpp(t, "props.json"))
+	})
 	mux.HandleFunc("POST /tokenize", func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
 			Content *string `json:"content"`

@@ -6,25 +6,13 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/upstream/upstreamtest"
 	"github.com/prefixlb/prefixlb/internal/workload"
 )
-
-// fixture reads testdata/llamacpp/name: real llama-server answers (see the
-// README there).
-func fixture(t testing.TB, name string) string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join("testdata", "llamacpp", name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
-}
 
 // llamaServer answers completions and chats with llama-server's captured
 // responses, streamed (text/event-stream, as llama-server sends it) or not
@@ -32,10 +20,10 @@ func fixture(t testing.TB, name string) string {
 func llamaServer(t *testing.T) *httptest.Server {
 	t.Helper()
 	answers := map[string]string{
-		"/v1/completions false":      fixture(t, "completion.json"),
-		"/v1/completions true":       fixture(t, "completion-stream.txt"),
-		"/v1/chat/completions false": fixture(t, "chat.json"),
-		"/v1/chat/completions true":  fixture(t, "chat-stream.txt"),
+		"/v1/completions false":      upstreamtest.LlamaCpp(t, "completion.json"),
+		"/v1/completions true":       upstreamtest.LlamaCpp(t, "completion-stream.txt"),
+		"/v1/chat/completions false": upstreamtest.LlamaCpp(t, "chat.json"),
+		"/v1/chat/completions true":  upstreamtest.LlamaCpp(t, "chat-stream.txt"),
 	}
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Server", "llama.cpp")
@@ -114,10 +102,10 @@ func TestReadLlamaCppResponses(t *testing.T) {
 		wantOutput             int
 		wantTimings            bool
 	}{
-		{"completion", fixture(t, "completion.json"), true, 601, 600, 3, true},
-		{"chat", fixture(t, "chat.json"), true, 10, 9, 2, true},
-		{"completion stream", fixture(t, "completion-stream.txt"), false, 602, 601, 3, true},
-		{"chat stream", fixture(t, "chat-stream.txt"), false, 10, 9, 2, true},
+		{"completion", upstreamtest.LlamaCpp(t, "completion.json"), true, 601, 600, 3, true},
+		{"chat", upstreamtest.LlamaCpp(t, "chat.json"), true, 10, 9, 2, true},
+		{"completion stream", upstreamtest.LlamaCpp(t, "completion-stream.txt"), false, 602, 601, 3, true},
+		{"chat stream", upstreamtest.LlamaCpp(t, "chat-stream.txt"), false, 10, 9, 2, true},
 		{"details win", `{"choices":[{"text":"a"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":4}},"timings":{"prompt_n":1}}`, true, 10, 4, 1, true},
 		{"timings of another shape", `{"choices":[{"text":"a"}],"usage":{"prompt_tokens":10,"completion_tokens":1},"timings":"n/a"}`, true, 10, 0, 1, false},
 	}

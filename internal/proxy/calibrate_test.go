@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/engine/enginetest"
 	"github.com/prefixlb/prefixlb/internal/promtest"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
@@ -70,25 +71,6 @@ func startProfiledEngine(t *testing.T, name, spec string, scale float64) Backend
 	})[0]
 	b.Name = name
 	return b
-}
-
-// calPrompt is a completions body of tokens token ids unique to request k
-// (its first token is its own, so no two requests share a block).
-func calPrompt(k, tokens, maxTokens int, stream bool) string {
-	var b strings.Builder
-	b.WriteString(`{"model":"prefixlb-sim","prompt":[`)
-	for i := range tokens {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		b.WriteString(strconv.Itoa(200000 + 4096*k + i))
-	}
-	fmt.Fprintf(&b, `],"max_tokens":%d,"stream":%v`, maxTokens, stream)
-	if stream {
-		b.WriteString(`,"stream_options":{"include_usage":true}`)
-	}
-	b.WriteString("}")
-	return b.String()
 }
 
 // calTokens is request k's prompt length: 768 to 1279 tokens, spread so
@@ -271,7 +253,7 @@ func TestCalibrationMixedCluster(t *testing.T) {
 	k := 0
 	for range sequential {
 		k++
-		r := calStream(ctx, client, url, calPrompt(k, calTokens(k), maxTokens, true), maxTokens)
+		r := calStream(ctx, client, url, enginetest.UniquePrompt(k, calTokens(k), maxTokens, true), maxTokens)
 		if r.err != nil {
 			t.Fatalf("request %d: %v", k, r.err)
 		}
@@ -285,7 +267,7 @@ func TestCalibrationMixedCluster(t *testing.T) {
 			k++
 			kk := k
 			wg.Go(func() {
-				if r := calStream(ctx, client, url, calPrompt(kk, calTokens(kk), maxTokens, true), maxTokens); r.err != nil {
+				if r := calStream(ctx, client, url, enginetest.UniquePrompt(kk, calTokens(kk), maxTokens, true), maxTokens); r.err != nil {
 					errs <- fmt.Errorf("request %d: %w", kk, r.err)
 				}
 			})
@@ -388,7 +370,7 @@ func TestCalibrationOff(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	for k := range 6 {
-		if r := calStream(ctx, client, url, calPrompt(k, calTokens(k), maxTokens, true), maxTokens); r.err != nil {
+		if r := calStream(ctx, client, url, enginetest.UniquePrompt(k, calTokens(k), maxTokens, true), maxTokens); r.err != nil {
 			t.Fatalf("request %d: %v", k, r.err)
 		}
 	}
@@ -430,7 +412,7 @@ func TestCalibrationNonStreamedSkipped(t *testing.T) {
 	backends := startEngines(t, 1)
 	_, url, client := calProxy(t, backends, costmodel.Llama31_8BH100, true)
 	for k := range n {
-		resp, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(calPrompt(k, calTokens(k), 8, false)))
+		resp, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(enginetest.UniquePrompt(k, calTokens(k), 8, false)))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/engine/enginetest"
 	"github.com/prefixlb/prefixlb/internal/openai"
 )
 
@@ -44,26 +44,10 @@ func startEngines(t *testing.T, n int, configure ...func(*engine.Config)) []Back
 		ec := engine.DefaultConfig()
 		ec.Replica.Profile = prof
 		ec.TimeScale = 100
-		ec.Logger = slog.New(slog.DiscardHandler)
 		for _, f := range configure {
 			f(&ec)
 		}
-		e, err := engine.New(ec)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- e.Run(ctx) }()
-		srv := httptest.NewServer(e.Handler())
-		t.Cleanup(func() {
-			srv.Close()
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("engine %d: Run: %v", i, err)
-			}
-		})
-		out = append(out, Backend{Name: fmt.Sprintf("engine-%d", i), URL: srv.URL})
+		out = append(out, Backend{Name: fmt.Sprintf("engine-%d", i), URL: enginetest.Start(t, ec)})
 	}
 	return out
 }

@@ -142,7 +142,7 @@ func FuzzParseLoad(f *testing.F) {
 		"vllm:num_requests_running NaN\nvllm:num_requests_waiting -Inf\n",
 		"# TYPE vllm:num_requests_running counter\nvllm:num_requests_running 5\n",
 		"vllm:num_requests_running{a=\"\\\"} 1\n",
-		// llama.cpp's page (testdata/llamacpp/metrics.txt, abridged).
+		// llama.cpp's page (internal/upstream/upstreamtest/llamacpp/metrics.txt, abridged).
 		"# TYPE llamacpp:kv_cache_usage_ratio gauge\nllamacpp:kv_cache_usage_ratio 0.0375366\n# TYPE llamacpp:kv_cache_tokens gauge\nllamacpp:kv_cache_tokens 615\n# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 0\n# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 0\n",
 		"llamacpp:kv_cache_tokens 1e300\nllamacpp:requests_deferred -3\nvllm:num_requests_running 1\n",
 	} {

@@ -10,8 +10,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -23,20 +21,10 @@ import (
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/upstream"
+	"github.com/prefixlb/prefixlb/internal/upstream/upstreamtest"
 
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
-
-// fixture reads testdata/llamacpp/name: real llama-server answers (see the
-// README there).
-func fixture(t testing.TB, name string) string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join("testdata", "llamacpp", name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
-}
 
 // route is one canned answer of a fixture server.
 type route struct {
@@ -128,10 +116,10 @@ func (f *fixtureServer) serve(w http.ResponseWriter, r *http.Request) {
 // --slots), from the captured fixtures.
 func llamaRoutes(t testing.TB) map[string]route {
 	return map[string]route{
-		"/metrics":   {body: fixture(t, "metrics.txt"), ctype: "text/plain; version=0.0.4"},
-		"/props":     {body: fixture(t, "props.json")},
-		"/slots":     {body: fixture(t, "slots.json")},
-		"/v1/models": {body: fixture(t, "models.json")},
+		"/metrics":   {body: upstreamtest.LlamaCpp(t, "metrics.txt"), ctype: "text/plain; version=0.0.4"},
+		"/props":     {body: upstreamtest.LlamaCpp(t, "props.json")},
+		"/slots":     {body: upstreamtest.LlamaCpp(t, "slots.json")},
+		"/v1/models": {body: upstreamtest.LlamaCpp(t, "models.json")},
 	}
 }
 
@@ -222,10 +210,10 @@ func newLlamaEngine(t testing.TB) *llamaEngine {
 	e.set(llamaRoutes(t), true)
 	e.healthy.Store(true)
 	answers := map[string]string{
-		"/v1/completions false":      fixture(t, "completion.json"),
-		"/v1/completions true":       fixture(t, "completion-stream.txt"),
-		"/v1/chat/completions false": fixture(t, "chat.json"),
-		"/v1/chat/completions true":  fixture(t, "chat-stream.txt"),
+		"/v1/completions false":      upstreamtest.LlamaCpp(t, "completion.json"),
+		"/v1/completions true":       upstreamtest.LlamaCpp(t, "completion-stream.txt"),
+		"/v1/chat/completions false": upstreamtest.LlamaCpp(t, "chat.json"),
+		"/v1/chat/completions true":  upstreamtest.LlamaCpp(t, "chat-stream.txt"),
 	}
 	mux := http.NewServeMux()
 	complete := func(w http.ResponseWriter, r *http.Request) {
@@ -308,7 +296,7 @@ func TestLlamaCppCachedTokens(t *testing.T) {
 			if resp.StatusCode != http.StatusOK {
 				t.Fatalf("status %d: %s", resp.StatusCode, got)
 			}
-			if want := fixture(t, tt.fixture); string(got) != want {
+			if want := upstreamtest.LlamaCpp(t, tt.fixture); string(got) != want {
 				t.Errorf("body changed on the way:\n got %q\nwant %q", got, want)
 			}
 			m := matchedRe.FindStringSubmatch(resp.Header.Get(HeaderRoute))
@@ -455,7 +443,7 @@ func TestBackendKindReDetected(t *testing.T) {
 }
 
 func TestParseLoadLlamaCpp(t *testing.T) {
-	l, err := upstream.ParseLoad(strings.NewReader(fixture(t, "metrics.txt")))
+	l, err := upstream.ParseLoad(strings.NewReader(upstreamtest.LlamaCpp(t, "metrics.txt")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -463,7 +451,7 @@ func TestParseLoadLlamaCpp(t *testing.T) {
 		t.Errorf("got %+v, want %+v", l, want)
 	}
 	busy := strings.NewReplacer("llamacpp:requests_processing 0", "llamacpp:requests_processing 2",
-		"llamacpp:requests_deferred 0", "llamacpp:requests_deferred 5").Replace(fixture(t, "metrics.txt"))
+		"llamacpp:requests_deferred 0", "llamacpp:requests_deferred 5").Replace(upstreamtest.LlamaCpp(t, "metrics.txt"))
 	if l, _ := upstream.ParseLoad(strings.NewReader(busy)); l.Running != 2 || l.Waiting != 5 {
 		t.Errorf("busy replica: %+v", l)
 	}
@@ -499,10 +487,10 @@ func TestReadChunkCachedTokens(t *testing.T) {
 		wantCached  int
 		wantPromptN int // -1: no timings
 	}{
-		{"llama.cpp completion", fixture(t, "completion.json"), true, 600, 1},
-		{"llama.cpp chat", fixture(t, "chat.json"), true, 9, 1},
-		{"llama.cpp stream's final chunk", lastEvent(fixture(t, "completion-stream.txt")), true, 601, 1},
-		{"llama.cpp chat stream's final chunk", lastEvent(fixture(t, "chat-stream.txt")), true, 9, 1},
+		{"llama.cpp completion", upstreamtest.LlamaCpp(t, "completion.json"), true, 600, 1},
+		{"llama.cpp chat", upstreamtest.LlamaCpp(t, "chat.json"), true, 9, 1},
+		{"llama.cpp stream's final chunk", lastEvent(upstreamtest.LlamaCpp(t, "completion-stream.txt")), true, 601, 1},
+		{"llama.cpp chat stream's final chunk", lastEvent(upstreamtest.LlamaCpp(t, "chat-stream.txt")), true, 9, 1},
 		{"vLLM", `{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":8}}}`, true, 8, -1},
 		{"details beat timings", `{"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":4}},"timings":{"prompt_n":1}}`, true, 4, 1},
 		{"no details, no timings", `{"usage":{"prompt_tokens":10,"completion_tokens":2}}`, true, -1, -1},
@@ -526,13 +514,13 @@ func TestReadChunkCachedTokens(t *testing.T) {
 			}
 		})
 	}
-	c, _ := openai.ReadChunk([]byte(fixture(t, "completion.json")))
+	c, _ := openai.ReadChunk([]byte(upstreamtest.LlamaCpp(t, "completion.json")))
 	if want := (openai.Timings{PromptN: 1, PromptMs: 11.397, PromptPerTokenMs: 11.397, PredictedN: 3, PredictedMs: 14.907, PredictedPerTokenMs: 4.969}); *c.Timings != want {
 		t.Errorf("timings %+v, want %+v", *c.Timings, want)
 	}
 	// A stream: the timings and usage of the final chunk.
 	var s openai.Stream
-	fr := openai.NewFramer(strings.NewReader(fixture(t, "completion-stream.txt")), 0)
+	fr := openai.NewFramer(strings.NewReader(upstreamtest.LlamaCpp(t, "completion-stream.txt")), 0)
 	for {
 		ev, err := fr.Next()
 		if err != nil {
@@ -613,7 +601,9 @@ func llamaTokenizer(t *testing.T, tok *tokenize.Tokenizer, template bool, alter 
 	t.Helper()
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{"status":"ok"}`) })
-	mux.HandleFunc("GET /props", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, fixture(t, "props.json")) })
+	mux.HandleFunc("GET /props", func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, upstreamtest.LlamaCpp(t, "props.json"))
+	})
 	mux.HandleFunc("POST /tokenize", func(w http.ResponseWriter, r *http.Request) {
 		var body map[string]json.RawMessage
 		_ = json.NewDecoder(r.Body).Decode(&body)
@@ -704,22 +694,22 @@ func TestTokenizerCheckLlamaCpp(t *testing.T) {
 // the 404 page carries llama.cpp's Server header, the /tokenize answer is
 // a plain id list.
 func TestLlamaCppFixturesDecode(t *testing.T) {
-	if raw := fixture(t, "404.txt"); !strings.Contains(raw, "Server: llama.cpp") || !strings.Contains(raw, llamaNotFound) {
+	if raw := upstreamtest.LlamaCpp(t, "404.txt"); !strings.Contains(raw, "Server: llama.cpp") || !strings.Contains(raw, llamaNotFound) {
 		t.Errorf("404 fixture %q", raw)
 	}
 	var tk struct{ Tokens []uint32 }
-	if err := json.Unmarshal([]byte(fixture(t, "tokenize.json")), &tk); err != nil || len(tk.Tokens) != 2 {
+	if err := json.Unmarshal([]byte(upstreamtest.LlamaCpp(t, "tokenize.json")), &tk); err != nil || len(tk.Tokens) != 2 {
 		t.Errorf("tokenize fixture: %v %v", tk, err)
 	}
 	var props map[string]json.RawMessage
-	if err := json.Unmarshal([]byte(fixture(t, "props.json")), &props); err != nil {
+	if err := json.Unmarshal([]byte(upstreamtest.LlamaCpp(t, "props.json")), &props); err != nil {
 		t.Fatal(err)
 	}
 	var n int
 	if err := json.Unmarshal(props["total_slots"], &n); err != nil || n != 2 {
 		t.Errorf("total_slots %d %v", n, err)
 	}
-	if !bytes.Contains([]byte(fixture(t, "models.json")), []byte(`"owned_by":"llamacpp"`)) {
+	if !bytes.Contains([]byte(upstreamtest.LlamaCpp(t, "models.json")), []byte(`"owned_by":"llamacpp"`)) {
 		t.Error("models fixture is not llama.cpp's")
 	}
 }
