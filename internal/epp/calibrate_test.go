@@ -37,34 +37,16 @@ import (
 
 // calScale is the engines' time scale here, as in internal/proxy's
 // calibration test: a router sees each engine's profile with its times
-// divided by it (wallSpec), a decode step of llama3.1-8b-h100 takes 7 ms
+// divided by it (enginetest.WallSpec), a decode step of llama3.1-8b-h100 takes 7 ms
 // of real time, well above what the path adds to it.
 const calScale = 1.25
-
-// wallSpec is the profile spec of base as a router sees an engine running
-// base at time scale scale (the engine divides modelled time by it).
-func wallSpec(base string, scale float64) string {
-	if scale == 1 {
-		return base
-	}
-	return base + ":time_scale=" + strconv.FormatFloat(1/scale, 'g', -1, 64)
-}
-
-func resolveProfile(t testing.TB, spec string) costmodel.Profile {
-	t.Helper()
-	p, err := costmodel.Resolve(spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
 
 // startCalEngine runs a modelled replica of profile spec at time scale
 // scale on loopback until the test ends, and returns its "ip:port".
 func startCalEngine(t *testing.T, spec string, scale float64) string {
 	t.Helper()
 	ec := engine.DefaultConfig()
-	ec.Replica.Profile = resolveProfile(t, spec)
+	ec.Replica.Profile = enginetest.Profile(t, spec)
 	ec.TimeScale = scale
 	return strings.TrimPrefix(enginetest.Start(t, ec), "http://")
 }
@@ -210,7 +192,7 @@ func TestCalibrationExtProc(t *testing.T) {
 		maxTokens  = 8
 		nonStream  = 2
 	)
-	toldSpec := wallSpec(costmodel.Llama31_8BH100, calScale)
+	toldSpec := enginetest.WallSpec(costmodel.Llama31_8BH100, calScale)
 	p, err := NewPicker(Config{Policy: "round-robin", Profile: toldSpec, BackendKind: "vllm", Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
@@ -253,13 +235,13 @@ func TestCalibrationExtProc(t *testing.T) {
 
 	// relay returns once the picker has recorded the end: nothing to wait for.
 	reps := views(p)
-	told := calibrate.FitOf(resolveProfile(t, toldSpec))
+	told := calibrate.FitOf(enginetest.Profile(t, toldSpec))
 	for name, spec := range specs {
 		v, ok := reps[name]
 		if !ok {
 			t.Fatalf("no replica view %s: %v", name, reps)
 		}
-		sp, tr := v.Speed, calibrate.FitOf(resolveProfile(t, wallSpec(spec, calScale)))
+		sp, tr := v.Speed, calibrate.FitOf(enginetest.Profile(t, enginetest.WallSpec(spec, calScale)))
 		t.Logf("%s: prefill/1k %.2f ms (true %.2f, told %.2f; %d samples), decode step %.3f ms (true %.3f, told %.3f; %d samples); %+v",
 			name, 1e3*sp.PrefillSecondsPer1K, 1e3*tr.PrefillSecondsPer1K, 1e3*sp.PriorPrefillSecondsPer1K, sp.PrefillSamples,
 			1e3*sp.DecodeStepSeconds, 1e3*tr.DecodeStepSeconds, 1e3*sp.PriorDecodeStepSeconds, sp.DecodeSamples, v.Learnt)
@@ -338,7 +320,7 @@ func TestCalibrationExtProcOff(t *testing.T) {
 	}
 	sse = append(sse, "data: [DONE]\n\n")
 	e.respond(primary, "text/event-stream", sse, nil)
-	fit := calibrate.FitOf(resolveProfile(t, costmodel.Llama31_8BH100))
+	fit := calibrate.FitOf(enginetest.Profile(t, costmodel.Llama31_8BH100))
 	reps := views(p)
 	for name, v := range reps {
 		if v.Calibrated || v.Learnt != nil || v.Speed != fit || v.Profile != costmodel.Llama31_8BH100 {

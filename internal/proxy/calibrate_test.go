@@ -10,7 +10,6 @@ import (
 	"math"
 	"net/http"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -40,31 +39,11 @@ import (
 // race detector on two busy cores — and the test takes about 2 s.
 const calScale = 1.25
 
-// resolveProfile resolves a profile spec (costmodel.Resolve) or fails t.
-func resolveProfile(t testing.TB, spec string) costmodel.Profile {
-	t.Helper()
-	p, err := costmodel.Resolve(spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-// wallSpec is the profile spec of base as a router sees an engine running
-// base at time scale scale: the engine divides every modelled time by
-// scale, and the router measures wall time.
-func wallSpec(base string, scale float64) string {
-	if scale == 1 {
-		return base
-	}
-	return base + ":time_scale=" + strconv.FormatFloat(1/scale, 'g', -1, 64)
-}
-
 // startProfiledEngine runs one modelled replica of profile spec at time
 // scale scale on loopback until the test ends, named name.
 func startProfiledEngine(t *testing.T, name, spec string, scale float64) Backend {
 	t.Helper()
-	prof := resolveProfile(t, spec)
+	prof := enginetest.Profile(t, spec)
 	b := startEngines(t, 1, func(c *engine.Config) {
 		c.Replica.Profile = prof
 		c.TimeScale = scale
@@ -241,7 +220,7 @@ func TestCalibrationMixedCluster(t *testing.T) {
 		startProfiledEngine(t, "h100", fastSpec, calScale),
 		startProfiledEngine(t, "a100", slowSpec, calScale),
 	}
-	toldSpec := wallSpec(costmodel.Llama31_8BH100, calScale)
+	toldSpec := enginetest.WallSpec(costmodel.Llama31_8BH100, calScale)
 	_, url, client := calProxy(t, backends, toldSpec, true)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -281,10 +260,10 @@ func TestCalibrationMixedCluster(t *testing.T) {
 	reps := settled(t, client, url)
 
 	truth := map[string]calibrate.Fit{
-		"h100": calibrate.FitOf(resolveProfile(t, wallSpec(fastSpec, calScale))),
-		"a100": calibrate.FitOf(resolveProfile(t, wallSpec(slowSpec, calScale))),
+		"h100": calibrate.FitOf(enginetest.Profile(t, enginetest.WallSpec(fastSpec, calScale))),
+		"a100": calibrate.FitOf(enginetest.Profile(t, enginetest.WallSpec(slowSpec, calScale))),
 	}
-	told := calibrate.FitOf(resolveProfile(t, toldSpec))
+	told := calibrate.FitOf(enginetest.Profile(t, toldSpec))
 	for _, name := range []string{"h100", "a100"} {
 		r, ok := reps[name]
 		if !ok {
@@ -387,7 +366,7 @@ func TestCalibrationOff(t *testing.T) {
 		if r.Profile != spec {
 			t.Errorf("%s: profile %q, want %q", name, r.Profile, spec)
 		}
-		if fit := calibrate.FitOf(resolveProfile(t, spec)); r.Speed != fit {
+		if fit := calibrate.FitOf(enginetest.Profile(t, spec)); r.Speed != fit {
 			t.Errorf("%s: speed %+v, want the profile's own figures %+v", name, r.Speed, fit)
 		}
 	}

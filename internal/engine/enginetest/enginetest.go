@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
 )
 
@@ -58,4 +59,24 @@ func UniquePrompt(k, tokens, maxTokens int, stream bool) string {
 	}
 	b.WriteString("}")
 	return b.String()
+}
+
+// WallSpec is the profile spec of base as a router sees an engine running
+// base at time scale scale: the engine divides every modelled time by
+// scale, and the router measures wall time.
+func WallSpec(base string, scale float64) string {
+	if scale == 1 {
+		return base
+	}
+	return base + ":time_scale=" + strconv.FormatFloat(1/scale, 'g', -1, 64)
+}
+
+// Profile resolves a profile spec (costmodel.Resolve) or fails t.
+func Profile(t testing.TB, spec string) costmodel.Profile {
+	t.Helper()
+	p, err := costmodel.Resolve(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
