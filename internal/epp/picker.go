@@ -422,13 +422,7 @@ func (p *Picker) setReady(r *replica, ready bool) {
 func (p *Picker) Ready() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	n := 0
-	for _, r := range p.byName {
-		if r.Ready {
-			n++
-		}
-	}
-	return n
+	return p.rt.UpCount()
 }
 
 // Input is one request as the gateway hands it over.

@@ -480,11 +480,5 @@ func (p *Proxy) checked(id int, ok, eject bool) {
 func (p *Proxy) upCount() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	n := 0
-	for _, s := range p.state {
-		if s.up {
-			n++
-		}
-	}
-	return n
+	return p.rt.UpCount()
 }

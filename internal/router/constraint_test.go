@@ -75,8 +75,14 @@ func TestRouteWithin(t *testing.T) {
 // that is down.
 func TestAssignDownReplica(t *testing.T) {
 	r := newRouter(t, &policy.RoundRobin{}, 0, false, false)
+	if n := r.UpCount(); n != 2 {
+		t.Fatalf("%d replicas up, want 2", n)
+	}
 	if err := r.SetUp(1, false, at(0)); err != nil {
 		t.Fatal(err)
+	}
+	if n := r.UpCount(); n != 1 {
+		t.Fatalf("%d replicas up after one went down, want 1", n)
 	}
 	if _, err := r.Assign(req(1, toks(1, 64)), 1, at(0)); err == nil {
 		t.Fatal("assigned to a replica that is down")

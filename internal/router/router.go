@@ -733,6 +733,17 @@ func (r *Router) FlightLoad(id uint64) (l ExternalLoad, ok bool) {
 	return l, true
 }
 
+// UpCount is the number of replicas up (SetUp).
+func (r *Router) UpCount() int {
+	n := 0
+	for i := range r.reps {
+		if r.reps[i].Up {
+			n++
+		}
+	}
+	return n
+}
+
 // InFlight is the number of requests routed and not finished.
 func (r *Router) InFlight() int { return len(r.inflight) }
 
