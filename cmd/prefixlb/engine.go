@@ -1,50 +1,27 @@
 package main
 
 import (
-	"cmp"
-	"context"
-	"errors"
-	"fmt"
 	"log/slog"
-	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/prefixlb/prefixlb/internal/keying"
-
 	"github.com/spf13/cobra"
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
-	"github.com/prefixlb/prefixlb/internal/kvevents"
-	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 func init() { rootCmd.AddCommand(engineCmd()) }
 
-// engineOptions are the flags of `prefixlb engine`.
-type engineOptions struct {
-	listen          string
-	profile         string
-	kvEvents        string
-	kvReplay        string
-	kvEncoding      string
-	kvBind          bool
-	kvTopic         string
-	tokenizer       string
-	shutdownTimeout time.Duration
-	verbose         bool
-}
-
 // engineCmd is `prefixlb engine`: one modelled replica (package engine)
-// served over HTTP until SIGINT or SIGTERM.
+// served over HTTP until SIGINT or SIGTERM (engine.Serve).
 func engineCmd() *cobra.Command {
-	o := &engineOptions{}
-	cfg := engine.DefaultConfig()
+	sc := engine.ServeConfig{Engine: engine.DefaultConfig()}
+	cfg := &sc.Engine
+	var verbose bool
 	cmd := &cobra.Command{
 		Use:   "engine --listen ADDR --profile NAME [--kv-events tcp://*:5557] [--time-scale X]",
 		Short: "Serve a modelled GPU replica behind vLLM's HTTP API",
@@ -76,16 +53,16 @@ port + 1) is always bound.`,
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			level := slog.LevelInfo
-			if o.verbose {
+			if verbose {
 				level = slog.LevelDebug
 			}
 			log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
-			return runEngine(ctx, o, cfg, log)
+			return engine.Serve(ctx, sc, log)
 		},
 	}
 	fs := cmd.Flags()
-	fs.StringVar(&o.listen, "listen", "127.0.0.1:8000", "address to serve HTTP on")
-	fs.StringVar(&o.profile, "profile", costmodel.Llama31_8BH100, "cost profile name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file")
+	fs.StringVar(&sc.Listen, "listen", "127.0.0.1:8000", "address to serve HTTP on")
+	fs.StringVar(&sc.Profile, "profile", costmodel.Llama31_8BH100, "cost profile name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file")
 	fs.StringVar(&cfg.Model, "model", cfg.Model, "model name served in /v1/models and responses")
 	fs.BoolVar(&cfg.StrictModel, "strict-model", false, "answer 404 to requests naming another model (as vLLM does)")
 	fs.Float64Var(&cfg.TimeScale, "time-scale", 1, "run the model this many times faster than real time")
@@ -97,148 +74,13 @@ port + 1) is always bound.`,
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", cfg.MaxModelLen, "most prompt plus output tokens per request")
 	fs.Int64Var(&cfg.MaxBodyBytes, "max-body-bytes", cfg.MaxBodyBytes, "largest request body accepted")
 	fs.IntVar(&cfg.DefaultMaxTokens, "default-max-tokens", cfg.DefaultMaxTokens, "output tokens of a request without max_tokens")
-	fs.StringVar(&o.kvEvents, "kv-events", "", "publish KV-cache events on this ZMQ endpoint: tcp://*:PORT binds, tcp://HOST:PORT dials")
-	fs.StringVar(&o.kvReplay, "kv-replay", "", "ZMQ endpoint of the KV-event replay socket, always bound (default: --kv-events with port+1)")
-	fs.BoolVar(&o.kvBind, "kv-bind", false, "bind --kv-events even without * (e.g. tcp://127.0.0.1:5557: loopback only)")
-	fs.StringVar(&o.kvEncoding, "kv-encoding", "array", "KV-event encoding: array (vLLM <= 0.23) or map (vLLM >= 0.26)")
-	fs.StringVar(&o.kvTopic, "kv-topic", "", "KV-event topic (default kv@<listen>@<model>, as vLLM)")
-	fs.StringVar(&o.tokenizer, "tokenizer", "", "real tokenizer: qwen3 (bundled), a tokenizer.json or a model directory (default: one token per word)")
-	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "how long to let requests in flight finish on SIGINT/SIGTERM")
-	fs.BoolVarP(&o.verbose, "verbose", "v", false, "debug logging")
+	fs.StringVar(&sc.KV.Endpoint, "kv-events", "", "publish KV-cache events on this ZMQ endpoint: tcp://*:PORT binds, tcp://HOST:PORT dials")
+	fs.StringVar(&sc.KV.Replay, "kv-replay", "", "ZMQ endpoint of the KV-event replay socket, always bound (default: --kv-events with port+1)")
+	fs.BoolVar(&sc.KV.Bind, "kv-bind", false, "bind --kv-events even without * (e.g. tcp://127.0.0.1:5557: loopback only)")
+	fs.StringVar(&sc.KV.Encoding, "kv-encoding", "array", "KV-event encoding: array (vLLM <= 0.23) or map (vLLM >= 0.26)")
+	fs.StringVar(&sc.KV.Topic, "kv-topic", "", "KV-event topic (default kv@<listen>@<model>, as vLLM)")
+	fs.StringVar(&sc.Tokenizer, "tokenizer", "", "real tokenizer: qwen3 (bundled), a tokenizer.json or a model directory (default: one token per word)")
+	fs.DurationVar(&sc.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long to let requests in flight finish on SIGINT/SIGTERM")
+	fs.BoolVarP(&verbose, "verbose", "v", false, "debug logging")
 	return cmd
-}
-
-// kvPublisherConfig turns the --kv-* flags into a publisher config, with
-// vLLM's defaults and its bind-or-dial rule.
-func kvPublisherConfig(o *engineOptions, model string, log *slog.Logger) (kvevents.PublisherConfig, error) {
-	pc := kvevents.PublisherConfig{
-		Endpoint:       o.kvEvents,
-		Dial:           !strings.Contains(o.kvEvents, "*") && !o.kvBind,
-		ReplayEndpoint: o.kvReplay,
-		Topic:          o.kvTopic,
-		Logger:         log,
-	}
-	switch o.kvEncoding {
-	case "array":
-		pc.Encoding = kvevents.EncodingArray
-	case "map":
-		pc.Encoding = kvevents.EncodingMap
-		pc.ReplayTopicFrame = true // vLLM 0.26 sends both
-	default:
-		return pc, fmt.Errorf("engine: --kv-encoding must be array or map, got %q", o.kvEncoding)
-	}
-	if pc.ReplayEndpoint == "" {
-		ep, err := engine.DefaultReplayEndpoint(o.kvEvents)
-		if err != nil {
-			return pc, fmt.Errorf("engine: --kv-events: %w", err)
-		}
-		pc.ReplayEndpoint = ep
-	}
-	if pc.Topic == "" {
-		pc.Topic = engine.DefaultKVTopic(o.listen, model)
-	}
-	if err := pc.Validate(); err != nil {
-		return pc, fmt.Errorf("engine: %w", err)
-	}
-	return pc, nil
-}
-
-// setEngineTokenizer makes the engine tokenize prompts and chats with tok
-// through a prefix cache of its own.
-func setEngineTokenizer(cfg *engine.Config, tok *tokenize.Tokenizer) {
-	c := tokenize.NewPrefixCache(tok, 0)
-	cfg.Tokenizer = c
-	cfg.ChatEncoder = c
-}
-
-// runEngine serves one engine until ctx is done, then shuts down gracefully.
-func runEngine(ctx context.Context, o *engineOptions, cfg engine.Config, log *slog.Logger) error {
-	if cfg.TimeScale <= 0 {
-		return fmt.Errorf("engine: --time-scale must be positive, got %v", cfg.TimeScale)
-	}
-	prof, err := costmodel.Resolve(o.profile)
-	if err != nil {
-		return fmt.Errorf("engine: --profile: %w", err)
-	}
-	cfg.Replica.Profile = prof
-	cfg.Logger = log
-	if o.tokenizer != "" && o.tokenizer != "none" {
-		tok, err := keying.LoadTokenizer(o.tokenizer)
-		if err != nil {
-			return fmt.Errorf("engine: --tokenizer: %w", err)
-		}
-		setEngineTokenizer(&cfg, tok)
-	}
-	var pub *kvevents.Publisher
-	if o.kvEvents != "" {
-		pc, err := kvPublisherConfig(o, cfg.Model, log)
-		if err != nil {
-			return err
-		}
-		pub = kvevents.NewPublisher(pc)
-		cfg.KVPublisher = pub
-		log.Info("publishing KV events", "endpoint", pc.Endpoint, "bind", !pc.Dial,
-			"replay", pc.ReplayEndpoint, "topic", pc.Topic, "encoding", o.kvEncoding)
-	} else if o.kvReplay != "" || o.kvTopic != "" {
-		return errors.New("engine: --kv-replay and --kv-topic need --kv-events")
-	}
-	eng, err := engine.New(cfg)
-	if err != nil {
-		return err
-	}
-	ln, err := net.Listen("tcp", o.listen)
-	if err != nil {
-		return fmt.Errorf("engine: listen: %w", err)
-	}
-	st := eng.Stats()
-	c := eng.Config()
-	log.Info("engine serving", "addr", ln.Addr().String(), "model", c.Model, "profile", prof.Name(),
-		"time_scale", c.TimeScale, "kv_blocks", st.TotalBlocks, "block_size", c.Replica.BlockSize,
-		"local", c.Replica.Local, "max_model_len", c.MaxModelLen, "tokenizer", cmp.Or(o.tokenizer, "words"))
-
-	engCtx, stopEngine := context.WithCancel(context.Background())
-	defer stopEngine()
-	engDone := make(chan error, 1)
-	go func() { engDone <- eng.Run(engCtx) }()
-
-	srv := &http.Server{Handler: eng.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	srvDone := make(chan error, 1)
-	go func() { srvDone <- srv.Serve(ln) }()
-
-	var serveErr, runErr error
-	ranOut := false
-	select {
-	case <-ctx.Done():
-		log.Info("engine shutting down", "timeout", o.shutdownTimeout)
-	case serveErr = <-srvDone:
-		serveErr = fmt.Errorf("engine: serve: %w", serveErr)
-	case runErr = <-engDone: // the KV-event sockets could not be bound
-		ranOut = true
-	}
-	// Let requests in flight finish while the model still runs; past the
-	// timeout, stop the model, give their handlers a moment to end their
-	// streams with an error event, and close what is left.
-	sctx, cancel := context.WithTimeout(context.Background(), o.shutdownTimeout)
-	defer cancel()
-	err = srv.Shutdown(sctx)
-	stopEngine()
-	if !ranOut {
-		runErr = <-engDone
-	}
-	if err != nil && !errors.Is(err, http.ErrServerClosed) {
-		log.Warn("engine: shutdown timed out; requests in flight were stopped", "err", err)
-		fctx, fcancel := context.WithTimeout(context.Background(), time.Second)
-		_ = srv.Shutdown(fctx)
-		fcancel()
-	}
-	_ = srv.Close()
-	if runErr != nil {
-		return runErr
-	}
-	if serveErr == nil {
-		if err := <-srvDone; err != nil && !errors.Is(err, http.ErrServerClosed) {
-			serveErr = fmt.Errorf("engine: serve: %w", err)
-		}
-	}
-	return serveErr
 }

@@ -1,0 +1,335 @@
+// Package sweep is `prefixlb sim`: it runs the simulator (internal/sim) once
+// per policy and rate on one workload, next to the oracle bound, and reports
+// the runs as a table, JSON and the --out files (internal/report). It
+// resolves the cluster's profiles (a mixed cluster, the profile the router
+// is told), the engine modelled (vLLM's block cache or llama.cpp's slots)
+// and the policies' own local schedulers.
+package sweep
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/calibrate"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/replica"
+	"github.com/prefixlb/prefixlb/internal/report"
+	"github.com/prefixlb/prefixlb/internal/sim"
+	"github.com/prefixlb/prefixlb/internal/workload"
+)
+
+// The replica engines a sweep models (Config.Engine).
+const (
+	// EngineVLLM: vLLM's block prefix cache, evicted LRU (the default).
+	EngineVLLM = "vllm"
+	// EngineLlamaCpp: llama.cpp llama-server's slot cache
+	// (replica.Config.Slots).
+	EngineLlamaCpp = "llamacpp"
+	// DefaultSlots is --slots' default with --engine llamacpp, the -np of
+	// docs/real-engines.md's llama-server runs.
+	DefaultSlots = 2
+)
+
+// Config is one sweep: the flags of `prefixlb sim`.
+type Config struct {
+	// Workload is the workload or trace; its arrival rate is replaced by
+	// each of Rates in turn.
+	Workload workload.Flags
+	// Replicas is the number of replicas.
+	Replicas int
+	// Profile is the replicas' cost profile (costmodel.Resolve's spec).
+	Profile string
+	// ReplicaProfiles gives each replica its own true profile
+	// (SPEC[*N],...; "" for none); RouterProfile is the profile the router
+	// is told for every replica ("": each replica's own); Calibrate makes
+	// the router learn each one's speed.
+	ReplicaProfiles string
+	RouterProfile   string
+	Calibrate       bool
+	// Policies are comma-separated policy specs, each optionally with a
+	// local scheduler of its own after @ (e2@priority).
+	Policies string
+	// Rates are comma-separated rates to sweep ("": the workload's rate).
+	Rates string
+	// Local is the replicas' local scheduler.
+	Local string
+	// ChunkBudget and MaxSeqs are vLLM's max_num_batched_tokens and
+	// max_num_seqs (0: each replica's profile's engine default).
+	ChunkBudget int
+	MaxSeqs     int
+	// KVEvents feeds the router the replicas' KV events, EventLag late.
+	KVEvents bool
+	EventLag time.Duration
+	// HostCores puts every replica on one host of this many cores (0: each
+	// its own hardware).
+	HostCores int
+	// SpeculativeTTL is the router's speculative-entry lifetime.
+	SpeculativeTTL time.Duration
+	// RouterSeed seeds the router's random choices.
+	RouterSeed uint64
+	// JSONPath gets the results as JSON ("": none, "-": stdout); OutDir
+	// gets results.json, requests.csv, chart.svg and report.html.
+	JSONPath string
+	OutDir   string
+	// Quiet writes no progress.
+	Quiet bool
+	// Engine is EngineVLLM or EngineLlamaCpp; Slots is llama.cpp's slots
+	// per replica (-np).
+	Engine string
+	Slots  int
+	// Changed reports whether the user gave a flag (cobra's
+	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
+	// given take llama-server's defaults (ApplyEngine).
+	Changed func(name string) bool
+}
+
+// ApplyEngine checks Engine and Slots and, for llamacpp, changes the
+// defaults of the flags the user did not give (Changed) to llama-server's:
+// n_batch 2048 as the chunk budget, no KV events (llama.cpp publishes none:
+// the router models the slots from its own decisions and the cached tokens
+// each response reports) and the llamacpp-tiny-cpu profile. --slots with
+// vllm is an error rather than ignored: vLLM has no slots, and a silently
+// ignored flag would make two different experiments look alike.
+func (c *Config) ApplyEngine() error {
+	changed := c.Changed
+	if changed == nil {
+		changed = func(string) bool { return false }
+	}
+	switch c.Engine {
+	case EngineVLLM:
+		if changed("slots") {
+			return fmt.Errorf("--slots is for --engine %s (vLLM keeps a block cache, not slots)", EngineLlamaCpp)
+		}
+		c.Slots = 0
+	case EngineLlamaCpp:
+		if !changed("slots") {
+			c.Slots = DefaultSlots
+		}
+		if c.Slots < 1 {
+			return fmt.Errorf("--slots must be ≥ 1, got %d", c.Slots)
+		}
+		if !changed("chunk-budget") {
+			c.ChunkBudget = replica.LlamaCppBatch
+		}
+		if !changed("kv-events") {
+			c.KVEvents = false
+		}
+		if !changed("profile") {
+			c.Profile = costmodel.LlamaCppTinyCPU
+		}
+	default:
+		return fmt.Errorf("--engine must be %s or %s, got %q", EngineVLLM, EngineLlamaCpp, c.Engine)
+	}
+	return nil
+}
+
+// Run applies the engine's defaults (ApplyEngine), simulates every policy
+// at every rate, writes progress to stderr and the results to stdout (and
+// JSONPath and OutDir).
+func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
+	if err := c.ApplyEngine(); err != nil {
+		return err
+	}
+	sp, err := ResolveProfiles(c.Profile, c.ReplicaProfiles, c.RouterProfile, c.Replicas)
+	if err != nil {
+		return err
+	}
+	rates, err := ParseRates(c.Rates, c.Workload.Arrival.Rate)
+	if err != nil {
+		return err
+	}
+	specs := strings.Split(c.Policies, ",")
+	opts := policy.DefaultOptions()
+	rc := replica.DefaultConfig()
+	rc.Local = c.Local
+	rc.ChunkBudget = c.ChunkBudget
+	rc.MaxRunning = c.MaxSeqs
+	rc.Slots = c.Slots
+	if err := checkPolicies(specs, opts, rc, sp); err != nil {
+		return err
+	}
+	for _, p := range sp.Distinct() {
+		rp := rc
+		rp.Profile = p
+		rp.Default()
+		if err := rp.Validate(); err != nil {
+			return fmt.Errorf("profile %s: %w", p.Name(), err)
+		}
+	}
+	var calCfg *calibrate.Config
+	if c.Calibrate {
+		cc := calibrate.DefaultConfig()
+		calCfg = &cc
+	}
+	if c.OutDir != "" {
+		if err := os.MkdirAll(c.OutDir, 0o755); err != nil {
+			return err
+		}
+	}
+	var results []report.Result
+	var records []report.RequestRecord
+	for _, rate := range rates {
+		c.Workload.Arrival.Rate = rate
+		reqs, skipped, err := c.Workload.Load()
+		if err != nil {
+			return err
+		}
+		for _, le := range skipped {
+			fmt.Fprintln(stderr, "skipped:", le.Error())
+		}
+		if len(reqs) == 0 {
+			return fmt.Errorf("sim: the workload has no requests")
+		}
+		label := rate
+		if len(rates) == 1 && c.Rates == "" && c.Workload.Arrival.Process != "poisson" && c.Workload.Arrival.Process != "gamma" &&
+			(c.Workload.Arrival.Process != "auto" || c.Workload.Trace != "") {
+			// Ramps and traces set their own times: report the offered rate.
+			if span := reqs[len(reqs)-1].Arrival.Seconds(); span > 0 {
+				label = float64(len(reqs)-1) / span
+			}
+		}
+		oracle := OracleTTFT(reqs, sp.Fastest(), rc.BlockSize)
+		for _, spec := range specs {
+			name := spec
+			prc := rc
+			if name, local, ok := strings.Cut(spec, "@"); ok {
+				spec, prc.Local = name, local
+			}
+			pol, err := policy.Parse(spec, opts)
+			if err != nil {
+				return err
+			}
+			start := time.Now()
+			cfg := sim.Config{Replicas: c.Replicas, Replica: prc, Profile: sp.Base, Policy: pol,
+				Profiles: sp.Replicas, RouterProfiles: sp.Router, Calibrate: calCfg,
+				KVEvents: c.KVEvents, EventLag: c.EventLag, SpeculativeTTL: c.SpeculativeTTL, Seed: c.RouterSeed, Rate: label,
+				HostCores: c.HostCores}
+			if !c.Quiet {
+				cfg.Progress = func(done, total int) {
+					fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)
+				}
+			}
+			res, err := sim.Run(ctx, cfg, reqs)
+			if err != nil {
+				return err
+			}
+			if !c.Quiet {
+				fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d requests simulated in %v\n", name, label, len(reqs), time.Since(start).Round(time.Millisecond))
+			}
+			for i := range res.Records {
+				res.Records[i].Policy, res.Records[i].Rate = name, label
+			}
+			r := Result(name, label, res, Labels{
+				Workload: c.Workload.Describe(), Replicas: c.Replicas, Profiles: sp,
+				ReplicaProfiles: c.ReplicaProfiles, Calibrated: c.Calibrate, Local: prc.Local,
+			}, oracle)
+			results = append(results, r)
+			if c.OutDir != "" {
+				records = append(records, res.Records...)
+			}
+		}
+	}
+	return Write(stdout, stderr, c, results, records)
+}
+
+// checkPolicies checks that every policy spec parses and that each local
+// scheduler a spec names after @ is valid for every replica's profile.
+func checkPolicies(specs []string, opts policy.Options, rc replica.Config, sp *Profiles) error {
+	for _, s := range specs {
+		name, local, hasLocal := strings.Cut(s, "@")
+		if _, err := policy.Parse(name, opts); err != nil {
+			return err
+		}
+		if hasLocal {
+			for _, p := range sp.Distinct() {
+				c := replica.DefaultConfig()
+				c.Local = local
+				c.Slots = rc.Slots
+				c.ChunkBudget, c.MaxRunning = rc.ChunkBudget, rc.MaxRunning
+				c.Profile = p
+				c.Default()
+				if err := c.Validate(); err != nil {
+					return fmt.Errorf("--policies %q: %w", s, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// OracleTTFT summarises the oracle's TTFTs of reqs in milliseconds: each
+// request alone on a replica of profile p that holds every earlier prefix
+// (sim.Oracle).
+func OracleTTFT(reqs []workload.Request, p costmodel.Profile, blockSize int) report.Summary {
+	var orc report.Samples
+	for _, d := range sim.Oracle(reqs, p, blockSize) {
+		orc.Add(float64(d) / float64(time.Millisecond))
+	}
+	return orc.Summary()
+}
+
+// Labels are what a sweep's results say of the cluster and the run.
+type Labels struct {
+	Workload string
+	Replicas int
+	// Profiles label Profile, ReplicaProfiles and RouterProfile.
+	Profiles *Profiles
+	// ReplicaProfiles is the --replica-profiles spec, the results' Profile
+	// when Profiles.Replicas is set.
+	ReplicaProfiles string
+	Calibrated      bool
+	// Local is the run's local scheduler.
+	Local string
+}
+
+// Result builds the report of one simulated run of policy name at rate:
+// its records' figures, the cluster's labels, the replicas' utilisation,
+// what the router learnt of each replica (Calibration), its cache
+// predictions' accuracy and the TTFT against the oracle's.
+func Result(name string, rate float64, res *sim.Result, l Labels, oracle report.Summary) report.Result {
+	r := report.Build(name, rate, res.Records, 0)
+	r.Workload = l.Workload
+	r.Replicas = l.Replicas
+	r.Profile = l.Profiles.Base.Name()
+	if len(l.Profiles.Replicas) > 0 {
+		r.Profile = l.ReplicaProfiles
+		for _, p := range l.Profiles.Replicas {
+			r.ReplicaProfiles = append(r.ReplicaProfiles, p.Name())
+		}
+	}
+	if len(l.Profiles.Router) > 0 {
+		r.RouterProfile = l.Profiles.Router[0].Name()
+	}
+	r.Utilization = res.Utilization()
+	r.Calibrated = l.Calibrated
+	for i, c := range res.Calibration {
+		r.Calibration = append(r.Calibration, report.CalibrationFit{
+			Replica:                  fmt.Sprintf("replica-%d", i),
+			PrefillSecondsPer1K:      c.Fit.PrefillSecondsPer1K,
+			PriorPrefillSecondsPer1K: c.Fit.PriorPrefillSecondsPer1K,
+			TruePrefillSecondsPer1K:  c.TruePrefillSecondsPer1K,
+			DecodeStepSeconds:        c.Fit.DecodeStepSeconds,
+			PriorDecodeStepSeconds:   c.Fit.PriorDecodeStepSeconds,
+			TrueDecodeStepSeconds:    c.TrueDecodeStepSeconds,
+			PrefillSamples:           c.Fit.PrefillSamples, DecodeSamples: c.Fit.DecodeSamples,
+			PrefillError: c.Fit.PrefillError, DecodeError: c.Fit.DecodeError,
+			PrefillCoefficients: c.Fit.Prefill, DecodeCoefficients: c.Fit.Decode,
+		})
+	}
+	r.Local = l.Local
+	if st := res.Router; st.PredictionsChecked > 0 {
+		r.CachePredictionExact = float64(st.PredictionsExact) / float64(st.PredictionsChecked)
+		r.CachePredictedTokens, r.CacheReportedTokens = st.PredictedTokens, st.ReportedTokens
+	}
+	o := oracle
+	r.OracleTTFT = &o
+	if oracle.Mean > 0 {
+		r.TTFTVsOracle = r.TTFT.Mean / oracle.Mean
+	}
+	return r
+}
