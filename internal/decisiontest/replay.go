@@ -6,6 +6,8 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
+	"testing"
 
 	"github.com/prefixlb/prefixlb/internal/workload"
 )
@@ -209,4 +211,49 @@ func Engines(c string) []*Engine {
 		es = append(es, e)
 	}
 	return es
+}
+
+// ReplayFrontDoor replays Replay(ReplayRequests) through a front door once
+// per FrontDoorRuns, four runs side by side (each has its own router and
+// replicas; each one's requests go in a fixed order), and returns the runs
+// in order. Under the race detector only the first RaceRequests requests
+// are replayed, the slow runs (a tokenizer to load) are left empty, and
+// runs are marked Prefix without a result. An error of any run fails t.
+func ReplayFrontDoor(t testing.TB, replay func(FrontDoorRun, []Request) (Run, error)) []Run {
+	t.Helper()
+	reqs, err := Replay(ReplayRequests)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if RaceEnabled {
+		reqs = reqs[:RaceRequests]
+	}
+	runs := FrontDoorRuns()
+	out := make([]Run, len(runs))
+	errs := make([]error, len(runs))
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 4)
+	for i, r := range runs {
+		out[i] = Run{Name: r.Name(), Prefix: RaceEnabled}
+		if RaceEnabled && r.Slow() {
+			continue // an empty prefix
+		}
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			run, err := replay(r, reqs)
+			run.Name, run.Prefix, errs[i] = r.Name(), RaceEnabled, err
+			if run.Prefix {
+				run.Result = nil
+			}
+			out[i] = run
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("%s: %v", runs[i].Name(), err)
+		}
+	}
+	return out
 }

@@ -11,7 +11,6 @@ import (
 	"net/http/httptest"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -43,45 +42,7 @@ var eppGolden = filepath.Join("testdata", "decisions-epp.txt")
 // testdata/decisions-epp.txt. Issue 15's restructuring must leave them as
 // they are.
 func TestEPPDecisionsUnchanged(t *testing.T) {
-	reqs, err := decisiontest.Replay(decisiontest.ReplayRequests)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if decisiontest.RaceEnabled {
-		// Under the race detector: the first requests of each replay, and
-		// no tokenizer to load.
-		reqs = reqs[:decisiontest.RaceRequests]
-	}
-	// The runs are independent (a picker and replicas each), so they run
-	// side by side; each one's requests go in a fixed order.
-	runs := decisiontest.FrontDoorRuns()
-	out := make([]decisiontest.Run, len(runs))
-	errs := make([]error, len(runs))
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 4)
-	for i, r := range runs {
-		if decisiontest.RaceEnabled && r.Slow() {
-			out[i] = decisiontest.Run{Name: r.Name(), Prefix: true} // an empty prefix
-			continue
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			out[i], errs[i] = eppReplay(r, reqs)
-			out[i].Prefix = decisiontest.RaceEnabled
-			if out[i].Prefix {
-				out[i].Result = nil
-			}
-		}()
-	}
-	wg.Wait()
-	for i, err := range errs {
-		if err != nil {
-			t.Fatalf("%s: %v", runs[i].Name(), err)
-		}
-	}
+	out := decisiontest.ReplayFrontDoor(t, eppReplay)
 	decisiontest.Check(t, eppGolden,
 		"The decisions of `prefixlb epp` (internal/epp) on decisiontest.Replay(96) over loopback gRPC (ext_proc), before\n"+
 			"three fake replicas, with w requests in flight: TestEPPDecisionsUnchanged (internal/epp/decisions_test.go).\n"+

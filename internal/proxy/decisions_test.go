@@ -11,7 +11,6 @@ import (
 	"net/http/httptest"
 	"path/filepath"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -34,41 +33,10 @@ var serveGolden = filepath.Join("testdata", "decisions-serve.txt")
 // testdata/decisions-serve.txt. Issue 15's restructuring must leave them as
 // they are.
 func TestServeDecisionsUnchanged(t *testing.T) {
-	reqs, err := decisiontest.Replay(decisiontest.ReplayRequests)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if decisiontest.RaceEnabled {
-		// Under the race detector: the first requests of each replay, and
-		// no tokenizer to load.
-		reqs = reqs[:decisiontest.RaceRequests]
-	}
-	// The runs are independent (a proxy and replicas each), so they run
-	// side by side; each one's requests go in a fixed order.
-	runs := decisiontest.FrontDoorRuns()
-	out := make([]decisiontest.Run, len(runs))
-	errs := make([]error, len(runs))
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 4)
-	for i, r := range runs {
-		out[i] = decisiontest.Run{Name: r.Name(), Prefix: decisiontest.RaceEnabled}
-		if decisiontest.RaceEnabled && r.Slow() {
-			continue // an empty prefix
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			out[i].Decisions, errs[i] = serveReplay(r, reqs)
-		}()
-	}
-	wg.Wait()
-	for i, err := range errs {
-		if err != nil {
-			t.Fatalf("%s: %v", runs[i].Name(), err)
-		}
-	}
+	out := decisiontest.ReplayFrontDoor(t, func(r decisiontest.FrontDoorRun, reqs []decisiontest.Request) (decisiontest.Run, error) {
+		ds, err := serveReplay(r, reqs)
+		return decisiontest.Run{Decisions: ds}, err
+	})
 	decisiontest.Check(t, serveGolden,
 		"The decisions of `prefixlb serve` (internal/proxy) on decisiontest.Replay(96) over loopback HTTP, to three\n"+
 			"fake replicas, with w requests in flight: TestServeDecisionsUnchanged (internal/proxy/decisions_test.go).", out)
