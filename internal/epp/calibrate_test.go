@@ -12,7 +12,6 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -214,24 +213,10 @@ func TestCalibrationExtProc(t *testing.T) {
 			t.Fatalf("request %d: %v", k, err)
 		}
 	}
-	for range bursts {
-		var wg sync.WaitGroup
-		errs := make(chan error, burstSize)
-		for range burstSize {
-			k++
-			kk := k
-			wg.Go(func() {
-				if _, err := relay(ctx, conn, client, []byte(enginetest.UniquePrompt(kk, calTokens(kk), maxTokens, true))); err != nil {
-					errs <- fmt.Errorf("request %d: %w", kk, err)
-				}
-			})
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Fatal(err)
-		}
-	}
+	enginetest.Bursts(t, k, bursts, burstSize, func(k int) error {
+		_, err := relay(ctx, conn, client, []byte(enginetest.UniquePrompt(k, calTokens(k), maxTokens, true)))
+		return err
+	})
 
 	// relay returns once the picker has recorded the end: nothing to wait for.
 	reps := views(p)

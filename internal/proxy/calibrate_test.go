@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -239,24 +238,9 @@ func TestCalibrationMixedCluster(t *testing.T) {
 		ttfts[r.replica] = append(ttfts[r.replica], r.ttft)
 		gaps[r.replica] = append(gaps[r.replica], r.gaps...)
 	}
-	for range bursts {
-		var wg sync.WaitGroup
-		errs := make(chan error, burstSize)
-		for range burstSize {
-			k++
-			kk := k
-			wg.Go(func() {
-				if r := calStream(ctx, client, url, enginetest.UniquePrompt(kk, calTokens(kk), maxTokens, true), maxTokens); r.err != nil {
-					errs <- fmt.Errorf("request %d: %w", kk, r.err)
-				}
-			})
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Fatal(err)
-		}
-	}
+	enginetest.Bursts(t, k, bursts, burstSize, func(k int) error {
+		return calStream(ctx, client, url, enginetest.UniquePrompt(k, calTokens(k), maxTokens, true), maxTokens).err
+	})
 	reps := settled(t, client, url)
 
 	truth := map[string]calibrate.Fit{

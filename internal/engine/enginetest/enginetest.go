@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
@@ -79,4 +80,30 @@ func Profile(t testing.TB, spec string) costmodel.Profile {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// Bursts sends bursts bursts of size requests at once, numbered on from
+// k+1 (send(k) sends request k), each burst after the last one's answers;
+// the first error fails t. It returns the last number used.
+func Bursts(t testing.TB, k, bursts, size int, send func(k int) error) int {
+	t.Helper()
+	for range bursts {
+		var wg sync.WaitGroup
+		errs := make(chan error, size)
+		for range size {
+			k++
+			kk := k
+			wg.Go(func() {
+				if err := send(kk); err != nil {
+					errs <- fmt.Errorf("request %d: %w", kk, err)
+				}
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+	}
+	return k
 }
