@@ -45,25 +45,29 @@ type E2Config struct {
 	// prefix is assigned to (the paper). When false, exploit compares every
 	// replica by cost, whose P term already credits each replica's cache.
 	ExploitAssignedOnly bool `json:"exploit_assigned_only"`
-	// IncludePrefill adds P, this request's own prefill on the replica, to
-	// the cost (the paper includes it; the prototype leaves it out).
+	// IncludePrefill adds P (term prefill), this request's own prefill on
+	// the replica, to the cost (the paper includes it; the prototype leaves
+	// it out).
 	IncludePrefill bool `json:"include_prefill"`
 	// MarginalDecode charges in-flight decode at the marginal time one more
 	// sequence adds to a batched iteration instead of TPOT per token.
 	MarginalDecode bool `json:"marginal_decode"`
-	// HistoryWeight weighs L's windowed prefill history (Preble's L).
+	// HistoryWeight weighs L's windowed prefill history (Preble's L; term
+	// history).
 	HistoryWeight float64 `json:"history_weight"`
 	// PendingWeight weighs the prefill still queued on the replica now (the
-	// "queue now" that llm-d scores), in GPU seconds.
+	// "queue now" that llm-d scores), in GPU seconds (term pending).
 	PendingWeight float64 `json:"pending_weight"`
-	// DecodeWeight weighs L's in-flight decode term (1 in the paper).
+	// DecodeWeight weighs L's in-flight decode term (1 in the paper; term
+	// decode).
 	DecodeWeight float64 `json:"decode_weight"`
 	// SelfDecodeWeight weighs this request's own decode time on the replica:
 	// its expected output times the replica's decode step at its batch size
-	// plus one (0 in the paper).
+	// plus one (0 in the paper; term self_decode).
 	SelfDecodeWeight float64 `json:"self_decode_weight"`
 	// PrefillSlowdown stretches the queued prefill and P by the share of
-	// each chunked-prefill iteration the replica's running decodes take.
+	// each chunked-prefill iteration the replica's running decodes take
+	// (term prefill_slowdown).
 	PrefillSlowdown bool `json:"prefill_slowdown"`
 	// DecodeBatchInFlight sizes the batch this request will decode in by
 	// every request in flight on the replica (those still prefilling will be
@@ -73,20 +77,22 @@ type E2Config struct {
 	// windowed prefill rate (prefill that arrives meanwhile shares the
 	// iterations).
 	DecodePrefillRate bool `json:"decode_prefill_rate"`
-	// PrefillWeight weighs P (1 in the paper). Above 1 it charges a
-	// recompute for the requests that will queue behind it.
+	// PrefillWeight weighs P (1 in the paper; term prefill). Above 1 it
+	// charges a recompute for the requests that will queue behind it.
 	PrefillWeight float64 `json:"prefill_weight"`
 	// InterferenceWeight weighs the delay this request's prefill imposes on
 	// the requests decoding on the replica: every iteration that carries a
 	// chunk of its prompt also carries one token of each running decode, so
-	// its prefill time P is added to each of their latencies (0 in the paper).
+	// its prefill time P is added to each of their latencies (0 in the
+	// paper; term interference).
 	InterferenceWeight float64 `json:"interference_weight"`
 	// EvictionRecompute prices an evicted prefix that was used in the window
 	// at one recompute of it (the next request for it pays its prefill),
 	// instead of the paper's missRate·count·T_prefill, which prices a prefix
 	// that always hits — the one most worth keeping — at zero.
 	EvictionRecompute bool `json:"eviction_recompute"`
-	// EvictionWeight weighs M, the eviction cost (1 in the paper).
+	// EvictionWeight weighs M, the eviction cost (1 in the paper; term
+	// eviction).
 	EvictionWeight float64 `json:"eviction_weight"`
 	// Mixing enables the prefill/decode mixing rule.
 	Mixing bool `json:"mixing"`
@@ -110,14 +116,26 @@ type E2Config struct {
 	MovableLoadOnly bool `json:"movable_load_only"`
 	// SlotWait adds, for a replica with a slot cache (Replica.Slots > 0:
 	// llama.cpp runs at most that many requests and defers the rest), the
-	// time this request would wait for a slot when all are taken; see
-	// slotWait.
+	// time this request would wait for a slot when all are taken (term
+	// slot_wait; see slotWait).
 	SlotWait bool `json:"slot_wait"`
 }
 
 // PrebleE2Config returns the rules as Preble's prototype writes them
 // (ALGORITHMS §3–4): exploit within the assigned set, L without P, decode at
-// TPOT per token, rebalancing after every decision.
+// TPOT per token, rebalancing after every decision. The terms of its cost
+// (DefaultE2Config lists them) weigh:
+//
+//	term              weight
+//	decode            1       (at TPOT per token: marginal_decode false)
+//	history           1
+//	pending           0
+//	interference      0
+//	self_decode       0
+//	prefill_slowdown  0
+//	slot_wait         0
+//	eviction          1       (missRate·count·T_prefill: eviction_recompute false)
+//	prefill           0       (include_prefill false)
 func PrebleE2Config() E2Config {
 	return E2Config{
 		Name:                "e2-preble",
@@ -145,25 +163,40 @@ func PrebleE2Config() E2Config {
 
 // DefaultE2Config returns prefixlb's `e2`: Preble's E2 with the changes the
 // simulator justified (docs/simulator.md, "Tuning e2"). The cost of a replica
-// is an estimate of what placing the request there costs in GPU seconds of
+// r is an estimate of what placing the request there costs in GPU seconds of
 // latency, over every replica (P credits each replica's cache, so a hot
 // prefix spreads by itself once its holder's queue outweighs a recompute):
+// the paper's L + M + P, with prefixlb's terms in L, each term at its weight
+// (E2Term; each term's method in e2cost.go gives its formula):
 //
-//	L = prefill queued on r now                      (llm-d's "queue now", in seconds)
-//	  + 0.3·P·(requests decoding on r)               (interference: each of their
-//	                                                  iterations carries a chunk of P)
-//	  + 0.6·out·T_decode(inflight_r+1)·(1+ρ_r)       (this request's own decode on r,
-//	                                                  stretched by r's windowed prefill
-//	                                                  rate ρ_r: prefill that arrives
-//	                                                  meanwhile shares its iterations)
-//	M = the paper's eviction cost
-//	P = 3·T_prefill(missed on r, prompt)             (a recompute also delays the
-//	                                                  requests that queue behind it)
+//	cost(r) = L + M + P
+//	L = decode + history + pending + interference + self_decode + prefill_slowdown + slot_wait
+//	M = eviction
+//	P = prefill
+//
+//	term              weight  on replica r, w the weight                         from
+//	decode            0       w·(decode tokens owed)·T_marginal(inflight_r)      Preble's L
+//	history           0       w·(prefill seconds routed to r in the window)      Preble's L
+//	pending           1.5     w·Q_r, the prefill queued on r now                 llm-d's queue
+//	interference      0.3     w·P_r·decoding_r: each running decode waits P_r    prefixlb
+//	self_decode       0.6     w·(out−1)·T_step(inflight_r+1)·(1+ρ_r)             prefixlb
+//	prefill_slowdown  1       w·s_r·(pending + prefill)                          prefixlb
+//	slot_wait         1       w·(wait for a free slot of a slot cache)           prefixlb
+//	eviction          1       w·M_r, the paper's eviction cost                   Preble's M
+//	prefill           3       w·P_r, P_r = T_prefill(missed on r, prompt)        Preble's P
+//
+// ρ_r is r's windowed prefill rate (prefill that arrives meanwhile shares
+// this request's decode) and s_r the share of each chunked-prefill iteration
+// r's running decodes take. A term's weight is the E2Config field of its name
+// with "_weight"; prefill_slowdown and slot_wait are flags (1 on, 0 off), and
+// prefill weighs 0 without include_prefill. P weighs 3 because a recompute
+// also delays the requests that queue behind it. TestE2ConfigDocs holds this
+// table to the code.
 //
 // On a replica with a slot cache (llama.cpp; Replica.Slots > 0) "missed" is
 // what the slot the request lands on does not hold, M prices the prompt that
-// slot loses (only prefixes no other replica holds), and L adds the wait for
-// a free slot when all are taken (slotWait).
+// slot loses (only prefixes no other replica holds), and slot_wait is the
+// wait for a free slot when all are taken (slotWait).
 //
 // Rebalancing and replication run on movable (windowed prefill) load at most
 // once a second with a per-prefix cooldown; with exploit over every replica
@@ -282,7 +315,8 @@ type e2Replica struct {
 }
 
 // E2 is Preble's E2 scheduler: exploit a replica that caches most of the
-// prompt, explore by cost otherwise, with cost L+M+P in GPU seconds,
+// prompt, explore by cost otherwise, with cost L+M+P in GPU seconds (a
+// weighted sum of named terms: E2Term, cost in e2cost.go),
 // windowed load statistics, the prefill/decode mixing rule, rebalancing by
 // migration and replication of hot prefixes (ALGORITHMS §2–4).
 //
@@ -290,6 +324,7 @@ type e2Replica struct {
 // concurrent use; the router serialises it.
 type E2 struct {
 	cfg     E2Config
+	weights [NumE2Terms]float64 // cfg.termWeights()
 	reps    []e2Replica
 	queue   []*e2Entry // window FIFO (time order); queue[head:] live
 	head    int
@@ -303,9 +338,11 @@ type E2 struct {
 	rebalanced bool
 
 	cands []Candidate
+	terms []E2Terms // terms[i] are cands[i]'s
 	// pfMemo and stepMemos remember cost-model figures within one decision
 	// (and its Routed, which follows under the same lock).
 	pfMemo, stepMemos []memoEntry
+	chunk             [1]costmodel.Chunk // decodeShare's batch
 	hot               []*prefixtree.Node
 	order             []int
 	lrb               []float64
@@ -322,7 +359,7 @@ func NewE2(cfg E2Config) (*E2, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &E2{cfg: cfg, live: make(map[uint64]*e2Entry)}, nil
+	return &E2{cfg: cfg, weights: cfg.termWeights(), live: make(map[uint64]*e2Entry)}, nil
 }
 
 // Name implements Policy.
@@ -363,208 +400,6 @@ func (s *e2Node) at(r int) *e2NodeReplica {
 }
 
 func secs(d time.Duration) float64 { return d.Seconds() }
-
-// tpot returns replica r's median observed time per output token, seeded
-// from its profile's single-sequence decode step (as the profile prices it
-// now: a calibrated one moves as it learns).
-func (p *E2) tpot(v *View, r int) float64 {
-	rs := p.rep(r)
-	if len(rs.tpot) == 0 {
-		return p.stepMemo(v, r, 1, 1024)
-	}
-	if rs.tpotDirty > 0 {
-		buf := slices.Clone(rs.tpot)
-		slices.Sort(buf)
-		rs.tpotMedian = buf[len(buf)/2]
-		rs.tpotDirty = 0
-	}
-	return rs.tpotMedian
-}
-
-// decodeLoad is L's in-flight decode term for replica r.
-func (p *E2) decodeLoad(v *View, r int) float64 {
-	rp := &v.Replicas[r]
-	if rp.DecodeTokens <= 0 {
-		return 0
-	}
-	if p.cfg.MarginalDecode {
-		n := max(rp.InFlight, 1)
-		ctx := 1024
-		if rp.Decoding > 0 {
-			ctx = rp.DecodeContextTokens / rp.Decoding
-		}
-		m := secs(costmodel.MarginalDecode(v.ProfileOf(r), n-1, ctx))
-		return float64(rp.DecodeTokens) * m
-	}
-	return float64(rp.DecodeTokens) * p.tpot(v, r)
-}
-
-// load is L(r).
-func (p *E2) load(r int, v *View) float64 {
-	rp := &v.Replicas[r]
-	l := 0.0
-	if p.cfg.DecodeWeight > 0 {
-		l = p.cfg.DecodeWeight * p.decodeLoad(v, r)
-	}
-	if p.cfg.HistoryWeight > 0 {
-		l += p.cfg.HistoryWeight * p.rep(r).hist
-	}
-	if p.cfg.PendingWeight > 0 {
-		l += p.cfg.PendingWeight * secs(rp.PendingPrefill)
-	}
-	return l
-}
-
-// eviction is M(r): if replica r's cache cannot take the tokens this request
-// misses on it, the windowed prefill work of the prefixes it would push out
-// (pretend LRU eviction among nodes no in-flight request on r uses).
-func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
-	if p.cfg.EvictionWeight == 0 || missedTokens <= 0 {
-		return 0
-	}
-	bt, prof := v.BlockTokens(), v.ProfileOf(r)
-	if v.Replicas[r].Slots > 0 {
-		// A slot cache overwrites one slot's prompt whole, whatever the
-		// replica's capacity: price the prefixes of that prompt that no
-		// other slot and not this request keep. On a slot cache eviction is
-		// routine (every request overwrites a slot), so a prefix another
-		// replica still holds is not lost to the cluster and costs nothing.
-		if v.Victims == nil {
-			return 0
-		}
-		cost := 0.0
-		v.Victims(r, func(n *prefixtree.Node) bool {
-			if n.CachedCount() <= 1 {
-				cost += p.evictionCost(n, prof, bt)
-			}
-			return true
-		})
-		return p.cfg.EvictionWeight * cost
-	}
-	capBlocks := prof.KVCapacity() / bt
-	need := v.Tree.CachedBlocks(r) + (missedTokens+bt-1)/bt - capBlocks
-	if need <= 0 {
-		return 0
-	}
-	cost := 0.0
-	freed := 0
-	v.Tree.EachLRU(r, func(n *prefixtree.Node) bool {
-		if n.Ref(r) > 0 {
-			return true
-		}
-		freed += n.Own()
-		cost += p.evictionCost(n, prof, bt)
-		return freed < need
-	})
-	return p.cfg.EvictionWeight * cost
-}
-
-// evictionCost is what evicting node n costs in M, priced by the evicting
-// replica's profile prof: for an important prefix used in the window, one
-// recompute of it (EvictionRecompute) or the paper's missRate·count·T_prefill;
-// nothing for other nodes.
-func (p *E2) evictionCost(n *prefixtree.Node, prof costmodel.Profile, bt int) float64 {
-	s, ok := n.Ext.(*e2Node)
-	if !ok || !n.Important() || s.count <= 0 {
-		return 0
-	}
-	t := secs(prof.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
-	if p.cfg.EvictionRecompute {
-		return t
-	}
-	miss := 1 - float64(s.hit)/float64(max(s.prompt, 1))
-	return miss * float64(s.count) * t
-}
-
-// cost fills c with replica r's L, M and P terms for req.
-func (p *E2) cost(r int, req *Request, v *View) Candidate {
-	m := v.MatchedTokens(r, req)
-	missed := req.PromptTokens - m
-	c := Candidate{Replica: r, MatchedTokens: m}
-	c.Load = p.load(r, v)
-	c.Eviction = p.eviction(r, missed, v)
-	if p.cfg.IncludePrefill || p.cfg.InterferenceWeight > 0 {
-		pf := p.prefillMemo(v, r, missed, v.SeqFor(r, req))
-		if p.cfg.IncludePrefill {
-			c.Prefill = p.cfg.PrefillWeight * pf
-		}
-		c.Load += p.cfg.InterferenceWeight * pf * float64(v.Replicas[r].Decoding)
-	}
-	if p.cfg.SelfDecodeWeight > 0 && req.OutputTokens > 1 {
-		rp := &v.Replicas[r]
-		ctx := req.PromptTokens
-		if rp.Decoding > 0 {
-			ctx = rp.DecodeContextTokens / rp.Decoding
-		}
-		batch := rp.Decoding + 1
-		if p.cfg.DecodeBatchInFlight {
-			batch = rp.InFlight + 1
-		}
-		if rp.Slots > 0 {
-			batch = min(batch, rp.Slots) // a slot cache decodes at most Slots at once
-		}
-		d := float64(req.OutputTokens-1) * p.stepMemo(v, r, batch, ctx)
-		if p.cfg.DecodePrefillRate {
-			// Prefill arriving while this request decodes shares its
-			// iterations: the replica's recent prefill rate (GPU seconds of
-			// prefill per second, over the window) stretches its decode.
-			d *= 1 + p.rep(r).hist/p.cfg.Window.Seconds()
-		}
-		c.Load += p.cfg.SelfDecodeWeight * d
-	}
-	if p.cfg.PrefillSlowdown {
-		// Chunked prefill shares each iteration with one token of every
-		// running decode: the queue ahead and this prompt's own prefill take
-		// longer on a replica with a big decode batch.
-		rp := &v.Replicas[r]
-		if rp.Decoding > 0 {
-			ctx := rp.DecodeContextTokens / rp.Decoding
-			// A full chunk of the replica's engine budget (vLLM's
-			// max_num_batched_tokens: 512 in Preble's runs, 8192 on an
-			// H100): the bigger the chunk, the smaller the decodes' share.
-			prof := v.ProfileOf(r)
-			budget := costmodel.BatchingOf(prof).MaxBatchedTokens
-			if budget <= 0 {
-				budget = costmodel.DefaultBatching.MaxBatchedTokens
-			}
-			ch := []costmodel.Chunk{{New: budget, Seq: budget}}
-			chunk := secs(prof.Iteration(costmodel.Batch{Prefill: ch}))
-			mixed := secs(prof.Iteration(costmodel.Batch{Prefill: ch, DecodeSeqs: rp.Decoding, DecodeContext: ctx * rp.Decoding}))
-			if chunk > 0 {
-				f := mixed/chunk - 1
-				extra := f * (p.cfg.PendingWeight*secs(rp.PendingPrefill) + c.Prefill)
-				c.Load += extra
-			}
-		}
-	}
-	if p.cfg.SlotWait {
-		c.Load += p.slotWait(r, req, v)
-	}
-	c.Score = c.Load + c.Eviction + c.Prefill
-	return c
-}
-
-// slotWait is how long a request would wait on replica rp for a free slot:
-// nothing while it has one (InFlight < Slots, or a block cache). Else it
-// waits for InFlight−Slots+1 of the requests there to finish, Slots of them
-// at a time, each owing on average the replica's remaining work divided by
-// its requests — the remaining prefill, and the remaining output at one
-// batched decode step per token (an M/G/c-style estimate):
-//
-//	wait = (InFlight−Slots+1)/Slots · (pending prefill + decode tokens · T_step(Slots)) / InFlight
-func (p *E2) slotWait(r int, req *Request, v *View) float64 {
-	rp := &v.Replicas[r]
-	if rp.Slots <= 0 || rp.InFlight < rp.Slots {
-		return 0
-	}
-	ctx := req.PromptTokens
-	if rp.Decoding > 0 {
-		ctx = rp.DecodeContextTokens / rp.Decoding
-	}
-	owed := secs(rp.PendingPrefill) + float64(max(rp.DecodeTokens, 0))*p.stepMemo(v, r, rp.Slots, ctx)
-	ahead := float64(rp.InFlight - rp.Slots + 1)
-	return ahead / float64(rp.Slots) * owed / float64(rp.InFlight)
-}
 
 // tieTolerance is the relative difference under which two replicas' costs
 // count as equal (0.1%: well inside the error of any cost estimate).
@@ -645,7 +480,7 @@ func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
 	matched := min(matchedBlocks*v.BlockTokens(), req.PromptTokens)
 	missed := req.PromptTokens - matched
 
-	p.cands = p.cands[:0]
+	p.cands, p.terms = p.cands[:0], p.terms[:0]
 	d := Decision{Replica: -1}
 	mix := -1
 	if missed >= matched && p.cfg.Mixing {
@@ -661,8 +496,7 @@ func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
 		p.pick(req, v, set, &d)
 	case mix >= 0:
 		d.Branch = "mixing"
-		c := p.cost(mix, req, v)
-		p.cands = append(p.cands, c)
+		c := p.price(mix, req, v)
 		d.Replica, d.MatchedTokens = mix, c.MatchedTokens
 	default:
 		d.Branch = "explore"
@@ -672,7 +506,23 @@ func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
 		return Decision{}, ErrNoReplica
 	}
 	d.Candidates = slices.Clone(p.cands)
+	if req.Explain {
+		terms := slices.Clone(p.terms)
+		for i := range d.Candidates {
+			d.Candidates[i].Terms = &terms[i]
+		}
+	}
 	return d, nil
+}
+
+// price adds replica r to the decision's candidates, priced (cost), its
+// terms beside it, and returns it.
+func (p *E2) price(r int, req *Request, v *View) *Candidate {
+	p.cands = append(p.cands, Candidate{})
+	p.terms = append(p.terms, E2Terms{})
+	c := &p.cands[len(p.cands)-1]
+	p.cost(c, &p.terms[len(p.terms)-1], r, req, v)
+	return c
 }
 
 // assignedSet returns the assigned set of the deepest node among the first
@@ -709,11 +559,10 @@ func (p *E2) pick(req *Request, v *View, set *prefixtree.Set, d *Decision) {
 		if !v.Replicas[r].Up || (set != nil && !set.Has(r)) {
 			continue
 		}
-		c := p.cost(r, req, v)
+		c := p.price(r, req, v)
 		if !finite(c.Score) {
 			c.Score = math.MaxFloat64
 		}
-		p.cands = append(p.cands, c)
 		// Costs within tieTolerance of each other are estimates of the same
 		// thing: break the tie on what is certain.
 		tol := tieTolerance * math.Max(bestScore, 0)

@@ -44,6 +44,10 @@ type Request struct {
 	// the front door will see its end but not its first token (the router
 	// then cannot time its prefill; internal/calibrate).
 	Unary bool
+	// Explain asks for the decision's whole explanation: e2 then gives each
+	// candidate its cost term by term (Candidate.Terms), at the price of
+	// one more allocation. Routing ignores it.
+	Explain bool
 }
 
 // Replica is a snapshot of one replica as the router sees it.
@@ -197,6 +201,11 @@ type Candidate struct {
 	Eviction      float64 `json:"eviction,omitempty"`
 	Prefill       float64 `json:"prefill,omitempty"`
 	Score         float64 `json:"score"`
+	// Terms is E2's cost term by term, each weighted as it enters Score
+	// (Load is the sum of the L terms; E2Terms), when the request asked for
+	// it (Request.Explain): in JSON an object keyed by the terms' names.
+	// Nil, and absent from JSON, otherwise and for the other policies.
+	Terms *E2Terms `json:"terms,omitempty"`
 }
 
 // Explain renders a decision compactly for the x-prefixlb-route header:
@@ -206,6 +215,28 @@ func (d *Decision) Explain() string {
 	fmt.Fprintf(&b, "branch=%s; matched=%d", d.Branch, d.MatchedTokens)
 	for _, c := range d.Candidates {
 		fmt.Fprintf(&b, "; r%d=%.4g(L=%.3g,M=%.3g,P=%.3g,m=%d)", c.Replica, c.Score, c.Load, c.Eviction, c.Prefill, c.MatchedTokens)
+	}
+	return b.String()
+}
+
+// ExplainTerms renders the E2 cost terms of each candidate that has them
+// (Candidate.Terms: e2, asked with Request.Explain), by name, in the order
+// they are summed:
+// `r0: decode=0 history=0 pending=0.1 ... eviction=0 prefill=0.412; r1: ...`.
+// It is empty otherwise.
+func (d *Decision) ExplainTerms() string {
+	var b strings.Builder
+	for _, c := range d.Candidates {
+		if c.Terms == nil {
+			continue
+		}
+		if b.Len() > 0 {
+			b.WriteString("; ")
+		}
+		fmt.Fprintf(&b, "r%d:", c.Replica)
+		for t, x := range c.Terms {
+			fmt.Fprintf(&b, " %s=%.3g", E2Term(t), x)
+		}
 	}
 	return b.String()
 }

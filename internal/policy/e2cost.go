@@ -1,0 +1,445 @@
+package policy
+
+import (
+	"bytes"
+	"encoding/json"
+	"slices"
+	"strconv"
+
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/prefixtree"
+)
+
+// E2's cost of placing a request on replica r is the weighted sum of the
+// terms below, in GPU seconds of latency. Preble (Srivatsa et al., "Preble:
+// Efficient Distributed Prompt Scheduling for LLM Serving", ICLR 2025, §3.2)
+// prices a replica as L + M + P: its load, the eviction the request causes
+// and the request's own prefill. Here L is the sum of the terms from
+// E2Decode to E2SlotWait, M is E2Eviction and P is E2Prefill; each term is
+// one method (…Term) whose doc comment gives its formula, the weights come
+// from the E2Config (termWeights) and cost adds them up.
+
+// E2Term names one term of E2's cost; Candidate.Terms holds a candidate's
+// terms by E2Term. The order is the order of the sum.
+type E2Term int
+
+// The terms of E2's cost, in the order they are summed: L's, then M, then P.
+const (
+	E2Decode          E2Term = iota // L: in-flight decode (Preble)
+	E2History                       // L: windowed prefill history (Preble)
+	E2Pending                       // L: prefill queued now (llm-d's queue)
+	E2Interference                  // L: delay this prefill imposes on decodes (prefixlb)
+	E2SelfDecode                    // L: this request's own decode (prefixlb)
+	E2PrefillSlowdown               // L: decodes' share of prefill iterations (prefixlb)
+	E2SlotWait                      // L: wait for a free slot (prefixlb)
+	E2Eviction                      // M: eviction (Preble)
+	E2Prefill                       // P: this request's prefill (Preble)
+	NumE2Terms
+)
+
+// e2TermNames are the terms' names in explanations and JSON: the E2Config
+// field that weighs each less "_weight", or the flag that turns it on.
+var e2TermNames = [NumE2Terms]string{
+	E2Decode:          "decode",
+	E2History:         "history",
+	E2Pending:         "pending",
+	E2Interference:    "interference",
+	E2SelfDecode:      "self_decode",
+	E2PrefillSlowdown: "prefill_slowdown",
+	E2SlotWait:        "slot_wait",
+	E2Eviction:        "eviction",
+	E2Prefill:         "prefill",
+}
+
+// String returns the term's name ("pending", "self_decode", ...).
+func (t E2Term) String() string {
+	if t < 0 || t >= NumE2Terms {
+		return "E2Term(" + strconv.Itoa(int(t)) + ")"
+	}
+	return e2TermNames[t]
+}
+
+// E2Terms is one candidate's E2 cost term by term (indexed by E2Term), each
+// as it enters the cost, weight applied: Candidate.Load is the sum of the L
+// terms, Eviction and Prefill are the last two, and Score their sum. A
+// decision carries them when the request asks (Request.Explain), so that
+// routing does not copy them into every decision. In JSON it is an object
+// keyed by the terms' names, in term order.
+type E2Terms [NumE2Terms]float64
+
+// MarshalJSON implements json.Marshaler: {"decode":0,"history":0,...}.
+func (t E2Terms) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	b.WriteByte('{')
+	for i, x := range t {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		v, err := json.Marshal(x)
+		if err != nil {
+			return nil, err
+		}
+		b.WriteString(strconv.Quote(e2TermNames[i]))
+		b.WriteByte(':')
+		b.Write(v)
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
+}
+
+// UnmarshalJSON implements json.Unmarshaler; names it does not know are
+// ignored.
+func (t *E2Terms) UnmarshalJSON(data []byte) error {
+	var m map[string]float64
+	if err := json.Unmarshal(data, &m); err != nil {
+		return err
+	}
+	*t = E2Terms{}
+	for i, name := range e2TermNames {
+		t[i] = m[name]
+	}
+	return nil
+}
+
+// sum returns L, the sum of the load terms, and the cost, L + M + P. The
+// order of the additions is the cost's since before it had named terms: a
+// different one could move the last bit of a cost, and so a tie.
+func (t *E2Terms) sum() (load, cost float64) {
+	for _, x := range t[:E2Eviction] {
+		load += x
+	}
+	return load, load + t[E2Eviction] + t[E2Prefill]
+}
+
+// termWeights returns the weight of each term under c, the one place where
+// the configuration becomes weights: a term's …Weight field, or 1 for a term
+// a flag turns on (prefill_slowdown, slot_wait) and 0 for one it turns off;
+// P weighs PrefillWeight only with IncludePrefill. The doc comments of
+// DefaultE2Config and PrebleE2Config tabulate them (TestE2ConfigDocs).
+func (c *E2Config) termWeights() [NumE2Terms]float64 {
+	flag := func(on bool) float64 {
+		if on {
+			return 1
+		}
+		return 0
+	}
+	var w [NumE2Terms]float64
+	w[E2Decode] = c.DecodeWeight
+	w[E2History] = c.HistoryWeight
+	w[E2Pending] = c.PendingWeight
+	w[E2Interference] = c.InterferenceWeight
+	w[E2SelfDecode] = c.SelfDecodeWeight
+	w[E2PrefillSlowdown] = flag(c.PrefillSlowdown)
+	w[E2SlotWait] = flag(c.SlotWait)
+	w[E2Eviction] = c.EvictionWeight
+	if c.IncludePrefill {
+		w[E2Prefill] = c.PrefillWeight
+	}
+	return w
+}
+
+// cost prices replica r for req into c: each term at its weight, into t,
+// then their sum (E2Terms.sum, in E2Term order). prefill_slowdown stretches
+// the weighted pending and prefill terms, so it is priced after them.
+func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
+	m := v.MatchedTokens(r, req)
+	missed := req.PromptTokens - m
+	rp := &v.Replicas[r]
+	w := &p.weights
+	pf := 0.0 // P_r before its weight, when a term reads it
+	if w[E2Prefill] > 0 || w[E2Interference] > 0 {
+		pf = p.prefillMemo(v, r, missed, v.SeqFor(r, req))
+	}
+	t[E2Decode] = p.decodeTerm(w[E2Decode], v, r)
+	t[E2History] = p.historyTerm(w[E2History], r)
+	t[E2Pending] = pendingTerm(w[E2Pending], rp)
+	t[E2Interference] = interferenceTerm(w[E2Interference], pf, rp)
+	t[E2SelfDecode] = p.selfDecodeTerm(w[E2SelfDecode], r, req, v)
+	t[E2Eviction] = p.evictionTerm(w[E2Eviction], r, missed, v)
+	t[E2Prefill] = prefillTerm(w[E2Prefill], pf)
+	t[E2PrefillSlowdown] = p.prefillSlowdownTerm(w[E2PrefillSlowdown], v, r, t[E2Pending]+t[E2Prefill])
+	t[E2SlotWait] = p.slotWaitTerm(w[E2SlotWait], r, req, v)
+	c.Replica, c.MatchedTokens = r, m
+	c.Load, c.Score = t.sum()
+	c.Eviction, c.Prefill = t[E2Eviction], t[E2Prefill]
+}
+
+// decodeTerm is Preble's in-flight decode part of L (§3.2: the decode time
+// of the requests running on r), with TPOT the replica's median observed
+// time per output token, or with MarginalDecode the time one more sequence
+// adds to a batched iteration of inflight_r (prefixlb):
+//
+//	decode = w · decode tokens owed on r · (TPOT_r | T_marginal(inflight_r))
+func (p *E2) decodeTerm(w float64, v *View, r int) float64 {
+	if w <= 0 {
+		return 0
+	}
+	return w * p.decodeLoad(v, r)
+}
+
+// historyTerm is Preble's windowed part of L (§3.2: the prefill time of the
+// requests routed to r over the last H minutes), in GPU seconds:
+//
+//	history = w · Σ_{window H} T_prefill of the requests routed to r
+func (p *E2) historyTerm(w float64, r int) float64 {
+	if w <= 0 {
+		return 0
+	}
+	return w * p.rep(r).hist
+}
+
+// pendingTerm is the prefill queued on r now, Q_r, in GPU seconds: llm-d's
+// "queue now" in Preble's currency (prefixlb's extension of L):
+//
+//	pending = w · Q_r
+func pendingTerm(w float64, rp *Replica) float64 {
+	if w <= 0 {
+		return 0
+	}
+	return w * secs(rp.PendingPrefill)
+}
+
+// interferenceTerm is the delay this request's prefill imposes on the
+// requests decoding on r: every iteration that carries a chunk of its prompt
+// also carries one token of each, so its prefill time is added to each of
+// their latencies (prefixlb's extension):
+//
+//	interference = w · P_r · decoding_r
+//
+// (computed as (w·P_r)·decoding_r, as it always was: the order of the
+// product fixes the last bit of the cost).
+func interferenceTerm(w, pf float64, rp *Replica) float64 {
+	if w <= 0 {
+		return 0
+	}
+	return w * pf * float64(rp.Decoding)
+}
+
+// selfDecodeTerm is this request's own decode on r (prefixlb's extension;
+// Preble leaves a request's own decode out): its output after the first
+// token at the decode step of the batch it joins, the requests decoding on
+// r (DecodeBatchInFlight: every request in flight there) plus itself, at
+// most Slots on a slot cache, stretched with DecodePrefillRate by r's
+// windowed prefill rate ρ_r = history/H (prefill that arrives meanwhile
+// shares its iterations):
+//
+//	self_decode = w · (out−1) · T_step(batch_r+1, ctx_r) · (1 + ρ_r)
+func (p *E2) selfDecodeTerm(w float64, r int, req *Request, v *View) float64 {
+	if w <= 0 || req.OutputTokens <= 1 {
+		return 0
+	}
+	rp := &v.Replicas[r]
+	batch := rp.Decoding + 1
+	if p.cfg.DecodeBatchInFlight {
+		batch = rp.InFlight + 1
+	}
+	if rp.Slots > 0 {
+		batch = min(batch, rp.Slots) // a slot cache decodes at most Slots at once
+	}
+	d := float64(req.OutputTokens-1) * p.stepMemo(v, r, batch, decodeContext(rp, req))
+	if p.cfg.DecodePrefillRate {
+		d *= 1 + p.rep(r).hist/p.cfg.Window.Seconds()
+	}
+	return w * d
+}
+
+// prefillSlowdownTerm stretches the queue ahead and this prompt's own
+// prefill by s_r, the share of each chunked-prefill iteration r's running
+// decodes take (decodeShare): chunked prefill carries one token of every
+// running decode in each iteration (prefixlb's extension). stretched is the
+// weighted pending + prefill terms:
+//
+//	prefill_slowdown = w · s_r · (pending + prefill)
+func (p *E2) prefillSlowdownTerm(w float64, v *View, r int, stretched float64) float64 {
+	if w <= 0 {
+		return 0
+	}
+	return w * (p.decodeShare(v, r) * stretched)
+}
+
+// slotWaitTerm is, on a slot cache (Replica.Slots > 0, llama.cpp), the time
+// this request would wait for a free slot when all are taken (prefixlb's
+// extension; Preble's engines queue in a block cache):
+//
+//	slot_wait = w · slotWait(r)
+func (p *E2) slotWaitTerm(w float64, r int, req *Request, v *View) float64 {
+	if w <= 0 {
+		return 0
+	}
+	return w * p.slotWait(r, req, v)
+}
+
+// evictionTerm is Preble's M (§3.2): the windowed prefill work of the cached
+// prefixes that r would evict to make room for the tokens it misses
+// (eviction), or with EvictionRecompute one recompute of each:
+//
+//	eviction = w · Σ_{evicted n} missRate_n · count_n · T_prefill(n)
+func (p *E2) evictionTerm(w float64, r, missed int, v *View) float64 {
+	if w <= 0 || missed <= 0 {
+		return 0
+	}
+	return w * p.eviction(r, missed, v)
+}
+
+// prefillTerm is Preble's P (§3.2): this request's prefill on r, of the
+// tokens r does not cache (credits each replica's cache). Above 1 its
+// weight charges the recompute's delay to the requests that queue behind it
+// (prefixlb); with IncludePrefill off (Preble's prototype) its weight is 0:
+//
+//	prefill = w · T_prefill(missed on r, prompt)
+func prefillTerm(w, pf float64) float64 {
+	if w <= 0 {
+		return 0
+	}
+	return w * pf
+}
+
+// decodeContext is the context per sequence of the decode batch on rp: its
+// decoding requests' mean, or the prompt's when none decodes.
+func decodeContext(rp *Replica, req *Request) int {
+	if rp.Decoding > 0 {
+		return rp.DecodeContextTokens / rp.Decoding
+	}
+	return req.PromptTokens
+}
+
+// decodeShare is s_r, how much longer an iteration of a full prefill chunk
+// of replica r's engine budget (vLLM's max_num_batched_tokens: 512 in
+// Preble's runs, 8192 on an H100) takes with r's running decodes than alone,
+// relative to alone: the bigger the chunk, the smaller the decodes' share.
+// 0 while nothing decodes.
+func (p *E2) decodeShare(v *View, r int) float64 {
+	rp := &v.Replicas[r]
+	if rp.Decoding <= 0 {
+		return 0
+	}
+	ctx := rp.DecodeContextTokens / rp.Decoding
+	prof := v.ProfileOf(r)
+	budget := costmodel.BatchingOf(prof).MaxBatchedTokens
+	if budget <= 0 {
+		budget = costmodel.DefaultBatching.MaxBatchedTokens
+	}
+	// The chunk lives in p: a slice literal would escape through the
+	// profile's interface, one allocation per candidate.
+	p.chunk[0] = costmodel.Chunk{New: budget, Seq: budget}
+	ch := p.chunk[:]
+	chunk := secs(prof.Iteration(costmodel.Batch{Prefill: ch}))
+	mixed := secs(prof.Iteration(costmodel.Batch{Prefill: ch, DecodeSeqs: rp.Decoding, DecodeContext: ctx * rp.Decoding}))
+	if chunk <= 0 {
+		return 0
+	}
+	return mixed/chunk - 1
+}
+
+// tpot returns replica r's median observed time per output token, seeded
+// from its profile's single-sequence decode step (as the profile prices it
+// now: a calibrated one moves as it learns).
+func (p *E2) tpot(v *View, r int) float64 {
+	rs := p.rep(r)
+	if len(rs.tpot) == 0 {
+		return p.stepMemo(v, r, 1, 1024)
+	}
+	if rs.tpotDirty > 0 {
+		buf := slices.Clone(rs.tpot)
+		slices.Sort(buf)
+		rs.tpotMedian = buf[len(buf)/2]
+		rs.tpotDirty = 0
+	}
+	return rs.tpotMedian
+}
+
+// decodeLoad is the in-flight decode on replica r, unweighted (decodeTerm;
+// rebalancing adds it to the load it compares unless MovableLoadOnly).
+func (p *E2) decodeLoad(v *View, r int) float64 {
+	rp := &v.Replicas[r]
+	if rp.DecodeTokens <= 0 {
+		return 0
+	}
+	if p.cfg.MarginalDecode {
+		n := max(rp.InFlight, 1)
+		ctx := 1024
+		if rp.Decoding > 0 {
+			ctx = rp.DecodeContextTokens / rp.Decoding
+		}
+		m := secs(costmodel.MarginalDecode(v.ProfileOf(r), n-1, ctx))
+		return float64(rp.DecodeTokens) * m
+	}
+	return float64(rp.DecodeTokens) * p.tpot(v, r)
+}
+
+// eviction is M(r) unweighted (evictionTerm): if replica r's cache cannot
+// take the tokens this request misses on it, the windowed prefill work of
+// the prefixes it would push out (pretend LRU eviction among nodes no
+// in-flight request on r uses).
+func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
+	bt, prof := v.BlockTokens(), v.ProfileOf(r)
+	if v.Replicas[r].Slots > 0 {
+		// A slot cache overwrites one slot's prompt whole, whatever the
+		// replica's capacity: price the prefixes of that prompt that no
+		// other slot and not this request keep. On a slot cache eviction is
+		// routine (every request overwrites a slot), so a prefix another
+		// replica still holds is not lost to the cluster and costs nothing.
+		if v.Victims == nil {
+			return 0
+		}
+		cost := 0.0
+		v.Victims(r, func(n *prefixtree.Node) bool {
+			if n.CachedCount() <= 1 {
+				cost += p.evictionCost(n, prof, bt)
+			}
+			return true
+		})
+		return cost
+	}
+	capBlocks := prof.KVCapacity() / bt
+	need := v.Tree.CachedBlocks(r) + (missedTokens+bt-1)/bt - capBlocks
+	if need <= 0 {
+		return 0
+	}
+	cost := 0.0
+	freed := 0
+	v.Tree.EachLRU(r, func(n *prefixtree.Node) bool {
+		if n.Ref(r) > 0 {
+			return true
+		}
+		freed += n.Own()
+		cost += p.evictionCost(n, prof, bt)
+		return freed < need
+	})
+	return cost
+}
+
+// evictionCost is what evicting node n costs in M, priced by the evicting
+// replica's profile prof: for an important prefix used in the window, one
+// recompute of it (EvictionRecompute) or the paper's missRate·count·T_prefill;
+// nothing for other nodes.
+func (p *E2) evictionCost(n *prefixtree.Node, prof costmodel.Profile, bt int) float64 {
+	s, ok := n.Ext.(*e2Node)
+	if !ok || !n.Important() || s.count <= 0 {
+		return 0
+	}
+	t := secs(prof.Prefill(n.Own()*bt, (n.Depth()+n.Own())*bt))
+	if p.cfg.EvictionRecompute {
+		return t
+	}
+	miss := 1 - float64(s.hit)/float64(max(s.prompt, 1))
+	return miss * float64(s.count) * t
+}
+
+// slotWait is how long a request would wait on replica rp for a free slot:
+// nothing while it has one (InFlight < Slots, or a block cache). Else it
+// waits for InFlight−Slots+1 of the requests there to finish, Slots of them
+// at a time, each owing on average the replica's remaining work divided by
+// its requests — the remaining prefill, and the remaining output at one
+// batched decode step per token (an M/G/c-style estimate):
+//
+//	wait = (InFlight−Slots+1)/Slots · (pending prefill + decode tokens · T_step(Slots)) / InFlight
+func (p *E2) slotWait(r int, req *Request, v *View) float64 {
+	rp := &v.Replicas[r]
+	if rp.Slots <= 0 || rp.InFlight < rp.Slots {
+		return 0
+	}
+	owed := secs(rp.PendingPrefill) + float64(max(rp.DecodeTokens, 0))*p.stepMemo(v, r, rp.Slots, decodeContext(rp, req))
+	ahead := float64(rp.InFlight - rp.Slots + 1)
+	return ahead / float64(rp.Slots) * owed / float64(rp.InFlight)
+}
