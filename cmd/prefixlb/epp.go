@@ -103,7 +103,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringVar(&f.ports.KVTopic, "kv-topic", "", "KV-event topic prefix; {ip} and {port} are replaced (\"\": all)")
 	fs.DurationVar(&f.scrape, "scrape-interval", time.Second, "how often to read each replica's /metrics (0: never)")
 	fs.StringVar(&f.backendKind, "backend-kind", "auto", "replicas' engine: auto (detect each replica's when it joins and is ready again), vllm, sglang or llamacpp")
-	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) to upstream requests")
+	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) and, with e2, x-prefixlb-route-terms (every term of each candidate's cost) to upstream requests")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
 }

@@ -433,6 +433,9 @@ type Input struct {
 	Body []byte
 	// Session is a session key for affinity ("" none).
 	Session string
+	// Explain asks for the decision's cost terms (policy.Request.Explain:
+	// e2's candidates carry them, Decision.ExplainTerms renders them).
+	Explain bool
 	// Subset, when non-nil, is the gateway's subset hint: the "ip:port"
 	// endpoints the answer must come from.
 	Subset []string
@@ -468,7 +471,7 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 		session = pr.User
 	}
 	req := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: promptTokens,
-		OutputTokens: pr.MaxTokens, Session: session, Unary: !pr.Stream}
+		OutputTokens: pr.MaxTokens, Session: session, Unary: !pr.Stream, Explain: in.Explain}
 	if req.OutputTokens == 0 {
 		req.OutputTokens = p.cfg.DefaultOutputTokens
 	}

@@ -46,6 +46,9 @@ const (
 	SessionHeader = "x-session-id"
 	// RouteHeader explains the decision (as prefixlb serve's x-prefixlb-route).
 	RouteHeader = "x-prefixlb-route"
+	// RouteTermsHeader gives every term of each candidate's cost, by name
+	// (policy.Decision.ExplainTerms; e2 only), beside RouteHeader.
+	RouteTermsHeader = "x-prefixlb-route-terms"
 )
 
 // bodyChunkBytes bounds each streamed body chunk sent back to Envoy: some
@@ -261,7 +264,8 @@ func headerValue(h *corev3.HeaderValue) string {
 // destination (header and metadata), then the body (if haveBody) streamed
 // back unchanged, eos on its last chunk.
 func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
-	pick, err := x.s.p.Pick(x.srv.Context(), Input{Kind: x.kind, Body: x.body, Session: x.session, Subset: x.subset})
+	pick, err := x.s.p.Pick(x.srv.Context(), Input{Kind: x.kind, Body: x.body, Session: x.session, Subset: x.subset,
+		Explain: x.s.cfg.Explain})
 	if err != nil {
 		code := typev3.StatusCode_InternalServerError
 		switch {
@@ -285,6 +289,9 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	set := []*corev3.HeaderValueOption{{Header: &corev3.HeaderValue{Key: DestinationHeader, RawValue: []byte(dest)}}}
 	if x.s.cfg.Explain {
 		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: RouteHeader, RawValue: []byte(pick.Decision.Explain())}})
+		if terms := pick.Decision.ExplainTerms(); terms != "" {
+			set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: RouteTermsHeader, RawValue: []byte(terms)}})
+		}
 	}
 	md, _ := structpb.NewStruct(map[string]any{DestinationNamespace: map[string]any{DestinationHeader: dest}})
 	if err := x.send(&extprocv3.ProcessingResponse{

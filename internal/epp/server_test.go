@@ -486,3 +486,34 @@ func stats(p *Picker) router.Stats {
 	defer p.mu.Unlock()
 	return p.rt.Stats()
 }
+
+// TestExtProcExplainTerms: with Explain, the answer explains e2's decision
+// term by term (x-prefixlb-route-terms) beside x-prefixlb-route; without
+// it, neither header is set.
+func TestExtProcExplainTerms(t *testing.T) {
+	for _, explain := range []bool{true, false} {
+		p := newTestPicker(t, Config{}, 2)
+		e := newEnvoy(t, startServer(t, NewServer(p, ServerConfig{Explain: explain})))
+		e.request("/v1/completions", completionBody("hello there", false), 1<<20, nil)
+		got := map[string]string{}
+		for _, h := range e.recv().GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+			got[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
+		}
+		terms, route := got[RouteTermsHeader], got[RouteHeader]
+		if !explain {
+			if terms != "" || route != "" {
+				t.Errorf("without Explain: %q, %q", route, terms)
+			}
+			continue
+		}
+		if route == "" {
+			t.Error("no x-prefixlb-route")
+		}
+		for _, name := range []string{"r0:", "r1:", "decode=", "history=", "pending=", "interference=", "self_decode=",
+			"prefill_slowdown=", "slot_wait=", "eviction=", "prefill="} {
+			if !strings.Contains(terms, name) {
+				t.Errorf("x-prefixlb-route-terms %q lacks %q", terms, name)
+			}
+		}
+	}
+}
