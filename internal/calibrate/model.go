@@ -274,9 +274,6 @@ func (m *Model) decTheta() *vec {
 // figures (a policy's per-decision memo of them only costs time).
 func (m *Model) Memoized() bool { return true }
 
-// Prior returns the profile the model corrects.
-func (m *Model) Prior() costmodel.Profile { return m.prior }
-
 // Name implements costmodel.Profile: the prior's name.
 func (m *Model) Name() string { return m.prior.Name() }
 
