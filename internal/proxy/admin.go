@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/pprof"
-	"runtime"
 	"strings"
 	"sync"
 
@@ -42,67 +40,6 @@ func (p *Proxy) admin(h http.HandlerFunc) http.HandlerFunc {
 			}
 		}
 		h(w, r)
-	}
-}
-
-// handlePprof serves Go's profiler (net/http/pprof) under /debug/pprof/ on
-// mux, behind the admin token like the other /debug endpoints: the index,
-// cpu (profile), trace, allocs, heap, goroutine, mutex, block, threadcreate,
-// cmdline and symbol.
-//
-// The mutex and block profiles record nothing while their rates are 0, as
-// serve leaves them: a delta request (?seconds=N) turns them on for its N
-// seconds (mutexProfileFraction, blockProfileRate) and off again after.
-func (p *Proxy) handlePprof(mux *http.ServeMux) {
-	mux.HandleFunc("/debug/pprof/", p.admin(func(w http.ResponseWriter, r *http.Request) {
-		switch r.URL.Path {
-		case "/debug/pprof/mutex", "/debug/pprof/block":
-			if r.FormValue("seconds") != "" {
-				defer profileRates.on()()
-			}
-		}
-		pprof.Index(w, r)
-	}))
-	mux.HandleFunc("/debug/pprof/cmdline", p.admin(pprof.Cmdline))
-	mux.HandleFunc("/debug/pprof/profile", p.admin(pprof.Profile))
-	mux.HandleFunc("/debug/pprof/symbol", p.admin(pprof.Symbol))
-	mux.HandleFunc("/debug/pprof/trace", p.admin(pprof.Trace))
-}
-
-// The sampling of the mutex and block profiles while a delta profile of
-// either is being taken: one contention event in mutexProfileFraction,
-// and one blocking event per blockProfileRate nanoseconds blocked.
-const (
-	mutexProfileFraction = 10
-	blockProfileRate     = 10000
-)
-
-// profileRates turns the mutex and block profiles on while at least one
-// delta profile of them is being taken.
-var profileRates rateUsers
-
-type rateUsers struct {
-	mu sync.Mutex
-	n  int
-}
-
-// on turns the profiles on (the first user) and returns the function that
-// turns them off (after the last).
-func (u *rateUsers) on() func() {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	if u.n == 0 {
-		runtime.SetMutexProfileFraction(mutexProfileFraction)
-		runtime.SetBlockProfileRate(blockProfileRate)
-	}
-	u.n++
-	return func() {
-		u.mu.Lock()
-		defer u.mu.Unlock()
-		if u.n--; u.n == 0 {
-			runtime.SetMutexProfileFraction(0)
-			runtime.SetBlockProfileRate(0)
-		}
 	}
 }
 

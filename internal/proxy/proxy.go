@@ -71,10 +71,6 @@ type backend struct {
 	url  *url.URL
 	sub  *kvevents.Subscriber // nil: no KV events, the router mirrors
 	kv   *kvCounters          // with sub
-	// basePath is url's path less a final "/", host its host less an
-	// empty port: what forwarded requests are built from (outRequest).
-	basePath, host string
-	m              *backendMetrics // its children of the metric vectors
 }
 
 // engineState is what the proxy knows of a replica's engine (BackendKind).
@@ -132,11 +128,11 @@ type Proxy struct {
 	adminTok tokenDigest     // digest of cfg.AdminToken, when set
 
 	core    *cluster.Core
-	mu      *sync.Mutex // core.Mu: guards rt, state and engines
+	mu      *sync.Mutex // core.Mu: guards rt, state, engines and dash
 	rt      *router.Router
 	state   []health
 	engines []engineState // by replica id (backendkind.go)
-	dash    dashRing      // recent decisions for the dashboard (dashboard.go), its own lock
+	dash    dashRing      // recent decisions for the dashboard (dashboard.go)
 
 	// hookState, when set (tests), is called after a replica is ejected or
 	// re-admitted, outside the lock.
@@ -223,8 +219,7 @@ func New(cfg Config) (*Proxy, error) {
 				return nil, fmt.Errorf("proxy: config: backends[%d].profile: %w", i, err)
 			}
 		}
-		be := newBackend(id, name, u)
-		be.m = p.m.forBackend(core.Policy, name)
+		be := &backend{id: id, name: name, url: u}
 		if b.KVEvents != "" {
 			if err := p.addSubscriber(be, b); err != nil {
 				return nil, fmt.Errorf("proxy: backend %s: %w", name, err)
@@ -247,11 +242,7 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
 	p.fwd = &http.Transport{
-		DialContext: dialer.DialContext,
-		// A request's headers and a 4k-token prompt (~25 KB) go out in one
-		// write, from the connection's buffer, with no copy buffer per
-		// request.
-		WriteBufferSize:       64 << 10,
+		DialContext:           dialer.DialContext,
 		ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
 		IdleConnTimeout:       90 * time.Second,
 		MaxIdleConnsPerHost:   256,
@@ -275,9 +266,8 @@ func (p *Proxy) Config() Config { return p.cfg }
 // Handler returns the proxy's HTTP handler: /v1/* forwarded (completions
 // and chat routed by prompt), /v1/models (the union of the replicas'),
 // /health, /metrics, the debug endpoints POST /debug/route, GET
-// /debug/replicas, GET /debug/cache and Go's profiler under /debug/pprof/,
-// and the dashboard at /ui with its JSON at /ui/state.json (bearer
-// AdminToken when set).
+// /debug/replicas and GET /debug/cache, and the dashboard at /ui with its
+// JSON at /ui/state.json (bearer AdminToken when set).
 func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindCompletion) }))
@@ -289,7 +279,6 @@ func (p *Proxy) Handler() http.Handler {
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
 	mux.HandleFunc("GET /debug/replicas", p.admin(p.serveDebugReplicas))
 	mux.HandleFunc("GET /debug/cache", p.admin(p.serveDebugCache))
-	p.handlePprof(mux)
 	mux.Handle("/ui", p.dashboardHandler())
 	mux.Handle("/ui/", p.dashboardHandler())
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -378,15 +367,12 @@ func (p *Proxy) Close() {
 }
 
 // route decides where req goes, excluding the replicas in exclude (tried
-// already), and commits the decision in the core. The dashboard records it
-// after the core's lock is released.
+// already), and commits the decision in the core.
 func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, error) {
 	now := time.Now()
-	d, err := func() (policy.Decision, error) {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return p.rt.RouteWithin(req, now, router.Constraint{Exclude: exclude})
-	}()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	d, err := p.rt.RouteWithin(req, now, router.Constraint{Exclude: exclude})
 	if err == nil {
 		p.dash.record(now, req.PromptTokens, &d)
 	}
