@@ -79,12 +79,8 @@ func (s *Sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blo
 	now := time.Now()
 	s.Core.Mu.Lock()
 	defer s.Core.Mu.Unlock()
-	id := s.ID(name)
-	switch {
-	case id < 0:
-		return
-	case medium != kvevents.MediumGPU:
-		s.applied(name, OutcomeCPUIgnored)
+	id, ok := s.onGPU(name, medium)
+	if !ok {
 		return
 	}
 	err := s.Core.Router.CacheStored(id, parent, hasParent, keys, now)
@@ -104,12 +100,8 @@ func (s *Sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blo
 func (s *Sink) Removed(name string, keys []blocks.Key, medium string) {
 	s.Core.Mu.Lock()
 	defer s.Core.Mu.Unlock()
-	id := s.ID(name)
-	switch {
-	case id < 0:
-		return
-	case medium != kvevents.MediumGPU:
-		s.applied(name, OutcomeCPUIgnored)
+	id, ok := s.onGPU(name, medium)
+	if !ok {
 		return
 	}
 	if err := s.Core.Router.CacheRemoved(id, keys); err != nil {
@@ -132,6 +124,20 @@ func (s *Sink) Cleared(name string) {
 		return
 	}
 	s.applied(name, OutcomeCleared)
+}
+
+// onGPU returns replica name's router ID for an event on medium (Core.Mu
+// held); ok is false when there is nothing to apply: a replica ID does
+// not know, or blocks off the GPU (counted as cpu_ignored).
+func (s *Sink) onGPU(name, medium string) (id int, ok bool) {
+	if id = s.ID(name); id < 0 {
+		return id, false
+	}
+	if medium != kvevents.MediumGPU {
+		s.applied(name, OutcomeCPUIgnored)
+		return id, false
+	}
+	return id, true
 }
 
 func (s *Sink) applied(name, outcome string) {

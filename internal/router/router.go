@@ -735,13 +735,8 @@ func (r *Router) FlightLoad(id uint64) (l ExternalLoad, ok bool) {
 
 // UpCount is the number of replicas up (SetUp).
 func (r *Router) UpCount() int {
-	n := 0
-	for i := range r.reps {
-		if r.reps[i].Up {
-			n++
-		}
-	}
-	return n
+	v := policy.View{Replicas: r.reps}
+	return v.Up()
 }
 
 // InFlight is the number of requests routed and not finished.
