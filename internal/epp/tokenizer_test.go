@@ -18,19 +18,16 @@ import (
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/promtest"
+	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
-// qwen3Tok loads the bundled tokenizer once for the package's tests (a
-// few seconds under -race).
-var qwen3Tok = sync.OnceValues(func() (*tokenize.Tokenizer, error) { return keying.LoadTokenizer(keying.TokenizerQwen3) })
-
 func testTokenizer(t *testing.T) *tokenize.Tokenizer {
 	t.Helper()
-	tok, err := qwen3Tok()
+	tok, err := qwen3.Shared()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/prefixlb/prefixlb/internal/openai"
@@ -15,13 +14,9 @@ import (
 	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 )
 
-// qwen3Tok loads the bundled tokenizer once for the package's tests (it
-// takes about a second).
-var qwen3Tok = sync.OnceValues(qwen3.Load)
-
 func testTokenizer(t testing.TB) *tokenize.Tokenizer {
 	t.Helper()
-	tok, err := qwen3Tok()
+	tok, err := qwen3.Shared()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,12 +10,9 @@ import (
 	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 )
 
-// qwen3Tok loads the bundled tokenizer once for the package's tests.
-var qwen3Tok = sync.OnceValues(qwen3.Load)
-
 func testTokenizer(t testing.TB) *tokenize.Tokenizer {
 	t.Helper()
-	tok, err := qwen3Tok()
+	tok, err := qwen3.Shared()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,7 +24,7 @@ func testTokenizer(t testing.TB) *tokenize.Tokenizer {
 // recognises, so it always renders through Jinja. It shares the test
 // tokenizer's vocabulary and caches.
 var jinjaQwen3 = sync.OnceValues(func() (*tokenize.Tokenizer, error) {
-	tok, err := qwen3Tok()
+	tok, err := qwen3.Shared()
 	if err != nil {
 		return nil, err
 	}

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"encoding/json"
-	"sync"
 	"testing"
 
 	"github.com/prefixlb/prefixlb/internal/openai"
@@ -20,13 +19,9 @@ type chunkInfo struct {
 	Error json.RawMessage `json:"error"`
 }
 
-// qwen3Tok loads the bundled tokenizer once for the package's tests (it
-// takes about a second).
-var qwen3Tok = sync.OnceValues(qwen3.Load)
-
 func testTokenizer(t testing.TB) *tokenize.Tokenizer {
 	t.Helper()
-	tok, err := qwen3Tok()
+	tok, err := qwen3.Shared()
 	if err != nil {
 		t.Fatal(err)
 	}

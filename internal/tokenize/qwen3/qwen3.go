@@ -12,6 +12,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
@@ -27,6 +28,10 @@ var tokenizerConfigJSON []byte
 func Load() (*tokenize.Tokenizer, error) {
 	return tokenize.NewGzip(tokenizerJSONGz, tokenizerConfigJSON)
 }
+
+// Shared is Load done once per process: every caller gets the same
+// tokenizer (tests of several packages load it this way).
+var Shared = sync.OnceValues(Load)
 
 // WriteDir writes the tokenizer as a Hugging Face tokenizer directory
 // (tokenizer.json and tokenizer_config.json) into dir, for tools that read
