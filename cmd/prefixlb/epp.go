@@ -12,6 +12,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/epp"
@@ -96,11 +97,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.DurationVar(&f.stateTTL, "state-ttl", 15*time.Second, "how long a dead router's counts outlive it")
 	fs.StringVar(&f.routerID, "router-id", "", "this router's id in the shared state (default $POD_NAME, else hostname-pid)")
 	fs.StringVar(&f.pool, "pool", "", "key namespace in the shared state (default: the --discovery target)")
-	fs.IntVar(&f.ports.HTTP, "http-port", 0, "replicas' OpenAI port (0: the pool's targetPort or the Service's http port)")
-	fs.IntVar(&f.ports.Metrics, "metrics-port", 0, "replicas' metrics port (0: the HTTP port; -1: do not scrape)")
-	fs.IntVar(&f.ports.KVEvents, "kv-events-port", 0, "replicas' KV-event PUB port, e.g. 5557 (0: none)")
-	fs.IntVar(&f.ports.KVReplay, "kv-replay-port", 0, "replicas' KV-event replay port (0: kv-events-port+1; -1: none)")
-	fs.StringVar(&f.ports.KVTopic, "kv-topic", "", "KV-event topic prefix; {ip} and {port} are replaced (\"\": all)")
+	portFlags(fs, &f.ports, "")
 	fs.DurationVar(&f.scrape, "scrape-interval", time.Second, "how often to read each replica's /metrics (0: never)")
 	fs.StringVar(&f.backendKind, "backend-kind", "auto", "replicas' engine: auto (detect each replica's when it joins and is ready again), vllm, sglang or llamacpp")
 	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) and, with e2, x-prefixlb-route-terms (every term of each candidate's cost) to upstream requests")
@@ -137,4 +134,15 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
 		Kubeconfig: f.kubeconfig, Ports: f.ports, State: f.state, RouterID: f.routerID, Pool: f.pool,
 		StateTTL: f.stateTTL, Logger: log})
+}
+
+// portFlags binds the flags that place each discovered replica's
+// endpoints (discovery.Ports), for epp and serve --discovery; note
+// prefixes their help.
+func portFlags(fs *pflag.FlagSet, p *discovery.Ports, note string) {
+	fs.IntVar(&p.HTTP, "http-port", 0, note+"replicas' OpenAI port (0: the pool's targetPort or the Service's http port)")
+	fs.IntVar(&p.Metrics, "metrics-port", 0, note+"replicas' metrics port (0: the HTTP port; -1: do not scrape)")
+	fs.IntVar(&p.KVEvents, "kv-events-port", 0, note+"replicas' KV-event PUB port, e.g. 5557 (0: none)")
+	fs.IntVar(&p.KVReplay, "kv-replay-port", 0, note+"replicas' KV-event replay port (0: kv-events-port+1; -1: none)")
+	fs.StringVar(&p.KVTopic, "kv-topic", "", note+"KV-event topic prefix; {ip} and {port} are replaced (\"\": all)")
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/proxy"
 )
@@ -28,6 +29,7 @@ type serveFlags struct {
 	backends    string
 	kvEvents    string
 	config      string
+	ports       discovery.Ports // --http-port .. --kv-topic, with --discovery
 	logLevel    string
 	backendKind string
 }
@@ -68,6 +70,13 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"tree-max-blocks":         func() { c.TreeMaxBlocks = f.cfg.TreeMaxBlocks },
 		"tokenizer":               func() { c.Tokenizer = f.cfg.Tokenizer },
 		"backend-kind":            func() { c.BackendKind = upstream.Kind(f.backendKind) },
+		"discovery":               func() { c.Discovery = f.cfg.Discovery },
+		"kubeconfig":              func() { c.Kubeconfig = f.cfg.Kubeconfig },
+		"http-port":               func() { c.DiscoveryPorts.HTTP = f.ports.HTTP },
+		"metrics-port":            func() { c.DiscoveryPorts.Metrics = f.ports.Metrics },
+		"kv-events-port":          func() { c.DiscoveryPorts.KVEvents = f.ports.KVEvents },
+		"kv-replay-port":          func() { c.DiscoveryPorts.KVReplay = f.ports.KVReplay },
+		"kv-topic":                func() { c.DiscoveryPorts.KVTopic = f.ports.KVTopic },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -124,10 +133,18 @@ speed from what it serves — prefill from the busy periods between routing and
 first tokens, decode from the median gap between streamed tokens, and
 llama.cpp's own timings when its responses carry them — and prices with that
 (prefixlb_replica_prefill_seconds_per_1k_tokens, ..._decode_step_seconds,
-GET /debug/replicas; docs/calibration.md).`,
+GET /debug/replicas; docs/calibration.md).
+
+Dynamic membership: --discovery service:NS/NAME or inferencepool:NS/NAME (or a
+discovery block in the config file) adds the ready endpoints of a Kubernetes
+Service or the pods of an InferencePool as they come and removes them as they
+go, beside --backend or instead of it, exactly as prefixlb epp finds its pods;
+--http-port, --metrics-port, --kv-events-port, --kv-replay-port and --kv-topic
+place each pod's endpoints (docs/kubernetes.md).`,
 		Example: `  prefixlb serve --listen :8080 --backend http://10.0.0.1:8000,http://10.0.0.2:8000
   prefixlb serve --backend http://a:8000,http://b:8000 --kv-events tcp://a:5557,tcp://b:5557
-  prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"`,
+  prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"
+  prefixlb serve --discovery service:llm/vllm --http-port 8000 --kv-events-port 5557`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -172,6 +189,9 @@ GET /debug/replicas; docs/calibration.md).`,
 	fs.DurationVar(&d.DrainTimeout, "drain-timeout", d.DrainTimeout, "how long shutdown waits for in-flight requests")
 	fs.StringVar(&f.backendKind, "backend-kind", string(upstream.Auto), "replicas' engine: auto (detect each replica's at start and on re-admission), vllm, sglang or llamacpp; a backend's kind in --config wins")
 	fs.StringVar(&d.Tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
+	fs.StringVar(&d.Discovery, "discovery", "", "Kubernetes replicas that come and go: service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME (beside or instead of --backend)")
+	fs.StringVar(&d.Kubeconfig, "kubeconfig", "", "kubeconfig file for --discovery (default $KUBECONFIG, else the in-cluster config)")
+	portFlags(fs, &f.ports, "with --discovery: ")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
 }
@@ -207,8 +227,8 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		cfg.AdminToken = os.Getenv("PREFIXLB_ADMIN_TOKEN")
 	}
 	cfg.Logger = log
-	if len(cfg.Backends) == 0 {
-		return errors.New("serve: no replicas: give --backend URL[,URL..] or backends in --config")
+	if len(cfg.Backends) == 0 && cfg.Discovery == "" {
+		return errors.New("serve: no replicas: give --backend URL[,URL..], --discovery TARGET, or backends in --config")
 	}
 	p, err := proxy.New(cfg)
 	if err != nil {
@@ -230,7 +250,7 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		}
 	}
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
-		"backends", strings.Join(names, ","), "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
+		"backends", strings.Join(names, ","), "discovery", cfg.Discovery, "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
 
 	if err := p.RunAndServe(ctx, ln); err != nil {
 		return fmt.Errorf("serve: %w", err)

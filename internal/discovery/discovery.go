@@ -1,7 +1,8 @@
-// Package discovery finds the model-server pods an endpoint picker routes
-// to, in Kubernetes: the ready endpoints of a Service (its EndpointSlices)
-// or the pods an InferencePool selects. Replicas that appear, disappear or
-// change readiness are reported to a Registry (the picker).
+// Package discovery finds the replicas a router fronts: in Kubernetes the
+// ready endpoints of a Service (its EndpointSlices) or the pods an
+// InferencePool selects, or a static list. Replicas that appear, disappear
+// or change readiness are reported to a Registry (a cluster.Pool, under
+// epp or serve).
 //
 // It reads only endpointslices (Service mode), or pods and inferencepools
 // (InferencePool mode), with get/list/watch: deploy/ grants nothing more.
@@ -15,26 +16,14 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/prefixlb/prefixlb/internal/cluster"
 )
 
-// Replica is one model-server pod. Its fields match epp.Replica's one for
-// one, so that one converts to the other.
-type Replica struct {
-	// Name identifies the replica (the pod's name).
-	Name string
-	// Address is "ip:port", what the gateway forwards to.
-	Address string
-	// MetricsURL is the replica's Prometheus page ("": none).
-	MetricsURL string
-	// KVEvents is the replica's KV-event PUB socket ("": none).
-	KVEvents string
-	// KVReplay is the replica's replay ROUTER socket ("": none).
-	KVReplay string
-	// KVTopic is the subscription prefix ("": every topic).
-	KVTopic string
-	// Ready says whether the pod is ready to take requests.
-	Ready bool
-}
+// Replica is one model-server pod: the replica of a cluster.Pool that
+// discovery registers (Name the pod's, Address its "ip:port", its metrics
+// page and KV-event sockets placed by ports, Ready its readiness).
+type Replica = cluster.Replica
 
 // Registry receives the replicas. Calls come from one goroutine at a time.
 type Registry interface {

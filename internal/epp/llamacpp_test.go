@@ -70,7 +70,7 @@ func (f *engineFake) replica(name string) Replica {
 func runPicker(t *testing.T, p *Picker) chan upstream.Detection {
 	t.Helper()
 	ch := make(chan upstream.Detection, 16)
-	p.onDetect = func(_ string, d upstream.Detection) { ch <- d }
+	p.pool.Hooks.Detected = func(_ string, d upstream.Detection) { ch <- d }
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -120,7 +120,10 @@ func TestPickerLlamaCpp(t *testing.T) {
 	if d := waitDetection(t, detected); d.Kind != upstream.LlamaCpp || d.Slots != 2 || d.Via != "metrics" {
 		t.Fatalf("detected %+v", d)
 	}
-	p.scrape(context.Background(), &http.Client{}, p.byName["l0"])
+	p.mu.Lock()
+	l0 := p.pool.ByName("l0")
+	p.mu.Unlock()
+	p.pool.Scrape(context.Background(), l0)
 
 	tests := []struct {
 		name, fixture string
@@ -201,7 +204,7 @@ func TestPickerReDetects(t *testing.T) {
 	}
 	p.mu.Lock()
 	v, _ := p.rt.CacheView(0)
-	kind := p.byName["r0"].kind
+	kind := p.pool.ByName("r0").Kind()
 	p.mu.Unlock()
 	if v.Slots != 0 || kind != upstream.VLLM {
 		t.Errorf("after re-detection: kind %s, router slots %d", kind, v.Slots)
@@ -222,7 +225,10 @@ func TestPickerConfiguredKind(t *testing.T) {
 		if m := getBody(t, p.MetricsHandler(), "/metrics"); !strings.Contains(m, `prefixlb_replica_info{kind="vllm",replica="r0"} 1`) {
 			t.Error("no replica_info for r0")
 		}
-		if p.byName["r0"].kindDue || f.props.Load() != 0 {
+		p.mu.Lock()
+		due := p.pool.StateOf(p.pool.ByName("r0")).KindDue
+		p.mu.Unlock()
+		if due || f.props.Load() != 0 {
 			t.Errorf("a configured vLLM replica is due a detection (props read %d times)", f.props.Load())
 		}
 	})

@@ -8,7 +8,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/prefixlb/prefixlb/internal/calmetrics"
 	"github.com/prefixlb/prefixlb/internal/cluster"
 )
 
@@ -86,7 +85,7 @@ func newMetrics(p *Picker) *metrics {
 		}, []string{"kind"}),
 	}
 	m.Reg.MustRegister(m.prompt, m.matched, m.latency, m.immediate, m.streams, m.streamsN, m.errors,
-		stateCollector{p}, cluster.CacheCollector{Rows: p.cacheRows}, calmetrics.Collector{Rows: p.calibrationRows})
+		stateCollector{p})
 	for _, c := range immediateCodes {
 		m.immediate.WithLabelValues(strconv.Itoa(c))
 	}
@@ -112,24 +111,14 @@ func (m *metrics) replicaRemoved(name string) {
 	m.matched.DeletePartialMatch(l)
 }
 
-// The router-state gauges, read at scrape time.
+// The router-state gauges, read at scrape time (the pool's own —
+// readiness, tree size, tokenizer checks, cache views, calibration — are
+// cluster.Pool's).
 var (
 	descInflight = prometheus.NewDesc("prefixlb_inflight",
 		"Requests this picker routed to the replica and has not seen finish.", []string{"replica"}, nil)
 	descShared = prometheus.NewDesc("prefixlb_epp_shared_inflight",
 		"The other pickers' in-flight requests on the replica, as last read from the shared state (--state).", []string{"replica"}, nil)
-	descUp = prometheus.NewDesc("prefixlb_replica_up",
-		"1 if the replica takes requests (its pod is ready), 0 if not.", []string{"replica"}, nil)
-	descTree = prometheus.NewDesc("prefixlb_tree_blocks",
-		"Blocks held by the router's global prefix tree (bounded by tree_max_blocks).", nil, nil)
-	// The tokenizer check's (tokenizer.go), with a tokenizer keyer only;
-	// names and help are prefixlb serve's.
-	descTokMatch = prometheus.NewDesc("prefixlb_tokenizer_match",
-		"Whether the router's tokenizer gives the replica's /tokenize ids on the probe prompt and chat: 1 yes, 0 no, -1 unknown (not probed yet, or /tokenize failed).",
-		[]string{"replica"}, nil)
-	descTokFallback = prometheus.NewDesc("prefixlb_tokenizer_fallback",
-		"1 while some replica's tokenizer differs from the router's, so text and chat prompts are keyed by text chunks instead of token ids.",
-		nil, nil)
 )
 
 // stateCollector reads the router's state under the picker's lock.
@@ -139,12 +128,6 @@ type stateCollector struct{ p *Picker }
 func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descInflight
 	ch <- descShared
-	ch <- descUp
-	ch <- descTree
-	if c.p.tok != nil {
-		ch <- descTokMatch
-		ch <- descTokFallback
-	}
 }
 
 // Collect implements prometheus.Collector.
@@ -152,30 +135,11 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 	p := c.p
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, r := range p.slots {
-		if r == nil {
-			continue
-		}
-		st, _ := p.rt.Replica(r.id)
-		ext := p.rt.ExternalLoad(r.id).InFlight
-		up := 0.0
-		if r.Ready {
-			up = 1
-		}
-		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(st.InFlight-ext), r.Name)
-		ch <- prometheus.MustNewConstMetric(descShared, prometheus.GaugeValue, float64(ext), r.Name)
-		ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, up, r.Name)
-		if p.tok != nil {
-			ch <- prometheus.MustNewConstMetric(descTokMatch, prometheus.GaugeValue, float64(r.tokState), r.Name)
-		}
-	}
-	ch <- prometheus.MustNewConstMetric(descTree, prometheus.GaugeValue, float64(p.rt.Tree().Blocks()))
-	if p.tok != nil {
-		fallback := 0.0
-		if p.tok.keyer.Fallback() {
-			fallback = 1
-		}
-		ch <- prometheus.MustNewConstMetric(descTokFallback, prometheus.GaugeValue, fallback)
+	for _, m := range p.pool.Members() {
+		st, _ := p.rt.Replica(m.ID)
+		ext := p.rt.ExternalLoad(m.ID).InFlight
+		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(st.InFlight-ext), m.Name)
+		ch <- prometheus.MustNewConstMetric(descShared, prometheus.GaugeValue, float64(ext), m.Name)
 	}
 }
 
@@ -188,29 +152,3 @@ func (p *Picker) MetricsHandler() http.Handler {
 // Registry is the picker's private Prometheus registry, for callers that
 // add collectors of their own.
 func (p *Picker) Registry() *prometheus.Registry { return p.m.Reg }
-
-// cacheRows snapshots the router's cache view and the engine of each
-// replica, under the picker's lock (cluster.CacheCollector).
-func (p *Picker) cacheRows() []cluster.CacheRow {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	rows := make([]cluster.CacheRow, 0, len(p.byName))
-	for _, r := range p.byName {
-		v, _ := p.rt.CacheView(r.id)
-		rows = append(rows, cluster.CacheRow{Name: r.Name, Cache: v, Kind: r.kind})
-	}
-	return rows
-}
-
-// calibrationRows snapshots each replica's calibration for the metrics
-// (calmetrics, the same series as prefixlb serve's).
-func (p *Picker) calibrationRows() []calmetrics.Row {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	rows := make([]calmetrics.Row, 0, len(p.byName))
-	for _, r := range p.byName {
-		fit, st, ok := p.rt.Calibration(r.id)
-		rows = append(rows, calmetrics.Row{Replica: r.Name, Calibrated: ok, Fit: fit, Stats: st})
-	}
-	return rows // in any order: the registry sorts a family's series
-}

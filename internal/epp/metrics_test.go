@@ -214,7 +214,7 @@ func TestTokenizerKeysMatchKVEvents(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			p := tc.p
 			applied := make(chan struct{}, 1)
-			p.onKV = func() {
+			p.pool.Hooks.KV = func() {
 				select {
 				case applied <- struct{}{}:
 				default:

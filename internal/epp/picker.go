@@ -29,8 +29,6 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/calibrate"
-	"github.com/prefixlb/prefixlb/internal/costmodel"
-	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
@@ -44,25 +42,9 @@ var (
 	ErrShed = errors.New("epp: every endpoint is saturated")
 )
 
-// Replica is one model-server pod as discovery reports it. Its fields match
-// discovery.Replica's one for one, so that one converts to the other.
-type Replica struct {
-	// Name identifies the replica (the pod's name); unique in the pool.
-	Name string
-	// Address is "ip:port", what the gateway forwards to.
-	Address string
-	// MetricsURL is the replica's Prometheus page ("": not scraped).
-	MetricsURL string
-	// KVEvents is the replica's KV-event PUB socket "tcp://ip:5557" (""
-	// none: the router mirrors the replica's cache from its decisions).
-	KVEvents string
-	// KVReplay is the replica's replay ROUTER socket ("": none).
-	KVReplay string
-	// KVTopic is the subscription prefix ("": every topic).
-	KVTopic string
-	// Ready says whether the pod is ready to take requests.
-	Ready bool
-}
+// Replica is one model-server pod as discovery reports it
+// (cluster.Replica: discovery.Replica is the same type).
+type Replica = cluster.Replica
 
 // Shared is the in-flight load of the other routers that front the same
 // pool (sharedstate.Redis, sharedstate.Memory). Implementations must be
@@ -212,74 +194,34 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-// replica is a Replica and its slot in the router.
-type replica struct {
-	Replica
-	id     int
-	stop   context.CancelFunc // ends its feeds (nil: not started)
-	loaded bool               // the last scrape succeeded
-	// The tokenizer check (tokenizer.go), when on: tokDue says a check is
-	// due (it joined, was ready again, or did not answer), tokState is
-	// what the last answered one found, and tokWake wakes its loop.
-	tokDue   bool
-	tokState keying.TokenizerState
-	tokWake  chan struct{}
-	// The backend kind (backendkind.go): kind is the one in effect
-	// (proxy.BackendUnknown until detected), slots a slot cache's slot
-	// count, kindDue says a detection is due, kindWake wakes its loop;
-	// kvTokens is the last scraped llamacpp:kv_cache_tokens (-1 unknown).
-	kind     upstream.Kind
-	slots    int
-	kindDue  bool
-	kindWake chan struct{}
-	kvTokens int
-}
-
 // flight is a request routed and not finished: what it added to the
 // shared load, so that exactly that comes off again.
 type flight struct {
 	req     policy.Request
-	replica *replica
+	replica *cluster.Member
 	load    router.ExternalLoad // still published (shared state)
 	matched int                 // prompt tokens predicted cached there
 	first   bool
 }
 
-// Picker is the routing core of the endpoint picker. It is safe for
-// concurrent use: one mutex serialises the router, as in internal/proxy.
+// Picker is the routing core of the endpoint picker over a cluster.Pool:
+// the replicas with their feeds, one lock over the router. It is safe for
+// concurrent use.
 type Picker struct {
 	cfg    Config
 	log    *slog.Logger
-	prof   costmodel.Profile
 	policy string // the policy's name, a metrics label
 	m      *metrics
 	nextID atomic.Uint64
-	core   *cluster.Core
+	pool   *cluster.Pool
 
-	mu      *sync.Mutex // core.Mu: guards everything below
+	mu      *sync.Mutex // the core's Mu: guards everything below
 	rt      *router.Router
-	sink    *cluster.Sink // applies the replicas' KV events to core
-	allowed []int         // scratch: the replicas a decision may choose (pickLocked)
-	byName  map[string]*replica
-	byAddr  map[string]*replica
-	slots   []*replica // by router ID; nil for a free slot
+	allowed []int // scratch: the replicas a decision may choose (pickLocked)
 	flights map[uint64]*flight
 	others  map[string]router.ExternalLoad // last good Shared.Others
-	runCtx  context.Context                // set while Run runs
-	tok     *tokenizerChecks               // nil unless the keyer is a *keying.TokenizerKeyer; its state is in the replicas
-	kind    upstream.Kind                  // Config.BackendKind, parsed; each replica's own is in the replica
-	// onDetect, when set (by tests), is called after each backend-kind
-	// detection, without p.mu, once its result is recorded.
-	onDetect func(name string, d upstream.Detection)
-	// onTokenizer, when set (by tests), is called after each tokenizer
-	// check, without p.mu, once its result is recorded.
-	onTokenizer func(name string, state keying.TokenizerState, err error)
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
-	// onKV, when set (by tests), is called with p.mu held after each KV
-	// event applied to the router.
-	onKV func()
-	wg   sync.WaitGroup // the replicas' feeds
 }
 
 // NewPicker returns a Picker with no replicas. It starts nothing.
@@ -301,122 +243,35 @@ func NewPicker(cfg Config) (*Picker, error) {
 		return nil, fmt.Errorf("epp: %w", err)
 	}
 	cfg.Keyer = core.Keyer
-	kind, _ := upstream.ParseKind(string(cfg.BackendKind)) // validated
 	p := &Picker{
-		cfg: cfg, log: cfg.Logger, core: core, mu: &core.Mu, prof: core.Profile, policy: core.Policy,
-		rt: core.Router, kind: kind,
-		byName:  make(map[string]*replica),
-		byAddr:  make(map[string]*replica),
+		cfg: cfg, log: cfg.Logger, mu: &core.Mu, policy: core.Policy, rt: core.Router,
 		flights: make(map[uint64]*flight),
 	}
-	if tk, ok := cfg.Keyer.(*keying.TokenizerKeyer); ok {
-		p.tok = newTokenizerChecks(tk, &cfg)
-	}
 	p.m = newMetrics(p)
-	p.sink = p.kvSink()
+	p.pool, err = cluster.NewPool(core, p.m.Metrics, cluster.PoolConfig{Kind: cfg.BackendKind,
+		ScrapeInterval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout, Logger: cfg.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("epp: %w", err)
+	}
+	p.pool.Hooks.Removed = func(m *cluster.Member) { p.m.replicaRemoved(m.Name) }
 	return p, nil
 }
 
+// Pool is the picker's replicas: discovery registers them there (Add,
+// Remove, SetReady).
+func (p *Picker) Pool() *cluster.Pool { return p.pool }
+
 // Add adds a replica, or updates one of the same name (an address or a
 // port that changed makes it a new replica: the old one leaves first).
-func (p *Picker) Add(r Replica) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if old, ok := p.byName[r.Name]; ok {
-		if old.Address == r.Address && old.KVEvents == r.KVEvents && old.KVReplay == r.KVReplay &&
-			old.KVTopic == r.KVTopic && old.MetricsURL == r.MetricsURL {
-			p.setReady(old, r.Ready)
-			return
-		}
-		p.remove(old)
-	}
-	now := time.Now()
-	rep := &replica{Replica: r, id: -1, tokState: keying.TokenizerUnknown, tokWake: make(chan struct{}, 1),
-		kindWake: make(chan struct{}, 1)}
-	p.markTokenizerDue(rep)
-	// Reuse a free slot with nothing left in flight, else add one.
-	for id, s := range p.slots {
-		if s != nil {
-			continue
-		}
-		if st, err := p.rt.Replica(id); err == nil && st.InFlight == 0 {
-			rep.id = id
-			break
-		}
-	}
-	if rep.id < 0 {
-		rep.id = p.rt.AddReplica(r.Name, r.KVEvents != "")
-		p.slots = append(p.slots, nil)
-	} else {
-		_ = p.rt.CacheCleared(rep.id)
-		_ = p.rt.SetEvents(rep.id, r.KVEvents != "")
-		_ = p.rt.ReplicaLoad(rep.id, -1, -1, -1)
-		// Another pod: its speed is learnt afresh from the profile.
-		_ = p.rt.SetProfile(rep.id, p.prof)
-	}
-	_ = p.rt.SetUp(rep.id, r.Ready, now)
-	p.initKind(rep)
-	p.slots[rep.id] = rep
-	p.byName[r.Name] = rep
-	p.byAddr[r.Address] = rep
-	p.m.ReplicaAdded(r.Name, r.KVEvents != "")
-	if p.runCtx != nil {
-		p.start(rep)
-	}
-	p.log.Info("epp: replica added", "replica", r.Name, "address", r.Address, "ready", r.Ready, "kv_events", r.KVEvents)
-}
+func (p *Picker) Add(r Replica) { p.pool.Add(r) }
 
 // Remove takes replica name out of the pool: it is never picked again and
 // its cache leaves the router's tree. Requests in flight on it finish as
 // usual.
-func (p *Picker) Remove(name string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if r, ok := p.byName[name]; ok {
-		p.remove(r)
-		p.log.Info("epp: replica removed", "replica", name)
-	}
-}
-
-func (p *Picker) remove(r *replica) {
-	now := time.Now()
-	_ = p.rt.SetUp(r.id, false, now)
-	_ = p.rt.CacheCleared(r.id)
-	_ = p.rt.SetExternalLoad(r.id, router.ExternalLoad{})
-	if r.stop != nil {
-		r.stop()
-	}
-	p.m.KV.Index.Forget(r.Name)
-	p.m.replicaRemoved(r.Name)
-	p.slots[r.id] = nil
-	delete(p.byName, r.Name)
-	if p.byAddr[r.Address] == r {
-		delete(p.byAddr, r.Address)
-	}
-	p.setTokenizerFallback() // it may have been the one that mismatched
-}
+func (p *Picker) Remove(name string) { p.pool.Remove(name) }
 
 // SetReady marks replica name ready or not (a pod's readiness).
-func (p *Picker) SetReady(name string, ready bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if r, ok := p.byName[name]; ok {
-		p.setReady(r, ready)
-	}
-}
-
-func (p *Picker) setReady(r *replica, ready bool) {
-	if r.Ready == ready {
-		return
-	}
-	r.Ready = ready
-	_ = p.rt.SetUp(r.id, ready, time.Now())
-	if ready {
-		p.markTokenizerDue(r) // a pod that is ready again may run another build
-		p.markKindDue(r)      // or another engine
-	}
-	p.log.Info("epp: replica readiness", "replica", r.Name, "ready", ready)
-}
+func (p *Picker) SetReady(name string, ready bool) { p.pool.SetReady(name, ready) }
 
 // Ready returns the number of ready replicas.
 func (p *Picker) Ready() int {
@@ -462,7 +317,7 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	if err != nil {
 		return Pick{}, err
 	}
-	keys, promptTokens, err := p.core.Key(pr)
+	keys, promptTokens, err := p.pool.Key(pr)
 	if err != nil {
 		return Pick{}, fmt.Errorf("epp: %w", err)
 	}
@@ -504,25 +359,24 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 	if others != nil {
 		p.others = others
 	}
-	for id, r := range p.slots {
-		if r != nil {
-			_ = p.rt.SetExternalLoad(id, p.others[r.Name])
-		}
+	members := p.pool.Members()
+	for _, m := range members {
+		_ = p.rt.SetExternalLoad(m.ID, p.others[m.Name])
 	}
 	// Candidates: ready replicas, within the subset hint if there is one.
 	p.allowed = p.allowed[:0]
 	var within router.Constraint
 	if subset != nil {
 		for _, a := range subset {
-			if r, ok := p.byAddr[strings.TrimSpace(a)]; ok && r.Ready {
-				p.allowed = append(p.allowed, r.id)
+			if m := p.pool.ByAddress(strings.TrimSpace(a)); m != nil && m.Up() {
+				p.allowed = append(p.allowed, m.ID)
 			}
 		}
 		within.Only = p.allowed
 	} else {
-		for id, r := range p.slots {
-			if r != nil && r.Ready {
-				p.allowed = append(p.allowed, id)
+		for _, m := range members {
+			if m.Up() {
+				p.allowed = append(p.allowed, m.ID)
 			}
 		}
 	}
@@ -553,7 +407,7 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 		}
 		return Pick{}, nil, fmt.Errorf("epp: route: %w", err)
 	}
-	primary := p.slots[d.Replica]
+	primary := p.pool.Member(d.Replica)
 	pick := Pick{ID: req.ID, Replica: primary.Name, Decision: d, Endpoints: []string{primary.Address}}
 	pick.Endpoints = append(pick.Endpoints, p.fallbacks(d)...)
 	f := &flight{req: *req, replica: primary, load: p.flightLoad(req.ID), matched: d.MatchedTokens}
@@ -599,7 +453,7 @@ func (p *Picker) fallbacks(d policy.Decision) []string {
 	})
 	var out []string
 	for _, c := range cs[:min(len(cs), p.cfg.Fallbacks)] {
-		out = append(out, p.slots[c.id].Address)
+		out = append(out, p.pool.Member(c.id).Address)
 	}
 	return out
 }
@@ -610,15 +464,15 @@ func (p *Picker) fallbacks(d policy.Decision) []string {
 func (p *Picker) Served(id uint64, endpoint string) {
 	p.mu.Lock()
 	f, ok := p.flights[id]
-	r, known := p.byAddr[endpoint]
-	if !ok || !known || r == f.replica || f.first {
+	r := p.pool.ByAddress(endpoint)
+	if !ok || r == nil || r == f.replica || f.first {
 		p.mu.Unlock()
 		return
 	}
 	now := time.Now()
 	old, oldLoad := f.replica, f.load
 	_ = p.rt.Finished(id, 0, -1, false, now)
-	d, err := p.rt.Assign(f.req, r.id, now)
+	d, err := p.rt.Assign(f.req, r.ID, now)
 	if err != nil {
 		delete(p.flights, id)
 		p.mu.Unlock()
@@ -714,98 +568,24 @@ func (p *Picker) Replicas() []ReplicaState {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var out []ReplicaState
-	for _, r := range p.byName {
-		st, _ := p.rt.Replica(r.id)
-		ext := p.rt.ExternalLoad(r.id).InFlight
-		out = append(out, ReplicaState{Replica: r.Replica, InFlight: st.InFlight - ext, External: ext})
+	for _, m := range p.pool.Members() {
+		st, _ := p.rt.Replica(m.ID)
+		ext := p.rt.ExternalLoad(m.ID).InFlight
+		r := m.Replica
+		r.Ready = m.Up()
+		out = append(out, ReplicaState{Replica: r, InFlight: st.InFlight - ext, External: ext})
 	}
 	slices.SortFunc(out, func(a, b ReplicaState) int { return strings.Compare(a.Name, b.Name) })
 	return out
 }
 
-// Run follows every replica's KV events and load, and checks its tokenizer
-// (Config.Keyer), until ctx ends; replicas added meanwhile get their feeds
-// at once, removed ones lose them. It returns when ctx ends and every feed
-// has stopped.
+// Run follows every replica's KV events and load, and checks its engine
+// and tokenizer (Config.Keyer), until ctx ends (cluster.Pool.Run);
+// replicas added meanwhile get their feeds at once, removed ones lose
+// them. It returns when ctx ends and every feed has stopped.
 func (p *Picker) Run(ctx context.Context) error {
-	p.mu.Lock()
-	if p.runCtx != nil {
-		p.mu.Unlock()
-		return errors.New("epp: picker already running")
+	if err := p.pool.Run(ctx); err != nil {
+		return fmt.Errorf("epp: %w", err)
 	}
-	p.runCtx = ctx
-	for _, r := range p.byName {
-		p.start(r)
-	}
-	p.mu.Unlock()
-	p.core.ExpireSpeculative(ctx, 500*time.Millisecond)
-	p.mu.Lock()
-	p.runCtx = nil
-	p.mu.Unlock()
-	p.wg.Wait()
 	return nil
-}
-
-// start launches r's feeds under Run's context (p.mu held).
-func (p *Picker) start(r *replica) {
-	ctx, cancel := context.WithCancel(p.runCtx)
-	r.stop = cancel
-	if r.KVEvents != "" {
-		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{
-			Replica: r.Name, Endpoint: r.KVEvents, ReplayEndpoint: r.KVReplay, Topic: r.KVTopic,
-			Index: p.m.KV.Index, Sink: p.sink, Metrics: p.m.KV.Metrics, Logger: p.log,
-		})
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			if err := sub.Run(ctx); err != nil {
-				p.log.Error("epp: kv events subscriber", "replica", r.Name, "err", err)
-			}
-		}()
-	}
-	if r.MetricsURL != "" && p.cfg.ScrapeInterval > 0 {
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			p.scrapeLoop(ctx, r)
-		}()
-	}
-	if p.tok != nil {
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			p.tokenizerLoop(ctx, r)
-		}()
-	}
-	if p.kind == upstream.Auto || p.kind == upstream.LlamaCpp {
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			p.detectLoop(ctx, r)
-		}()
-	}
-}
-
-// kvSink is the core's KV sink over the picker's replicas.
-func (p *Picker) kvSink() *cluster.Sink {
-	return &cluster.Sink{Core: p.core, KV: p.m.KV, Log: p.log,
-		ID: func(name string) int {
-			if r, ok := p.byName[name]; ok {
-				return r.id
-			}
-			return -1
-		},
-		Applied: func(_, outcome string) {
-			if outcome != cluster.OutcomeCPUIgnored {
-				p.kvApplied()
-			}
-		},
-	}
-}
-
-// kvApplied calls the test hook (p.mu held).
-func (p *Picker) kvApplied() {
-	if p.onKV != nil {
-		p.onKV()
-	}
 }

@@ -47,13 +47,6 @@ type RunConfig struct {
 	Logger *slog.Logger
 }
 
-// registry adapts the picker to discovery.Registry.
-type registry struct{ p *Picker }
-
-func (r registry) Add(x discovery.Replica)          { r.p.Add(Replica(x)) }
-func (r registry) Remove(name string)               { r.p.Remove(name) }
-func (r registry) SetReady(name string, ready bool) { r.p.SetReady(name, ready) }
-
 // Run builds the picker, its replica source and shared state, serves
 // ext_proc (and health and metrics) until ctx ends, then drains: the gRPC
 // servers stop gracefully before the picker's feeds end. It reports
@@ -100,11 +93,11 @@ func Run(ctx context.Context, rc RunConfig) error {
 		if rc.Picker.ScrapeInterval <= 0 {
 			rc.Ports.Metrics = -1
 		}
-		if source, err = discovery.NewStatic(rc.Backends, rc.Ports, registry{p}); err != nil {
+		if source, err = discovery.NewStatic(rc.Backends, rc.Ports, p.pool); err != nil {
 			return fmt.Errorf("epp: --backend: %w", err)
 		}
 	} else if source, err = discovery.NewWatcher(rc.Discovery, rc.Kubeconfig,
-		discovery.Config{Ports: rc.Ports, Registry: registry{p}, Logger: log}); err != nil {
+		discovery.Config{Ports: rc.Ports, Registry: p.pool, Logger: log}); err != nil {
 		return err
 	}
 	runners = append(runners, source.Run)

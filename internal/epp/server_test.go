@@ -227,11 +227,11 @@ func state(t *testing.T, p *Picker, name string) (inflight, prefilling int) {
 	t.Helper()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	r, ok := p.byName[name]
-	if !ok {
+	r := p.pool.ByName(name)
+	if r == nil {
 		t.Fatalf("no replica %s", name)
 	}
-	st, _ := p.rt.Replica(r.id)
+	st, _ := p.rt.Replica(r.ID)
 	return st.InFlight, st.Prefilling
 }
 

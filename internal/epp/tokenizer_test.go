@@ -103,7 +103,7 @@ type tokenizerEvents struct {
 func watchTokenizer(p *Picker) *tokenizerEvents {
 	ev := &tokenizerEvents{last: map[string]tokenizerEvent{}, changed: make(chan struct{}, 1)}
 	p.mu.Lock()
-	p.onTokenizer = func(name string, state keying.TokenizerState, err error) {
+	p.pool.Hooks.Tokenizer = func(name string, state keying.TokenizerState, err error) {
 		ev.mu.Lock()
 		e := ev.last[name]
 		ev.last[name] = tokenizerEvent{state: state, noAnswer: errors.Is(err, upstream.ErrNoAnswer), checks: e.checks + 1}

@@ -45,12 +45,14 @@ func (p *Proxy) admin(h http.HandlerFunc) http.HandlerFunc {
 
 // serveHealth answers 200 when at least one replica is in routing, else 503.
 func (p *Proxy) serveHealth(w http.ResponseWriter, r *http.Request) {
-	n := p.upCount()
+	p.mu.Lock()
+	n, all := p.rt.UpCount(), p.pool.Len()
+	p.mu.Unlock()
 	status, word := http.StatusOK, "ok"
 	if n == 0 {
 		status, word = http.StatusServiceUnavailable, "no replica up"
 	}
-	writeJSON(w, status, map[string]any{"status": word, "replicas_up": n, "replicas": len(p.backends)})
+	writeJSON(w, status, map[string]any{"status": word, "replicas_up": n, "replicas": all})
 }
 
 // serveModels answers the union of the up replicas' /v1/models lists (each
@@ -62,9 +64,9 @@ func (p *Proxy) serveModels(w http.ResponseWriter, r *http.Request) {
 	}
 	p.mu.Lock()
 	var up []*backend
-	for i, s := range p.state {
-		if s.up {
-			up = append(up, p.backends[i])
+	for _, b := range p.backendsLocked() {
+		if b.Up() {
+			up = append(up, b)
 		}
 	}
 	p.mu.Unlock()
@@ -159,7 +161,7 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	keys, tokens, err := p.core.Key(req)
+	keys, tokens, err := p.pool.Key(req)
 	if err != nil {
 		writeError(w, fmt.Errorf("proxy: %w", err))
 		return
@@ -173,15 +175,16 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("proxy: route: %w", err))
 		return
 	}
+	names := p.names()
 	out := RouteExplanation{
-		Replica: p.backends[d.Replica].name, ReplicaID: d.Replica, Policy: p.policy,
+		Replica: names[d.Replica], ReplicaID: d.Replica, Policy: p.policy,
 		Branch: d.Branch, MatchedTokens: d.MatchedTokens, PromptTokens: tokens, Keys: len(keys),
 		Candidates: []CandidateExplained{}, Explain: d.Explain(),
 	}
 	for _, c := range d.Candidates {
 		name := ""
-		if c.Replica >= 0 && c.Replica < len(p.backends) {
-			name = p.backends[c.Replica].name
+		if c.Replica >= 0 && c.Replica < len(names) {
+			name = names[c.Replica]
 		}
 		out.Candidates = append(out.Candidates, CandidateExplained{Name: name, Candidate: c})
 	}
@@ -217,25 +220,31 @@ func (p *Proxy) serveDebugReplicas(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"policy": p.policy, "replicas": p.Replicas()})
 }
 
-// Replicas returns a snapshot of the replicas as the router sees them.
+// Replicas returns a snapshot of the replicas as the router sees them, by
+// router ID.
 func (p *Proxy) Replicas() []ReplicaStatus {
 	p.mu.Lock()
-	reps := p.rt.Replicas()
-	state := append([]health(nil), p.state...)
-	engines := append([]engineState(nil), p.engines...)
-	views := make([]router.CacheView, len(reps))
-	pricing := make([]router.Pricing, len(reps))
-	for i := range reps {
-		views[i], _ = p.rt.CacheView(i)
-		pricing[i] = p.rt.Pricing(i, true)
+	defer p.mu.Unlock()
+	var out []ReplicaStatus
+	for _, b := range p.backendsLocked() {
+		rp, _ := p.rt.Replica(b.ID)
+		v, _ := p.rt.CacheView(b.ID)
+		st := p.pool.StateOf(b.Member)
+		out = append(out, ReplicaStatus{Name: b.Name, URL: st.URL, Up: b.Up(), InFlight: rp.InFlight,
+			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage, KVTokens: st.KVTokens,
+			Kind: st.Kind, Slots: st.Slots, Cache: v, Pricing: p.rt.Pricing(b.ID, true)})
 	}
-	p.mu.Unlock()
-	out := make([]ReplicaStatus, len(reps))
-	for i, rp := range reps {
-		b := p.backends[i]
-		out[i] = ReplicaStatus{Name: b.name, URL: b.url.String(), Up: state[i].up, InFlight: rp.InFlight,
-			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage, KVTokens: engines[i].kvTokens,
-			Kind: engines[i].kind, Slots: engines[i].slots, Cache: views[i], Pricing: pricing[i]}
+	return out
+}
+
+// names returns each router ID's replica name ("" for a slot no replica
+// holds now).
+func (p *Proxy) names() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]string, len(p.rt.Replicas()))
+	for _, b := range p.backendsLocked() {
+		out[b.ID] = b.Name
 	}
 	return out
 }

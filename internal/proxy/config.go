@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
@@ -57,8 +58,18 @@ type Backend struct {
 type Config struct {
 	// Listen is the address `prefixlb serve` listens on (not used by New).
 	Listen string
-	// Backends are the replicas, in ID order.
+	// Backends are the static replicas, in ID order.
 	Backends []Backend
+	// Discovery, when set, is a Kubernetes target, "service:NS/NAME" or
+	// "inferencepool:NS/NAME", whose ready endpoints join the replicas as
+	// they come, leave as they go and follow their readiness
+	// (internal/discovery, as prefixlb epp does), beside Backends or
+	// instead of them. Kubeconfig is the cluster's ("": $KUBECONFIG, else
+	// the in-cluster config); DiscoveryPorts place each endpoint's OpenAI
+	// port, metrics page and KV-event sockets.
+	Discovery      string
+	Kubeconfig     string
+	DiscoveryPorts discovery.Ports
 	// Policy is the routing policy spec (policy.Parse: "e2",
 	// "e2-preble:mixing=false", "round-robin", ...).
 	Policy string
@@ -217,8 +228,13 @@ func (c *Config) Validate() error {
 	bad := func(field, format string, args ...any) error {
 		return fmt.Errorf("proxy: config: %s: %s", field, fmt.Sprintf(format, args...))
 	}
-	if len(c.Backends) == 0 {
-		return bad("backends", "at least one backend is required")
+	if len(c.Backends) == 0 && c.Discovery == "" {
+		return bad("backends", "at least one backend (or discovery) is required")
+	}
+	if c.Discovery != "" {
+		if _, _, _, err := discovery.ParseTarget(c.Discovery); err != nil {
+			return bad("discovery.target", "%v", err)
+		}
 	}
 	names := map[string]bool{}
 	for i, b := range c.Backends {
@@ -450,6 +466,19 @@ type fileConfig struct {
 	SpeculativeTTL        *duration        `json:"speculative_ttl"`
 	TreeMaxBlocks         *int             `json:"tree_max_blocks"`
 	Tokenizer             *string          `json:"tokenizer"`
+	Discovery             *fileDiscovery   `json:"discovery"`
+}
+
+// fileDiscovery is the YAML form of Config's discovery fields.
+type fileDiscovery struct {
+	Target       string `json:"target"`
+	Kubeconfig   string `json:"kubeconfig"`
+	HTTPPort     int    `json:"http_port"`
+	HTTPPortName string `json:"http_port_name"`
+	MetricsPort  int    `json:"metrics_port"`
+	KVEventsPort int    `json:"kv_events_port"`
+	KVReplayPort int    `json:"kv_replay_port"`
+	KVTopic      string `json:"kv_topic"`
 }
 
 // ParseConfig applies the YAML document data over base and returns the
@@ -536,6 +565,11 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
 	setI(&c.TreeMaxBlocks, f.TreeMaxBlocks)
 	setS(&c.Tokenizer, f.Tokenizer)
+	if d := f.Discovery; d != nil {
+		c.Discovery, c.Kubeconfig = d.Target, d.Kubeconfig
+		c.DiscoveryPorts = discovery.Ports{HTTP: d.HTTPPort, HTTPName: d.HTTPPortName, Metrics: d.MetricsPort,
+			KVEvents: d.KVEventsPort, KVReplay: d.KVReplayPort, KVTopic: d.KVTopic}
+	}
 	return c, nil
 }
 

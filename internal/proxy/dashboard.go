@@ -102,7 +102,12 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	)
 	p.mu.Lock()
 	reps := p.rt.Replicas()
-	state := append([]health(nil), p.state...)
+	names := make([]string, len(reps)) // "": a slot no replica holds now
+	up := make([]bool, len(reps))
+	kinds := make([]upstream.Kind, len(reps))
+	for _, b := range p.backendsLocked() {
+		names[b.ID], up[b.ID], kinds[b.ID] = b.Name, b.Up(), b.Kind()
+	}
 	stats := p.rt.Stats()
 	inflight := p.rt.InFlight()
 	tree := p.rt.Tree()
@@ -114,10 +119,6 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 		cachedBlocks[i] = tree.CachedBlocks(i)
 		views[i], _ = p.rt.CacheView(i)
 		speeds[i] = p.rt.Pricing(i, false)
-	}
-	kinds := make([]upstream.Kind, len(reps))
-	for i := range reps {
-		kinds[i] = p.engines[i].kind
 	}
 	e2, _ := p.rt.Policy().(*policy.E2)
 	window := make([][2]float64, len(reps)) // load, hit ratio
@@ -154,13 +155,12 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	p.mu.Unlock()
 
 	s := dashboard.Snapshot{Time: now, Policy: p.policy, Branches: map[string]float64{}}
-	names := make([]string, len(p.backends))
-	for i, b := range p.backends {
-		names[i] = b.name
-	}
 	for i, rp := range reps {
+		if names[i] == "" {
+			continue
+		}
 		r := dashboard.Replica{
-			Name: names[i], Up: state[i].up, InFlight: rp.InFlight, Waiting: rp.Waiting, Running: rp.Running,
+			Name: names[i], Up: up[i], InFlight: rp.InFlight, Waiting: rp.Waiting, Running: rp.Running,
 			KVUsage: rp.KVUsage, LoadSeconds: window[i][0], HitRatio: window[i][1],
 			PendingPrefillS: rp.PendingPrefill.Seconds(), CachedBlocks: cachedBlocks[i],
 			Kind: string(kinds[i]), Slots: views[i].Slots, PredictionErrorTokens: views[i].ErrorTokens,

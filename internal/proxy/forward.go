@@ -87,7 +87,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		return
 	}
 	x.req = req
-	keys, tokens, err := p.core.Key(req)
+	keys, tokens, err := p.pool.Key(req)
 	if err != nil {
 		fail(fmt.Errorf("proxy: %w", err))
 		return
@@ -107,9 +107,10 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	var tried []int
 	var last result
 	var lastD policy.Decision
+	var lastB *backend
 	for attempt := 0; ; attempt++ {
 		preq.ID = p.nextID.Add(1)
-		d, err := p.route(preq, tried)
+		d, b, err := p.route(preq, tried)
 		if err != nil {
 			if attempt == 0 {
 				fail(fmt.Errorf("proxy: route: %w", err))
@@ -117,22 +118,21 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 			}
 			break // no replica left to try: answer the last failure
 		}
-		b := p.backends[d.Replica]
-		replica = b.name
-		p.m.Decisions.WithLabelValues(p.policy, d.Branch, b.name).Inc()
+		replica = b.Name
+		p.m.Decisions.WithLabelValues(p.policy, d.Branch, b.Name).Inc()
 		res := x.attempt(ctx, preq.ID, &d, b, attempt)
 		if res.err == nil {
 			return
 		}
-		last, lastD = res, d
+		last, lastD, lastB = res, d, b
 		if !res.retry || x.wrote || ctx.Err() != nil || attempt >= p.cfg.MaxRetries {
 			break
 		}
 		reason := reasonOf(res.err)
-		p.m.retries.WithLabelValues(b.name, reason).Inc()
-		p.log.Warn("retrying on another replica", "replica", b.name, "reason", reason, "err", res.err)
+		p.m.retries.WithLabelValues(b.Name, reason).Inc()
+		p.log.Warn("retrying on another replica", "replica", b.Name, "reason", reason, "err", res.err)
 		if res.dead {
-			p.checked(d.Replica, false, true)
+			p.checked(b, false, true)
 		}
 		tried = append(tried, d.Replica)
 	}
@@ -143,7 +143,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		x.code = "cancelled"
 		return
 	}
-	x.setRouteHeaders(&lastD, len(tried))
+	x.setRouteHeaders(&lastD, lastB, len(tried))
 	if last.resp != nil {
 		x.code = strconv.Itoa(last.resp.status)
 		copyHeader(w.Header(), last.resp.header)
@@ -192,9 +192,9 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 }
 
 // setRouteHeaders sets the explanation headers of decision d.
-func (x *exchange) setRouteHeaders(d *policy.Decision, retries int) {
+func (x *exchange) setRouteHeaders(d *policy.Decision, b *backend, retries int) {
 	h := x.w.Header()
-	h.Set(HeaderReplica, x.p.backends[d.Replica].name)
+	h.Set(HeaderReplica, b.Name)
 	h.Set(HeaderRoute, d.Explain())
 	if retries > 0 {
 		h.Set(HeaderRetries, strconv.Itoa(retries))
@@ -210,7 +210,7 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 	p := x.p
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	gauge := p.m.inflight.WithLabelValues(b.name)
+	gauge := p.m.inflight.WithLabelValues(b.Name)
 	gauge.Inc()
 	defer gauge.Dec()
 
@@ -235,21 +235,21 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 	}
 	readFailure := func(err error) *attemptError {
 		if idled.Load() {
-			return &attemptError{replica: b.name, reason: reasonTimeout, err: errIdle}
+			return &attemptError{replica: b.Name, reason: reasonTimeout, err: errIdle}
 		}
 		// A stream cut short (the replica died or closed the connection) is
 		// a connection failure; data that cannot be decoded is garbage.
 		if errors.Is(err, errGarbage) || errors.Is(err, openai.ErrEventTooLong) {
-			return &attemptError{replica: b.name, reason: reasonGarbage, err: err}
+			return &attemptError{replica: b.Name, reason: reasonGarbage, err: err}
 		}
-		return &attemptError{replica: b.name, reason: reasonConn, err: err}
+		return &attemptError{replica: b.Name, reason: reasonConn, err: err}
 	}
 
 	if resp.StatusCode >= 500 {
 		buf, _ := io.ReadAll(io.LimitReader(body, maxErrorBody))
 		p.finish(id, 0, -1, false)
 		return result{
-			err:   &attemptError{replica: b.name, reason: reasonStatus, status: resp.StatusCode},
+			err:   &attemptError{replica: b.Name, reason: reasonStatus, status: resp.StatusCode},
 			retry: true,
 			resp:  &storedResponse{status: resp.StatusCode, header: filterHeader(resp.Header), body: buf},
 		}
@@ -262,8 +262,8 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 
 // outRequest builds the request to replica b.
 func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, error) {
-	u := *b.url
-	u.Path = strings.TrimSuffix(b.url.Path, "/") + x.r.URL.Path
+	u := *b.Base
+	u.Path = strings.TrimSuffix(b.Base.Path, "/") + x.r.URL.Path
 	u.RawPath = ""
 	u.RawQuery = x.r.URL.RawQuery
 	var body io.Reader
@@ -272,7 +272,7 @@ func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, e
 	}
 	out, err := http.NewRequestWithContext(ctx, x.r.Method, u.String(), body)
 	if err != nil {
-		return nil, fmt.Errorf("proxy: build request to %s: %w", b.name, err)
+		return nil, fmt.Errorf("proxy: build request to %s: %w", b.Name, err)
 	}
 	copyHeader(out.Header, x.r.Header)
 	removeHop(out.Header)
@@ -289,36 +289,36 @@ func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, e
 // transportFailure classifies an error of the round trip (no response).
 func (x *exchange) transportFailure(b *backend, err error) result {
 	if x.r.Context().Err() != nil {
-		return result{err: fmt.Errorf("proxy: forward to %s: client gone: %w", b.name, err)}
+		return result{err: fmt.Errorf("proxy: forward to %s: client gone: %w", b.Name, err)}
 	}
 	var op *net.OpError
 	if errors.As(err, &op) && op.Op == "dial" {
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() {
-			return result{err: &attemptError{replica: b.name, reason: reasonTimeout, err: err}, retry: true}
+			return result{err: &attemptError{replica: b.Name, reason: reasonTimeout, err: err}, retry: true}
 		}
-		return result{err: &attemptError{replica: b.name, reason: reasonDial, err: err}, retry: true, dead: true}
+		return result{err: &attemptError{replica: b.Name, reason: reasonDial, err: err}, retry: true, dead: true}
 	}
 	var ne net.Error
 	if errors.As(err, &ne) && ne.Timeout() {
-		return result{err: &attemptError{replica: b.name, reason: reasonTimeout, err: err}, retry: true}
+		return result{err: &attemptError{replica: b.Name, reason: reasonTimeout, err: err}, retry: true}
 	}
 	if errors.Is(err, context.DeadlineExceeded) {
-		return result{err: &attemptError{replica: b.name, reason: reasonTimeout, err: err}}
+		return result{err: &attemptError{replica: b.Name, reason: reasonTimeout, err: err}}
 	}
-	return result{err: &attemptError{replica: b.name, reason: reasonConn, err: err}, retry: true}
+	return result{err: &attemptError{replica: b.Name, reason: reasonConn, err: err}, retry: true}
 }
 
 // writeHead sends the response status and headers (the replica's, less
 // hop-by-hop ones, plus the explanation).
-func (x *exchange) writeHead(d *policy.Decision, n int, resp *http.Response, contentLength int) {
+func (x *exchange) writeHead(d *policy.Decision, b *backend, n int, resp *http.Response, contentLength int) {
 	h := x.w.Header()
 	copyHeader(h, filterHeader(resp.Header))
 	h.Del("Content-Length")
 	if contentLength >= 0 {
 		h.Set("Content-Length", strconv.Itoa(contentLength))
 	}
-	x.setRouteHeaders(d, n)
+	x.setRouteHeaders(d, b, n)
 	x.w.WriteHeader(resp.StatusCode)
 	x.wrote = true
 	x.code = strconv.Itoa(resp.StatusCode)
@@ -345,7 +345,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			x.code = "cancelled"
 			return result{err: err}
 		}
-		p.log.Warn("stream failed after its first event", "replica", b.name, "err", err)
+		p.log.Warn("stream failed after its first event", "replica", b.Name, "err", err)
 		_, _ = x.w.Write(openai.ErrorEvent(err))
 		_ = rc.Flush()
 		x.code = "aborted"
@@ -370,7 +370,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 			return fail(readFailure(errGarbage))
 		}
 		if !x.wrote {
-			x.writeHead(d, n, resp, -1)
+			x.writeHead(d, b, n, resp, -1)
 		}
 		if _, werr := x.w.Write(ev.Raw); werr != nil {
 			p.finish(id, st.Tokens, -1, false)
@@ -389,7 +389,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 		if token && !first {
 			first = true
 			p.firstToken(id)
-			p.m.ttft.WithLabelValues(b.name).Observe(time.Since(x.start).Seconds())
+			p.m.ttft.WithLabelValues(b.Name).Observe(time.Since(x.start).Seconds())
 		}
 		if st.SawDone {
 			break
@@ -419,10 +419,10 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 	out, cached := 0, -1
 	var timings *openai.Timings
 	if int64(len(buf)) > limit {
-		x.writeHead(d, n, resp, -1)
+		x.writeHead(d, b, n, resp, -1)
 		_, _ = x.w.Write(buf)
 		if _, err := io.Copy(x.w, body); err != nil {
-			p.log.Warn("copy large response", "replica", b.name, "err", err)
+			p.log.Warn("copy large response", "replica", b.Name, "err", err)
 			ok = false
 			x.code = "aborted"
 		}
@@ -444,7 +444,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 			out, cached = c.CompletionTokens, c.CachedTokens
 		}
 	}
-	x.writeHead(d, n, resp, len(buf))
+	x.writeHead(d, b, n, resp, len(buf))
 	_, _ = x.w.Write(buf)
 	if ok {
 		x.done(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: true, Timings: timings.Calibration()})
@@ -460,7 +460,7 @@ func (x *exchange) done(id uint64, d *policy.Decision, b *backend, fin router.Fi
 	p := x.p
 	p.finishWith(id, fin)
 	if fin.OK {
-		p.m.latency.WithLabelValues(b.name).Observe(time.Since(x.start).Seconds())
+		p.m.latency.WithLabelValues(b.Name).Observe(time.Since(x.start).Seconds())
 		if fin.CachedTokens >= 0 {
 			p.m.Prediction(d.MatchedTokens, fin.CachedTokens, p.cfg.BlockTokens)
 		}

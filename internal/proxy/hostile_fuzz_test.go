@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"net/http"
 	"net/url"
 	"reflect"
@@ -94,7 +95,7 @@ func FuzzOutRequest(f *testing.F) {
 		if withBase {
 			bu.Path = "/base"
 		}
-		b := &backend{name: "r0", url: bu}
+		b := &backend{Member: &cluster.Member{Replica: cluster.Replica{Name: "r0"}, Base: bu}}
 		var body bytes.Buffer
 		_, _ = body.ReadFrom(in.Body)
 		x := &exchange{r: in, body: body.Bytes()}

@@ -243,8 +243,10 @@ func TestKVEventsEndToEnd(t *testing.T) {
 	samples := kvLoad(t, srv.URL, 120, 0)
 	waitAgree(t, p, engines, samples, 20*time.Second)
 	evicted := 0
-	for _, b := range p.backends {
-		evicted += int(b.kv.removed.Load())
+	for _, r := range p.CacheView().Replicas {
+		if r.Router != nil {
+			evicted += int(r.Router.Removed)
+		}
 	}
 	if evicted == 0 {
 		t.Errorf("the load evicted nothing; it should (capacity %d tokens)", kvEngineCapacity)
@@ -265,7 +267,7 @@ func TestKVEventsEndToEnd(t *testing.T) {
 		}
 		more := kvLoad(t, srv.URL, 40, 1000)
 		waitAgree(t, p, engines, append(samples, more...), 20*time.Second)
-		if st := p.backends[0].sub.Stats(); st.Restarts == 0 {
+		if st := p.CacheView().Replicas[0].Stream; st.Restarts == 0 {
 			t.Errorf("the subscriber saw no publisher restart: %+v", st)
 		}
 	})
@@ -284,7 +286,7 @@ func TestKVEventsEndToEnd(t *testing.T) {
 			t.Fatalf("engine holds %d blocks after a reset", n)
 		}
 		waitAgree(t, p, engines, samples, 10*time.Second)
-		if c := p.backends[1].kv.cleared.Load(); c == 0 {
+		if c := p.CacheView().Replicas[1].Router.Cleared; c == 0 {
 			t.Error("no AllBlocksCleared reached the router")
 		}
 	})
@@ -318,8 +320,8 @@ func TestKVEventsEndToEnd(t *testing.T) {
 			total += k.eng.Stats().CachedBlocks
 		}
 		var seqs []int64
-		for _, b := range p2.backends {
-			seqs = append(seqs, b.sub.Stats().LastSeq+1)
+		for _, r := range p2.CacheView().Replicas {
+			seqs = append(seqs, r.Stream.LastSeq+1)
 		}
 		t.Logf("new router agrees with %d engines (%d cached blocks, %v batches replayed) %v after start (%v of polling)",
 			len(engines), total, seqs, time.Since(start).Round(time.Millisecond), took.Round(time.Millisecond))

@@ -244,7 +244,7 @@ func newLlamaEngine(t testing.TB) *llamaEngine {
 func startDetected(t *testing.T, p *Proxy, n int) map[string]upstream.Detection {
 	t.Helper()
 	got := make(chan [2]any, 16)
-	p.hookDetect = func(name string, d upstream.Detection) { got <- [2]any{name, d} }
+	p.pool.Hooks.Detected = func(name string, d upstream.Detection) { got <- [2]any{name, d} }
 	runLoops(t, p)
 	out := map[string]upstream.Detection{}
 	timeout := time.After(10 * time.Second)
@@ -337,8 +337,8 @@ func TestLlamaCppMetricsAndDebug(t *testing.T) {
 	for range 2 { // one each
 		readAll(t, post(t, srv.URL, "/v1/completions", `{"model":"m","prompt":"hello world","max_tokens":3}`))
 	}
-	for _, b := range p.backends {
-		p.scrape(context.Background(), b)
+	for id := range 2 {
+		p.pool.Scrape(context.Background(), p.backendAt(id).Member)
 	}
 	metrics := string(readAll(t, mustGet(t, srv.URL+"/metrics")))
 	for _, want := range []string{
@@ -393,7 +393,7 @@ func TestBackendKindReDetected(t *testing.T) {
 	t.Cleanup(p.Close)
 	detected := make(chan upstream.Detection, 16)
 	states := make(chan bool, 16)
-	p.hookDetect = func(_ string, d upstream.Detection) { detected <- d }
+	p.pool.Hooks.Detected = func(_ string, d upstream.Detection) { detected <- d }
 	p.hookState = func(_ string, up bool) { states <- up }
 	runLoops(t, p)
 	wait := func(what string, ch any) any {
@@ -437,7 +437,10 @@ func TestBackendKindReDetected(t *testing.T) {
 	if d := wait("detection after re-admission", detected).(upstream.Detection); d.Kind != upstream.VLLM || slots() != 0 {
 		t.Fatalf("after re-admission %+v, router slots %d", d, slots())
 	}
-	if e := p.engineOf(0); e.kind != upstream.VLLM || e.due {
+	p.mu.Lock()
+	e := p.pool.StateOf(p.pool.Member(0))
+	p.mu.Unlock()
+	if e.Kind != upstream.VLLM || e.KindDue {
 		t.Errorf("engine state %+v", e)
 	}
 }

@@ -13,13 +13,8 @@ type metrics struct {
 	inflight         *prometheus.GaugeVec     // replica
 	ttft             *prometheus.HistogramVec // replica
 	latency          *prometheus.HistogramVec // replica
-	up               *prometheus.GaugeVec     // replica
 	retries          *prometheus.CounterVec   // replica, reason
 	health           *prometheus.CounterVec   // replica, result
-	// tokMatch and tokFallback report the tokenizer probe (set only when
-	// a tokenizer keys prompts).
-	tokMatch    *prometheus.GaugeVec // replica
-	tokFallback prometheus.Gauge
 }
 
 // latencyBuckets span 5 ms to ~10 min: TTFT of a cached short prompt to a
@@ -51,10 +46,6 @@ func newMetrics() (*metrics, error) {
 			Help:    "Time from the client's request to the end of a successful response.",
 			Buckets: latencyBuckets,
 		}, []string{"replica"}),
-		up: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "prefixlb_replica_up",
-			Help: "1 if the replica is in routing, 0 if ejected.",
-		}, []string{"replica"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "prefixlb_retries_total",
 			Help: "Attempts that failed before any byte reached the client and were retried, by failed replica and reason.",
@@ -63,17 +54,8 @@ func newMetrics() (*metrics, error) {
 			Name: "prefixlb_health_checks_total",
 			Help: "Active health checks by replica and result (ok, fail).",
 		}, []string{"replica", "result"}),
-		tokMatch: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "prefixlb_tokenizer_match",
-			Help: "Whether the router's tokenizer gives the replica's /tokenize ids on the probe prompt and chat: 1 yes, 0 no, -1 unknown (not probed yet, or /tokenize failed).",
-		}, []string{"replica"}),
-		tokFallback: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "prefixlb_tokenizer_fallback",
-			Help: "1 while some replica's tokenizer differs from the router's, so text and chat prompts are keyed by text chunks instead of token ids.",
-		}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.inflight, m.ttft, m.latency, m.up, m.retries, m.health,
-		m.tokMatch, m.tokFallback} {
+	for _, c := range []prometheus.Collector{m.requests, m.inflight, m.ttft, m.latency, m.retries, m.health} {
 		if err := m.Reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -81,16 +63,17 @@ func newMetrics() (*metrics, error) {
 	return m, nil
 }
 
-// cacheRows snapshots the router's cache view and the engine of each
-// replica, under the core's lock (cluster.CacheCollector).
-func (p *Proxy) cacheRows() []cluster.CacheRow {
-	rows := make([]cluster.CacheRow, len(p.backends))
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for i, b := range p.backends {
-		rows[i].Name = b.name
-		rows[i].Cache, _ = p.rt.CacheView(b.id)
-		rows[i].Kind = p.engines[b.id].kind
+// replicaAdded creates a replica's series at 0.
+func (m *metrics) replicaAdded(name string) {
+	m.inflight.WithLabelValues(name)
+}
+
+// replicaRemoved deletes the series of a replica that left the pool (the
+// shared ones go with cluster.Metrics.ReplicaRemoved).
+func (m *metrics) replicaRemoved(name string) {
+	l := prometheus.Labels{"replica": name}
+	for _, v := range []*prometheus.MetricVec{m.requests.MetricVec, m.inflight.MetricVec, m.ttft.MetricVec,
+		m.latency.MetricVec, m.retries.MetricVec, m.health.MetricVec} {
+		v.DeletePartialMatch(l)
 	}
-	return rows
 }

@@ -28,23 +28,21 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/cluster"
-	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
-	"github.com/prefixlb/prefixlb/internal/calmetrics"
-	"github.com/prefixlb/prefixlb/internal/costmodel"
-	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
 )
@@ -64,48 +62,13 @@ const (
 	HeaderSession = "x-session-id"
 )
 
-// backend is one replica as the proxy reaches it.
+// backend is one replica as the proxy reaches it: its member of the pool
+// (cluster.Member.Front is the backend) and its health-check state.
 type backend struct {
-	id   int
-	name string
-	url  *url.URL
-	sub  *kvevents.Subscriber // nil: no KV events, the router mirrors
-	kv   *kvCounters          // with sub
-}
-
-// engineState is what the proxy knows of a replica's engine (BackendKind).
-type engineState struct {
-	// configured is the kind the config gives (BackendAuto: detect).
-	configured upstream.Kind
-	// kind is the kind in effect: configured, or detected (BackendUnknown
-	// until then); slots is its slot count for a slot cache (0: a block
-	// cache, or not known).
-	kind  upstream.Kind
-	slots int
-	// due says a detection (or, for a configured llama.cpp, a read of its
-	// slot count) is due: at start, on re-admission, and when a scrape's
-	// metric names name another engine.
-	due bool
-	// kvTokens is the last scraped llamacpp:kv_cache_tokens (-1 unknown).
-	kvTokens int
-}
-
-// newEngine is the engine state of a backend configured as kind.
-func newEngine(kind upstream.Kind) engineState {
-	e := engineState{configured: kind, kind: kind, kvTokens: -1}
-	switch kind {
-	case upstream.Auto:
-		e.kind, e.due = upstream.Unknown, true
-	case upstream.LlamaCpp:
-		e.due = true
-	}
-	return e
-}
-
-// health is a replica's health-check state.
-type health struct {
-	up         bool
-	fails, oks int // consecutive failed and good checks
+	*cluster.Member
+	// fails and oks count consecutive failed and good health checks
+	// (guarded by the core's Mu).
+	fails, oks int
 }
 
 // Proxy is the router's HTTP front: see the package comment. Create it with
@@ -114,36 +77,26 @@ type health struct {
 type Proxy struct {
 	cfg      Config
 	log      *slog.Logger
-	backends []*backend
-	byName   map[string]*backend
-	kv       *cluster.KV
-	sink     *cluster.Sink   // applies the replicas' KV events to core (kvevents.go)
 	policy   string          // the policy's name, as a metric label
 	fwd      *http.Transport // forwards client requests
 	checks   *http.Client    // health checks, scrapes, /v1/models
 	m        *metrics
 	nextID   atomic.Uint64
-	tokProbe *tokenizerProbe // nil unless the keyer is a *keying.TokenizerKeyer
-	slots    chan struct{}   // one per inference request in flight; nil: no bound (limits.go)
-	adminTok tokenDigest     // digest of cfg.AdminToken, when set
+	slots    chan struct{} // one per inference request in flight; nil: no bound (limits.go)
+	adminTok tokenDigest   // digest of cfg.AdminToken, when set
 
-	core    *cluster.Core
-	mu      *sync.Mutex // core.Mu: guards rt, state, engines and dash
-	rt      *router.Router
-	state   []health
-	engines []engineState // by replica id (backendkind.go)
-	dash    dashRing      // recent decisions for the dashboard (dashboard.go)
+	// pool is the replicas with their feeds (KV events, load, engine,
+	// tokenizer): a static list from Backends, and what Discovery finds.
+	pool *cluster.Pool
+	mu   *sync.Mutex // the core's Mu: guards rt, the pool's members, the backends and dash
+	rt   *router.Router
+	dash dashRing // recent decisions for the dashboard (dashboard.go)
+	// scratch holds backendsLocked's answer.
+	scratch []*backend
 
-	// hookState, when set (tests), is called after a replica is ejected or
-	// re-admitted, outside the lock.
+	// hookState, when set (tests), is called after a replica enters or
+	// leaves routing (ejected or re-admitted), outside the lock.
 	hookState func(name string, up bool)
-	// hookProbe, when set (tests), is called after a tokenizer probe of a
-	// replica has recorded its state and the fallback.
-	hookProbe func(name string, state int)
-	// hookDetect, when set (tests), is called after a replica's backend
-	// kind has been detected (or its slots read) and recorded, outside the
-	// lock.
-	hookDetect func(name string, d upstream.Detection)
 	// hookShutdown, when set (tests), is called once Serve has stopped
 	// accepting connections and is draining.
 	hookShutdown func()
@@ -166,7 +119,6 @@ func New(cfg Config) (*Proxy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("proxy: config: %w", err)
 	}
-	rt, keyer := core.Router, core.Keyer
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
@@ -179,66 +131,15 @@ func New(cfg Config) (*Proxy, error) {
 		cfg:    cfg,
 		log:    log,
 		policy: core.Policy,
-		core:   core,
 		mu:     &core.Mu,
 		m:      m,
-		kv:     m.KV,
-		rt:     rt,
-		byName: make(map[string]*backend),
+		rt:     core.Router,
 	}
 	if cfg.MaxConcurrent > 0 {
 		p.slots = make(chan struct{}, cfg.MaxConcurrent)
 	}
-	// The global tree's size, read under the core's lock at scrape time.
-	p.m.Reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: "prefixlb_tree_blocks",
-		Help: "Blocks held by the router's global prefix tree (bounded by tree_max_blocks).",
-	}, func() float64 {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return float64(p.rt.Tree().Blocks())
-	}))
-	// The router's view of each replica's cache, and each replica's kind,
-	// read under the core's lock at scrape time (metrics.go).
-	p.m.Reg.MustRegister(cluster.CacheCollector{Rows: p.cacheRows})
-	p.m.Reg.MustRegister(calmetrics.Collector{Rows: p.calibrationRows})
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
-	}
-	p.sink = p.kvSink()
-	for i, b := range cfg.Backends {
-		u, _ := url.Parse(b.URL) // Validate parsed it
-		name := backendName(b)
-		id := rt.AddReplica(name, b.KVEvents != "")
-		if b.Profile != "" {
-			bp, err := costmodel.Resolve(b.Profile)
-			if err != nil {
-				return nil, fmt.Errorf("proxy: config: backends[%d].profile: %w", i, err)
-			}
-			if err := rt.SetProfile(id, bp); err != nil {
-				return nil, fmt.Errorf("proxy: config: backends[%d].profile: %w", i, err)
-			}
-		}
-		be := &backend{id: id, name: name, url: u}
-		if b.KVEvents != "" {
-			if err := p.addSubscriber(be, b); err != nil {
-				return nil, fmt.Errorf("proxy: backend %s: %w", name, err)
-			}
-		}
-		p.backends = append(p.backends, be)
-		p.byName[name] = be
-		p.state = append(p.state, health{up: true})
-		p.engines = append(p.engines, newEngine(backendKind(b, cfg.BackendKind)))
-		p.m.ReplicaAdded(name, b.KVEvents != "")
-		p.m.up.WithLabelValues(name).Set(1)
-		p.m.inflight.WithLabelValues(name)
-	}
-	if tk, ok := keyer.(*keying.TokenizerKeyer); ok {
-		p.tokProbe = newTokenizerProbe(tk, len(p.backends))
-		for _, b := range p.backends {
-			p.m.tokMatch.WithLabelValues(b.name).Set(tokUnknown)
-		}
-		p.m.tokFallback.Set(boolFloat(tk.Fallback()))
 	}
 	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
 	p.fwd = &http.Transport{
@@ -257,7 +158,59 @@ func New(cfg Config) (*Proxy, error) {
 		},
 		Timeout: cfg.HealthTimeout,
 	}
+	// The pool: scrapes, detections and tokenizer checks are bounded as a
+	// health check is, and a replica that did not answer one is asked
+	// again at the next health check's pace.
+	p.pool, err = cluster.NewPool(core, m.Metrics, cluster.PoolConfig{Kind: cfg.BackendKind,
+		ScrapeInterval: cfg.ScrapeInterval, Timeout: cfg.HealthTimeout, Retry: cfg.HealthInterval,
+		Client: p.checks, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("proxy: config: %w", err)
+	}
+	p.pool.Hooks = cluster.PoolHooks{
+		Added:   func(m *cluster.Member) { m.Front = &backend{Member: m}; p.m.replicaAdded(m.Name) },
+		Removed: func(m *cluster.Member) { p.m.replicaRemoved(m.Name) },
+		Feed:    func(ctx context.Context, m *cluster.Member) { p.watch(ctx, m.Front.(*backend)) },
+		Up:      p.upChanged,
+	}
+	for i, b := range cfg.Backends {
+		if b.Profile != "" {
+			if _, err := costmodel.Resolve(b.Profile); err != nil {
+				return nil, fmt.Errorf("proxy: config: backends[%d].profile: %w", i, err)
+			}
+		}
+		r, err := p.replicaOf(b)
+		if err == nil {
+			err = p.pool.Validate(r)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("proxy: config: backends[%d]: %w", i, err)
+		}
+		p.pool.Add(r)
+	}
 	return p, nil
+}
+
+// replicaOf is backend b of the config as a replica of the pool.
+func (p *Proxy) replicaOf(b Backend) (cluster.Replica, error) {
+	u, err := url.Parse(b.URL) // Validate parsed it
+	if err != nil {
+		return cluster.Replica{}, err
+	}
+	r := cluster.Replica{Name: backendName(b), Address: cluster.HostPort(u), URL: b.URL, KVEvents: b.KVEvents,
+		KVTopic: b.KVTopic, Kind: backendKind(b, p.cfg.BackendKind), Profile: b.Profile, Ready: true}
+	if strings.HasPrefix(p.cfg.MetricsPath, "/") {
+		m := *u
+		m.Path = upstream.TrimSlash(u.Path) + p.cfg.MetricsPath
+		m.RawPath = ""
+		r.MetricsURL = m.String()
+	}
+	if b.KVEvents != "" {
+		if r.KVReplay, err = replayEndpoint(b); err != nil {
+			return r, fmt.Errorf("backend %s: %w", r.Name, err)
+		}
+	}
+	return r, nil
 }
 
 // Config returns the proxy's configuration.
@@ -287,25 +240,34 @@ func (p *Proxy) Handler() http.Handler {
 	return mux
 }
 
-// Run checks every replica's health and scrapes its load, one goroutine per
-// replica, and follows the KV-event stream of every replica that has one,
-// until ctx ends; it returns nil then.
+// Run runs the pool's feeds until ctx ends (cluster.Pool.Run): every
+// replica's health checks, load scrapes, engine detection, tokenizer
+// check and KV-event stream, and, with Config.Discovery, the watch that
+// adds and removes replicas. It returns nil when ctx ends.
 func (p *Proxy) Run(ctx context.Context) error {
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		p.runKV(ctx)
-	}()
-	for _, b := range p.backends {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			p.watch(ctx, b)
-		}()
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return p.pool.Run(ctx) })
+	if p.cfg.Discovery != "" {
+		ports := p.cfg.DiscoveryPorts
+		if ports.MetricsPath == "" {
+			ports.MetricsPath = p.cfg.MetricsPath
+		}
+		if p.cfg.ScrapeInterval <= 0 || !strings.HasPrefix(p.cfg.MetricsPath, "/") {
+			ports.Metrics = -1
+		}
+		w, err := discovery.NewWatcher(p.cfg.Discovery, p.cfg.Kubeconfig,
+			discovery.Config{Ports: ports, Registry: p.pool, Logger: p.log})
+		if err != nil {
+			return fmt.Errorf("proxy: discovery: %w", err)
+		}
+		g.Go(func() error {
+			if err := w.Run(ctx); err != nil && ctx.Err() == nil {
+				return fmt.Errorf("proxy: discovery: %w", err)
+			}
+			return nil
+		})
 	}
-	wg.Wait()
-	return nil
+	return g.Wait()
 }
 
 // Serve serves Handler on ln until ctx ends, then stops accepting and lets
@@ -367,16 +329,19 @@ func (p *Proxy) Close() {
 }
 
 // route decides where req goes, excluding the replicas in exclude (tried
-// already), and commits the decision in the core.
-func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, error) {
+// already), and commits the decision in the core. It returns the chosen
+// replica's backend, taken under the lock: a replica that leaves the pool
+// meanwhile is still reached for this request.
+func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, *backend, error) {
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	d, err := p.rt.RouteWithin(req, now, router.Constraint{Exclude: exclude})
-	if err == nil {
-		p.dash.record(now, req.PromptTokens, &d)
+	if err != nil {
+		return d, nil, err
 	}
-	return d, err
+	p.dash.record(now, req.PromptTokens, &d)
+	return d, p.pool.Member(d.Replica).Front.(*backend), nil
 }
 
 // predict returns the decision for req without committing it.
@@ -415,62 +380,43 @@ func (p *Proxy) finishWith(id uint64, fin router.Finish) {
 	}
 }
 
-// calibrationRows snapshots each replica's calibration for the metrics.
-func (p *Proxy) calibrationRows() []calmetrics.Row {
-	rows := make([]calmetrics.Row, len(p.backends))
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for i, b := range p.backends {
-		fit, st, ok := p.rt.Calibration(b.id)
-		rows[i] = calmetrics.Row{Replica: b.name, Calibrated: ok, Fit: fit, Stats: st}
-	}
-	return rows
-}
-
-// checked records one health observation of replica id (an active check,
+// checked records one health observation of replica b (an active check,
 // or a passive one: a request that could not connect) and ejects or
 // re-admits it when a threshold is crossed. eject=true takes the replica
 // out at once (it refused a connection).
-func (p *Proxy) checked(id int, ok, eject bool) {
-	now := time.Now()
-	changed := false
+func (p *Proxy) checked(b *backend, ok, eject bool) {
 	p.mu.Lock()
-	s := &p.state[id]
+	healthy := b.Healthy()
 	if ok {
-		s.fails, s.oks = 0, s.oks+1
-		if !s.up && s.oks >= p.cfg.ReadmitAfter {
-			s.up, changed = true, true
+		b.fails, b.oks = 0, b.oks+1
+		if !healthy && b.oks >= p.cfg.ReadmitAfter {
+			healthy = true
 		}
 	} else {
-		s.oks, s.fails = 0, s.fails+1
-		if s.up && (eject || s.fails >= p.cfg.EjectAfter) {
-			s.up, changed = false, true
+		b.oks, b.fails = 0, b.fails+1
+		if healthy && (eject || b.fails >= p.cfg.EjectAfter) {
+			healthy = false
 		}
 	}
-	up := s.up
-	if changed && up && p.tokProbe != nil {
-		p.tokProbe.markDue(id) // a replica that comes back may be another build
-	}
-	if changed && up {
-		p.engines[id].markDue() // or another engine
-	}
-	if changed {
-		if err := p.rt.SetUp(id, up, now); err != nil {
-			p.log.Error("router set up", "replica", p.backends[id].name, "err", err)
-		}
-	}
+	changed := healthy != b.Healthy()
+	up, _ := p.pool.SetHealthy(b.Member, healthy)
 	p.mu.Unlock()
 	if !changed {
 		return
 	}
-	name := p.backends[id].name
-	if up {
-		p.m.up.WithLabelValues(name).Set(1)
-		p.log.Info("replica re-admitted", "replica", name)
+	if healthy {
+		p.log.Info("replica re-admitted", "replica", b.Name)
 	} else {
-		p.m.up.WithLabelValues(name).Set(0)
-		p.log.Warn("replica ejected", "replica", name, "passive", eject)
+		p.log.Warn("replica ejected", "replica", b.Name, "passive", eject)
 	}
+	if p.hookState != nil {
+		p.hookState(b.Name, up)
+	}
+}
+
+// upChanged is the pool's Up hook: a replica entered or left routing
+// (discovery's readiness).
+func (p *Proxy) upChanged(name string, up bool) {
 	if p.hookState != nil {
 		p.hookState(name, up)
 	}

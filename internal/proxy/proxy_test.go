@@ -696,7 +696,7 @@ func TestScrapeFeedsTheRouter(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	p.scrape(context.Background(), p.backends[0])
+	p.pool.Scrape(context.Background(), p.backendAt(0).Member)
 	got := p.Replicas()[0]
 	if got.Running != 2 || got.Waiting != 1 || got.KVUsage != 0.25 {
 		t.Errorf("scraped load %+v", got)
@@ -764,4 +764,11 @@ func abs(x float64) float64 {
 		return -x
 	}
 	return x
+}
+
+// backendAt returns the replica in router slot id.
+func (p *Proxy) backendAt(id int) *backend {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.pool.Member(id).Front.(*backend)
 }

@@ -63,13 +63,13 @@ func BenchmarkRouteChat60k(b *testing.B) {
 			b.Fatal(err)
 		}
 		t1, c1 := time.Now(), threadCPU()
-		keys, tokens, err := p.core.Keyer.Keys(req)
+		keys, tokens, err := p.pool.Keyer.Keys(req)
 		if err != nil {
 			b.Fatal(err)
 		}
 		t2, c2 := time.Now(), threadCPU()
 		preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens}
-		d, err := p.route(preq, nil)
+		d, _, err := p.route(preq, nil)
 		if err != nil {
 			b.Fatal(err)
 		}

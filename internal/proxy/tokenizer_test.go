@@ -70,7 +70,11 @@ func exactTokenize(tok *tokenize.Tokenizer) func(map[string]json.RawMessage) []u
 func probeAll(t *testing.T, p *Proxy, n int) map[string]int {
 	t.Helper()
 	got := make(chan [2]any, n)
-	p.hookProbe = func(name string, state int) { got <- [2]any{name, state} }
+	p.pool.Hooks.Tokenizer = func(name string, state keying.TokenizerState, err error) {
+		if !errors.Is(err, upstream.ErrNoAnswer) {
+			got <- [2]any{name, int(state)}
+		}
+	}
 	runLoops(t, p)
 	out := map[string]int{}
 	timeout := time.After(10 * time.Second)
@@ -137,7 +141,7 @@ func TestTokenizerProbe(t *testing.T) {
 			}
 			// The keys the proxy uses now: token ids, or text chunks in fallback.
 			r := mustParse(t, openai.KindChat, chat)
-			keys, _, _ := p.core.Keyer.Keys(r)
+			keys, _, _ := p.pool.Keyer.Keys(r)
 			want, _, _ := keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}.Keys(r)
 			if !tt.wantFallback {
 				ids, _ := keyer.EncodeChat(r.Chat)
@@ -179,13 +183,15 @@ func TestTokenizerProbeOnReadmission(t *testing.T) {
 		t.Fatalf("first probe: state %d, fallback %v; want 0, true", st, keyer.Fallback())
 	}
 	got := make(chan int, 1)
-	p.hookProbe = func(_ string, state int) { got <- state } // no probe runs now: the next is after a check
+	p.mu.Lock()
+	p.pool.Hooks.Tokenizer = func(_ string, state keying.TokenizerState, _ error) { got <- int(state) }
+	p.mu.Unlock()
 	mu.Lock()
 	wrong = false
 	mu.Unlock()
-	p.checked(0, false, true) // ejected
-	p.checked(0, true, false) // re-admitted: due a probe
-	p.probeTokenizer(context.Background(), p.backends[0])
+	rb := p.backendAt(0)
+	p.checked(rb, false, true) // ejected
+	p.checked(rb, true, false) // re-admitted: due a check, which runs at once
 	if st := <-got; st != 1 || keyer.Fallback() {
 		t.Errorf("after re-admission: state %d, fallback %v; want 1, false", st, keyer.Fallback())
 	}

@@ -385,6 +385,16 @@ func (r *Router) SetUp(id int, up bool, now time.Time) error {
 	return nil
 }
 
+// SetName renames replica id (a slot another replica joins; the name
+// shows in decisions).
+func (r *Router) SetName(id int, name string) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	r.reps[id].Name = name
+	return nil
+}
+
 // SetEvents says whether replica id's cache is reported by KV events. When
 // it switches on, the router's mirror is dropped: events are the truth.
 func (r *Router) SetEvents(id int, on bool) error {
