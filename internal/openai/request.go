@@ -2,10 +2,12 @@ package openai
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
+	"math/bits"
 	"strconv"
 	"strings"
 
@@ -318,16 +320,14 @@ func scanTokenIDs(raw []byte, i int) (ids [][]uint32, next int, ok bool) {
 	}
 	j := skipSpace(raw, i+1)
 	if j >= len(raw) || raw[j] != '[' {
-		// Most ids of a tokenizer's vocabulary take 4 to 6 bytes with
-		// their comma: size the list once.
-		l, n, ok := scanIDList(raw, i, (len(raw)-i)/5+1)
+		l, n, ok := scanIDList(raw, i, idCount(raw, i))
 		if !ok || len(l) == 0 {
 			return nil, 0, false
 		}
 		return [][]uint32{l}, n, true
 	}
 	for {
-		l, n, ok := scanIDList(raw, j, 0)
+		l, n, ok := scanIDList(raw, j, idCount(raw, j))
 		if !ok || len(l) == 0 {
 			return nil, 0, false
 		}
@@ -347,6 +347,18 @@ func scanTokenIDs(raw []byte, i int) (ids [][]uint32, next int, ok bool) {
 	}
 }
 
+// idCount sizes the flat list of ids at raw[i] ('[') for scanIDList: the
+// commas before the next ']', plus one. Two vectorised passes over the
+// list's bytes cost less than growing the slice, or guessing its size from
+// the bytes left (which overshot by a fifth).
+func idCount(raw []byte, i int) int {
+	end := bytes.IndexByte(raw[i:], ']')
+	if end < 0 {
+		return 0
+	}
+	return bytes.Count(raw[i:i+end], []byte{','}) + 1
+}
+
 // scanIDList reads the flat list of token ids that starts at raw[i] ('[')
 // into a list of capacity capHint, and returns it and the index just past
 // its ']'.
@@ -360,19 +372,34 @@ func scanIDList(raw []byte, i, capHint int) (ids []uint32, next int, ok bool) {
 	}
 	ids = make([]uint32, 0, capHint)
 	for {
-		start := i
-		var v uint64
-		for i < len(raw) && raw[i] >= '0' && raw[i] <= '9' {
-			v = v*10 + uint64(raw[i]-'0')
-			if v > math.MaxUint32 {
-				return nil, 0, false
+		// The common id, 1 to 7 digits with 8 bytes to read, all at once;
+		// any other byte by byte.
+		var v uint32
+		n := 0
+		if i+8 <= len(raw) {
+			t := binary.LittleEndian.Uint64(raw[i:]) ^ lanes30
+			if n = idLen(t); n > 0 {
+				v = digitsValue(t, n)
 			}
-			i++
 		}
-		if i == start || (raw[start] == '0' && i-start > 1) {
-			return nil, 0, false // not a plain integer: let encoding/json say why
+		if n > 0 {
+			i += n
+		} else {
+			start := i
+			var w uint64
+			for i < len(raw) && raw[i] >= '0' && raw[i] <= '9' {
+				w = w*10 + uint64(raw[i]-'0')
+				if w > math.MaxUint32 {
+					return nil, 0, false
+				}
+				i++
+			}
+			if i == start || (raw[start] == '0' && i-start > 1) {
+				return nil, 0, false // not a plain integer: let encoding/json say why
+			}
+			v = uint32(w)
 		}
-		ids = append(ids, uint32(v))
+		ids = append(ids, v)
 		if i < len(raw) && raw[i] == ',' { // the common case: no spaces
 			i++
 			if i < len(raw) && raw[i] >= '0' && raw[i] <= '9' {
@@ -394,6 +421,39 @@ func scanIDList(raw []byte, i, capHint int) (ids []uint32, next int, ok bool) {
 			return nil, 0, false
 		}
 	}
+}
+
+// idLen is the length of the plain integer that the word t (8 bytes read
+// little-endian, the first byte lowest, XOR lanes30) starts with when it
+// has 1 to 7 digits and no leading zero, else 0 (the caller reads it byte
+// by byte). SWAR: the lanes that are not digits are found together
+// (digitRun), and digitsValue combines the digits pairwise.
+func idLen(t uint64) int {
+	n := digitRun(t)
+	if uint(n-1) > 6 || (n > 1 && t&0xff == 0) { // n is 0 or 8, or a leading zero
+		return 0
+	}
+	return n
+}
+
+// lanes30 is '0' in each lane: a word XOR it has a digit's value, 0 to 9,
+// in the lane of each digit, and more in every other lane.
+const lanes30 = 0x3030303030303030
+
+// digitRun is the number of lanes of t (a word XOR lanes30) before the
+// first that is not a digit (8: none is). A lane's high bit is set where
+// it is 10 or more (the carries of such lanes reach only lanes after
+// them).
+func digitRun(t uint64) int {
+	return bits.TrailingZeros64(((t+0x7676767676767676)|t)&lanes80) >> 3
+}
+
+// digitsValue is the number written by t's first n lanes, 1 ≤ n ≤ 7
+// (simdjson's eight-digit parse, once they are shifted to the top lanes).
+func digitsValue(t uint64, n int) uint32 {
+	t <<= 64 - 8*uint(n)
+	t = t*10 + t>>8
+	return uint32(((t&0x000000ff000000ff)*(100+1000000<<32) + (t>>16&0x000000ff000000ff)*(1+10000<<32)) >> 32)
 }
 
 // skipSpace returns the index of the first byte of raw at or after i that

@@ -1,10 +1,13 @@
 package openai
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"math"
+	"math/rand/v2"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -76,7 +79,10 @@ func TestScanTokenIDLists(t *testing.T) {
 // FuzzScanTokenIDLists checks the fast scan against encoding/json: what it
 // accepts, encoding/json decodes alike.
 func FuzzScanTokenIDLists(f *testing.F) {
-	for _, s := range []string{`[1,2,3]`, `[[1],[2,3]]`, `[ 7 ]`, `[4294967296]`, `[1.5]`, `[-0]`, `[[],[1]]`, `[01]`} {
+	for _, s := range []string{`[1,2,3]`, `[[1],[2,3]]`, `[ 7 ]`, `[4294967296]`, `[1.5]`, `[-0]`, `[[],[1]]`, `[01]`,
+		// Ids the word-at-a-time reader takes, and ones it leaves.
+		`[1234567,12345678,123456789,4294967295,0,7,65535,100000]`, `[12, 3 ,045,6,0000000,1e5,7]`,
+		`[[1234567,2],[0,1234567,12345678901]]`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
@@ -145,6 +151,42 @@ func TestSSEFramerReady(t *testing.T) {
 		}
 		if got := f.Ready(); got != tc.want {
 			t.Errorf("%q: ready() = %v, want %v", tc.in, got, tc.want)
+		}
+	}
+}
+
+// TestIDWord checks the word-at-a-time integer reader (idLen,
+// digitsValue) against strconv on every length and every byte after the
+// digits.
+func TestIDWord(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for range 200000 {
+		var b [8]byte
+		for k := range b {
+			b[k] = byte(rng.IntN(256))
+			if rng.IntN(4) != 0 {
+				b[k] = '0' + byte(rng.IntN(10))
+			}
+		}
+		w := binary.LittleEndian.Uint64(b[:]) ^ lanes30
+		n := idLen(w)
+		var v uint32
+		if n > 0 {
+			v = digitsValue(w, n)
+		}
+		want := 0
+		for want < 8 && b[want] >= '0' && b[want] <= '9' {
+			want++
+		}
+		if want == 0 || want == 8 || (want > 1 && b[0] == '0') {
+			if n != 0 {
+				t.Fatalf("%q: %d, %d; want n = 0", b[:], v, n)
+			}
+			continue
+		}
+		wv, _ := strconv.ParseUint(string(b[:want]), 10, 32)
+		if n != want || uint64(v) != wv {
+			t.Fatalf("%q: %d, %d; want %d, %d", b[:], v, n, wv, want)
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"math"
+	"sync"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 )
@@ -47,13 +48,44 @@ type Framer struct {
 	data []byte
 }
 
+// framerBufSize is a framer's read buffer: what arrived together beyond it
+// is framed after the next read.
+const framerBufSize = 32 << 10
+
+// framerKeep bounds the event buffers a released framer keeps for the next
+// one: a stream's rare big event does not pin its memory in the pool.
+const framerKeep = 64 << 10
+
+// framers are released framers, their buffers kept: a proxy frames one
+// stream per request, and the read buffer alone is 32 KB.
+var framers = sync.Pool{New: func() any { return &Framer{br: bufio.NewReaderSize(nil, framerBufSize)} }}
+
 // NewFramer returns a framer reading r, accepting events up to max bytes
-// (MaxEventBytes if max ≤ 0).
+// (MaxEventBytes if max ≤ 0). Release it when done to let the next framer
+// reuse its buffers.
 func NewFramer(r io.Reader, max int) *Framer {
 	if max <= 0 {
 		max = MaxEventBytes
 	}
-	return &Framer{br: bufio.NewReaderSize(r, 32<<10), max: max}
+	f := framers.Get().(*Framer)
+	f.br.Reset(r)
+	f.max = max
+	return f
+}
+
+// Release hands f's buffers to the next NewFramer. Neither f nor the Raw
+// and Data of the events it returned may be used after; a framer that is
+// not released is simply collected.
+func (f *Framer) Release() {
+	f.br.Reset(nil)
+	if cap(f.raw) > framerKeep {
+		f.raw = nil
+	}
+	if cap(f.data) > framerKeep {
+		f.data = nil
+	}
+	f.raw, f.data = f.raw[:0], f.data[:0]
+	framers.Put(f)
 }
 
 // Next returns the next event. At the end of input it returns io.EOF when
@@ -271,6 +303,15 @@ type Chunk struct {
 // a whole non-streamed response — the way serve reads replies on the
 // side (the endpoint picker shares it). ok is false when data is not JSON.
 func ReadChunk(data []byte) (c Chunk, ok bool) {
+	if out, u, ok := quickChunk(data); ok {
+		c.Output = out
+		if u != nil {
+			c.HasUsage = true
+			c.PromptTokens, c.CompletionTokens = u.PromptTokens, u.CompletionTokens
+			c.CachedTokens = u.Cached(nil)
+		}
+		return c, true
+	}
 	var ci chunkInfo
 	if json.Unmarshal(data, &ci) != nil {
 		return Chunk{}, false
@@ -330,6 +371,16 @@ func (s *Stream) Observe(ev *Event) (token bool, err error) {
 	if done(ev.Data) {
 		s.SawDone = true
 		return false, nil
+	}
+	if out, u, ok := quickChunk(ev.Data); ok {
+		// No error or timings: tokens and usage.
+		if u != nil {
+			s.Usage = u
+		}
+		if out {
+			s.Tokens++
+		}
+		return out, nil
 	}
 	var c chunkInfo
 	if err := json.Unmarshal(ev.Data, &c); err != nil {

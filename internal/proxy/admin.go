@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/pprof"
+	"runtime"
 	"strings"
 	"sync"
 
@@ -40,6 +42,67 @@ func (p *Proxy) admin(h http.HandlerFunc) http.HandlerFunc {
 			}
 		}
 		h(w, r)
+	}
+}
+
+// handlePprof serves Go's profiler (net/http/pprof) under /debug/pprof/ on
+// mux, behind the admin token like the other /debug endpoints: the index,
+// cpu (profile), trace, allocs, heap, goroutine, mutex, block, threadcreate,
+// cmdline and symbol.
+//
+// The mutex and block profiles record nothing while their rates are 0, as
+// serve leaves them: a delta request (?seconds=N) turns them on for its N
+// seconds (mutexProfileFraction, blockProfileRate) and off again after.
+func (p *Proxy) handlePprof(mux *http.ServeMux) {
+	mux.HandleFunc("/debug/pprof/", p.admin(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/debug/pprof/mutex", "/debug/pprof/block":
+			if r.FormValue("seconds") != "" {
+				defer profileRates.on()()
+			}
+		}
+		pprof.Index(w, r)
+	}))
+	mux.HandleFunc("/debug/pprof/cmdline", p.admin(pprof.Cmdline))
+	mux.HandleFunc("/debug/pprof/profile", p.admin(pprof.Profile))
+	mux.HandleFunc("/debug/pprof/symbol", p.admin(pprof.Symbol))
+	mux.HandleFunc("/debug/pprof/trace", p.admin(pprof.Trace))
+}
+
+// The sampling of the mutex and block profiles while a delta profile of
+// either is being taken: one contention event in mutexProfileFraction,
+// and one blocking event per blockProfileRate nanoseconds blocked.
+const (
+	mutexProfileFraction = 10
+	blockProfileRate     = 10000
+)
+
+// profileRates turns the mutex and block profiles on while at least one
+// delta profile of them is being taken.
+var profileRates rateUsers
+
+type rateUsers struct {
+	mu sync.Mutex
+	n  int
+}
+
+// on turns the profiles on (the first user) and returns the function that
+// turns them off (after the last).
+func (u *rateUsers) on() func() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.n == 0 {
+		runtime.SetMutexProfileFraction(mutexProfileFraction)
+		runtime.SetBlockProfileRate(blockProfileRate)
+	}
+	u.n++
+	return func() {
+		u.mu.Lock()
+		defer u.mu.Unlock()
+		if u.n--; u.n == 0 {
+			runtime.SetMutexProfileFraction(0)
+			runtime.SetBlockProfileRate(0)
+		}
 	}
 }
 
@@ -133,6 +196,10 @@ type RouteExplanation struct {
 	Keys          int                  `json:"keys"`
 	Candidates    []CandidateExplained `json:"candidates"`
 	Explain       string               `json:"explain"`
+	// ExplainTerms is e2's cost of each candidate term by term
+	// (policy.Decision.ExplainTerms; each candidate's terms too), as
+	// prefixlb epp --explain sends it in x-prefixlb-route-terms.
+	ExplainTerms string `json:"explain_terms,omitempty"`
 }
 
 // CandidateExplained is one candidate of a RouteExplanation, with its name.
@@ -166,7 +233,8 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("proxy: %w", err))
 		return
 	}
-	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession)}
+	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens,
+		Session: r.Header.Get(HeaderSession), Explain: true}
 	if preq.Session == "" {
 		preq.Session = req.User
 	}
@@ -179,7 +247,7 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 	out := RouteExplanation{
 		Replica: names[d.Replica], ReplicaID: d.Replica, Policy: p.policy,
 		Branch: d.Branch, MatchedTokens: d.MatchedTokens, PromptTokens: tokens, Keys: len(keys),
-		Candidates: []CandidateExplained{}, Explain: d.Explain(),
+		Candidates: []CandidateExplained{}, Explain: d.Explain(), ExplainTerms: d.ExplainTerms(),
 	}
 	for _, c := range d.Candidates {
 		name := ""

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/upstream"
@@ -37,17 +38,21 @@ type dashEntry struct {
 	d      policy.Decision // Candidates is the policy's own fresh slice: never changed after Route
 }
 
-// dashRing is a bounded ring of the latest decisions, guarded by Proxy.mu.
-// record costs one copy of a Decision and allocates nothing.
+// dashRing is a bounded ring of the latest decisions, under its own lock:
+// route records a decision after releasing the core's, and Snapshot reads
+// the ring while holding both (the core's first). record costs one copy of
+// a Decision and allocates nothing.
 type dashRing struct {
+	mu    sync.Mutex // guards the rest
 	buf   [dashRingSize]dashEntry
 	n     int // entries ever recorded
 	first time.Time
 }
 
-// record keeps d, made at now for a prompt of prompt tokens. Call it under
-// p.mu.
+// record keeps d, made at now for a prompt of prompt tokens.
 func (g *dashRing) record(now time.Time, prompt int, d *policy.Decision) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	if g.n == 0 {
 		g.first = now
 	}
@@ -56,6 +61,7 @@ func (g *dashRing) record(now time.Time, prompt int, d *policy.Decision) {
 }
 
 // each calls fn on the kept entries, newest first, until fn returns false.
+// Call it under g.mu.
 func (g *dashRing) each(fn func(e *dashEntry) bool) {
 	for i := g.n - 1; i >= 0 && i >= g.n-dashRingSize; i-- {
 		if !fn(&g.buf[i%dashRingSize]) {
@@ -135,6 +141,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 		hits = make([]struct{ matched, prompt int }, len(reps))
 	}
 	cut := now.Add(-dashRateWindow)
+	p.dash.mu.Lock()
 	first := p.dash.first
 	p.dash.each(func(e *dashEntry) bool {
 		if len(recent) < dashRecent {
@@ -152,6 +159,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 		return len(recent) < dashRecent || !e.at.Before(cut) || hits != nil
 	})
 	ringFull := p.dash.n >= dashRingSize
+	p.dash.mu.Unlock()
 	p.mu.Unlock()
 
 	s := dashboard.Snapshot{Time: now, Policy: p.policy, Branches: map[string]float64{}}

@@ -9,11 +9,13 @@ import (
 	"mime"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/openai"
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
@@ -68,9 +70,13 @@ type storedResponse struct {
 // serveInference routes and forwards one /v1 request.
 func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind openai.Kind) {
 	x := &exchange{p: p, w: w, r: r, start: time.Now()}
-	replica := ""
+	var last *backend // the replica of the last attempt
 	defer func() {
-		p.m.requests.WithLabelValues(p.policy, replica, x.code).Inc()
+		if last != nil {
+			last.m.request(x.code).Inc()
+		} else {
+			p.m.requests.WithLabelValues(p.policy, "", x.code).Inc()
+		}
 	}()
 	fail := func(err error) {
 		x.code = strconv.Itoa(writeError(w, err))
@@ -105,9 +111,8 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	}
 
 	var tried []int
-	var last result
+	var lastRes result
 	var lastD policy.Decision
-	var lastB *backend
 	for attempt := 0; ; attempt++ {
 		preq.ID = p.nextID.Add(1)
 		d, b, err := p.route(preq, tried)
@@ -118,13 +123,13 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 			}
 			break // no replica left to try: answer the last failure
 		}
-		replica = b.Name
-		p.m.Decisions.WithLabelValues(p.policy, d.Branch, b.Name).Inc()
+		last = b
+		b.m.decision(d.Branch).Inc()
 		res := x.attempt(ctx, preq.ID, &d, b, attempt)
 		if res.err == nil {
 			return
 		}
-		last, lastD, lastB = res, d, b
+		lastRes, lastD = res, d
 		if !res.retry || x.wrote || ctx.Err() != nil || attempt >= p.cfg.MaxRetries {
 			break
 		}
@@ -143,16 +148,16 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		x.code = "cancelled"
 		return
 	}
-	x.setRouteHeaders(&lastD, lastB, len(tried))
-	if last.resp != nil {
-		x.code = strconv.Itoa(last.resp.status)
-		copyHeader(w.Header(), last.resp.header)
-		w.Header().Set("Content-Length", strconv.Itoa(len(last.resp.body)))
-		w.WriteHeader(last.resp.status)
-		_, _ = w.Write(last.resp.body)
+	x.setRouteHeaders(&lastD, last, len(tried))
+	if lastRes.resp != nil {
+		x.code = strconv.Itoa(lastRes.resp.status)
+		copyHeader(w.Header(), lastRes.resp.header)
+		w.Header().Set("Content-Length", strconv.Itoa(len(lastRes.resp.body)))
+		w.WriteHeader(lastRes.resp.status)
+		_, _ = w.Write(lastRes.resp.body)
 		return
 	}
-	err = last.err
+	err = lastRes.err
 	if ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		err = fmt.Errorf("proxy: request timeout after %v: %w", p.cfg.RequestTimeout, context.DeadlineExceeded)
 	}
@@ -191,15 +196,23 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 	return body, nil
 }
 
+// The explanation headers' keys in canonical form, as Header.Set would
+// make them on every call.
+var (
+	canonReplica = http.CanonicalHeaderKey(HeaderReplica)
+	canonRoute   = http.CanonicalHeaderKey(HeaderRoute)
+	canonRetries = http.CanonicalHeaderKey(HeaderRetries)
+)
+
 // setRouteHeaders sets the explanation headers of decision d.
 func (x *exchange) setRouteHeaders(d *policy.Decision, b *backend, retries int) {
 	h := x.w.Header()
-	h.Set(HeaderReplica, b.Name)
-	h.Set(HeaderRoute, d.Explain())
+	h[canonReplica] = []string{b.Name}
+	h[canonRoute] = []string{d.Explain()}
 	if retries > 0 {
-		h.Set(HeaderRetries, strconv.Itoa(retries))
+		h[canonRetries] = []string{strconv.Itoa(retries)}
 	} else {
-		h.Del(HeaderRetries)
+		delete(h, canonRetries)
 	}
 }
 
@@ -210,9 +223,8 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 	p := x.p
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	gauge := p.m.inflight.WithLabelValues(b.Name)
-	gauge.Inc()
-	defer gauge.Dec()
+	b.m.inflight.Inc()
+	defer b.m.inflight.Dec()
 
 	out, err := x.outRequest(ctx, b)
 	if err != nil {
@@ -255,26 +267,47 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 		}
 	}
 	if isEventStream(resp.Header) && resp.StatusCode < 300 {
-		return x.stream(id, d, b, n, resp, body, readFailure)
+		return x.stream(id, d, b, n, resp, body, readFailure, cancel)
 	}
 	return x.buffered(id, d, b, n, resp, body, readFailure)
 }
 
-// outRequest builds the request to replica b.
+// outRequest builds the request to replica b: b's scheme, host and base
+// path with the request's path and query (the URL built as a struct, as
+// parsing its string form would give it), the request's headers less
+// hop-by-hop ones, and its body, read again from the exchange's buffer.
 func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, error) {
-	u := *b.Base
-	u.Path = strings.TrimSuffix(b.Base.Path, "/") + x.r.URL.Path
+	u := new(url.URL)
+	*u = *b.Base
+	u.Path = b.basePath + x.r.URL.Path
 	u.RawPath = ""
 	u.RawQuery = x.r.URL.RawQuery
-	var body io.Reader
-	if len(x.body) > 0 {
-		body = bytes.NewReader(x.body)
+	if u.Path != "" && u.Path[0] != '/' {
+		// "OPTIONS *": as its string form parses.
+		pu, err := url.Parse(u.String())
+		if err != nil {
+			return nil, fmt.Errorf("proxy: build request to %s: %w", b.Name, err)
+		}
+		u = pu
 	}
-	out, err := http.NewRequestWithContext(ctx, x.r.Method, u.String(), body)
+	u.Host = b.host
+	out, err := http.NewRequestWithContext(ctx, x.r.Method, "", nil)
 	if err != nil {
 		return nil, fmt.Errorf("proxy: build request to %s: %w", b.Name, err)
 	}
-	copyHeader(out.Header, x.r.Header)
+	out.URL, out.Host = u, b.host
+	if len(x.body) > 0 {
+		// A body the Transport knows is in memory (a *bytes.Reader) goes
+		// out with the headers, in one write from the connection's buffer
+		// (Transport.WriteBufferSize); any other body, after the headers are
+		// flushed, through a copy buffer of its own.
+		out.Body, out.ContentLength = io.NopCloser(bytes.NewReader(x.body)), int64(len(x.body))
+		out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(x.body)), nil }
+	}
+	out.Header = x.r.Header.Clone()
+	if out.Header == nil {
+		out.Header = make(http.Header)
+	}
 	removeHop(out.Header)
 	out.Header.Del("Accept-Encoding") // identity: the proxy reads the body on the side
 	if host, _, err := net.SplitHostPort(x.r.RemoteAddr); err == nil {
@@ -284,6 +317,21 @@ func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, e
 		out.Header.Set("X-Forwarded-For", host)
 	}
 	return out, nil
+}
+
+// newBackend is the proxy's state of pool member m, counting in bm.
+func newBackend(m *cluster.Member, bm *backendMetrics) *backend {
+	return &backend{Member: m, basePath: strings.TrimSuffix(m.Base.Path, "/"), host: hostOf(m.Base), m: bm}
+}
+
+// hostOf is u's host less an empty port ("h:" is "h"), as
+// http.NewRequest sets a request's URL.Host and Host.
+func hostOf(u *url.URL) string {
+	h := u.Host
+	if strings.LastIndex(h, ":") > strings.LastIndex(h, "]") {
+		return strings.TrimSuffix(h, ":")
+	}
+	return h
 }
 
 // transportFailure classifies an error of the round trip (no response).
@@ -313,7 +361,7 @@ func (x *exchange) transportFailure(b *backend, err error) result {
 // hop-by-hop ones, plus the explanation).
 func (x *exchange) writeHead(d *policy.Decision, b *backend, n int, resp *http.Response, contentLength int) {
 	h := x.w.Header()
-	copyHeader(h, filterHeader(resp.Header))
+	addEndToEnd(h, resp.Header)
 	h.Del("Content-Length")
 	if contentLength >= 0 {
 		h.Set("Content-Length", strconv.Itoa(contentLength))
@@ -329,10 +377,11 @@ func (x *exchange) writeHead(d *policy.Decision, b *backend, n int, resp *http.R
 // the events on the side. The status and headers
 // go out with the first event, so a replica that fails before its first
 // event is retried.
-func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, body io.Reader, readFailure func(error) *attemptError) result {
+func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, body io.Reader, readFailure func(error) *attemptError, cancel func()) result {
 	p := x.p
 	rc := http.NewResponseController(x.w)
 	fr := openai.NewFramer(body, 0)
+	defer fr.Release()
 	var st openai.Stream
 	var gaps calibrate.Gaps
 	first := false
@@ -389,7 +438,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 		if token && !first {
 			first = true
 			p.firstToken(id)
-			p.m.ttft.WithLabelValues(b.Name).Observe(time.Since(x.start).Seconds())
+			b.m.ttft().Observe(time.Since(x.start).Seconds())
 		}
 		if st.SawDone {
 			break
@@ -401,7 +450,32 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 	}
 	fin.ITL, fin.ITLSamples = gaps.Median()
 	x.done(id, d, b, fin)
+	drainAfterDone(fr, cancel)
 	return result{}
+}
+
+// Bounds on reading a stream's response to its end after [DONE].
+const (
+	drainWait   = 100 * time.Millisecond
+	drainEvents = 4
+)
+
+// drainAfterDone reads what follows a stream's [DONE] (nothing, from a
+// replica that behaves: its response ends there), up to its end, so that
+// the Transport keeps the connection: one whose response body is closed
+// before its end is dropped, and the next request dials again. The
+// chunked encoding's last chunk often arrives after [DONE], in a write of
+// its own. A replica that keeps the stream open after [DONE] costs at most
+// drainWait, then cancel aborts the read and the connection is dropped as
+// before. Nothing read here reaches the client.
+func drainAfterDone(fr *openai.Framer, cancel func()) {
+	t := time.AfterFunc(drainWait, cancel)
+	defer t.Stop()
+	for range drainEvents {
+		if _, err := fr.Next(); err != nil {
+			return
+		}
+	}
 }
 
 // buffered forwards a response that is not a stream: it reads it (up to
@@ -460,7 +534,7 @@ func (x *exchange) done(id uint64, d *policy.Decision, b *backend, fin router.Fi
 	p := x.p
 	p.finishWith(id, fin)
 	if fin.OK {
-		p.m.latency.WithLabelValues(b.Name).Observe(time.Since(x.start).Seconds())
+		b.m.latency().Observe(time.Since(x.start).Seconds())
 		if fin.CachedTokens >= 0 {
 			p.m.Prediction(d.MatchedTokens, fin.CachedTokens, p.cfg.BlockTokens)
 		}
@@ -484,7 +558,12 @@ func (ir *idleReader) Read(b []byte) (int, error) {
 
 // isEventStream reports whether h declares a Server-Sent Events body.
 func isEventStream(h http.Header) bool {
-	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
+	ct := h.Get("Content-Type")
+	switch ct {
+	case "text/event-stream", "text/event-stream; charset=utf-8": // vLLM's, SGLang's, llama.cpp's
+		return true
+	}
+	mt, _, err := mime.ParseMediaType(ct)
 	return err == nil && mt == "text/event-stream"
 }
 
@@ -495,6 +574,46 @@ func copyHeader(dst, src http.Header) {
 			dst.Add(k, v)
 		}
 	}
+}
+
+// addEndToEnd adds src's end-to-end headers to dst: what filterHeader
+// keeps, without copying src first. The value lists are shared, capped so
+// that a later Add to dst copies them.
+func addEndToEnd(dst, src http.Header) {
+	conn := src["Connection"]
+	for k, vv := range src {
+		if isHop(k) || namedIn(conn, k) {
+			continue
+		}
+		if old, ok := dst[k]; ok {
+			dst[k] = append(old, vv...)
+		} else {
+			dst[k] = vv[:len(vv):len(vv)]
+		}
+	}
+}
+
+// isHop reports whether k (canonical) is a hop-by-hop header.
+func isHop(k string) bool {
+	for _, h := range hopHeaders {
+		if k == h {
+			return true
+		}
+	}
+	return false
+}
+
+// namedIn reports whether the Connection header values conn name k (a key
+// of the header map), as removeHop's Del would find it.
+func namedIn(conn []string, k string) bool {
+	for _, f := range conn {
+		for name := range strings.SplitSeq(f, ",") {
+			if name = strings.TrimSpace(name); name != "" && http.CanonicalHeaderKey(name) == k {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // filterHeader returns h less hop-by-hop headers.

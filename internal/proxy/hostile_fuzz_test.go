@@ -95,13 +95,24 @@ func FuzzOutRequest(f *testing.F) {
 		if withBase {
 			bu.Path = "/base"
 		}
-		b := &backend{Member: &cluster.Member{Replica: cluster.Replica{Name: "r0"}, Base: bu}}
+		b := newBackend(&cluster.Member{Replica: cluster.Replica{Name: "r0"}, Base: bu}, nil)
 		var body bytes.Buffer
 		_, _ = body.ReadFrom(in.Body)
 		x := &exchange{r: in, body: body.Bytes()}
 		out, err := x.outRequest(context.Background(), b)
 		if err != nil {
 			return
+		}
+		// The URL as it was built before outRequest made it a struct:
+		// formatted, then parsed again.
+		ref := *bu
+		ref.Path = strings.TrimSuffix(bu.Path, "/") + in.URL.Path
+		ref.RawPath = ""
+		ref.RawQuery = in.URL.RawQuery
+		if old, err := http.NewRequest(in.Method, ref.String(), nil); err == nil {
+			if old.URL.RequestURI() != out.URL.RequestURI() || old.Host != out.Host || old.URL.String() != out.URL.String() {
+				t.Fatalf("request %q: URL %q (Host %q), built from its string %q (Host %q)", raw, out.URL, out.Host, old.URL, old.Host)
+			}
 		}
 		if out.URL.Scheme != "http" || out.URL.Host != bu.Host || out.Host != bu.Host {
 			t.Fatalf("request %q goes to %s (Host %q), not the backend %s", raw, out.URL, out.Host, bu.Host)

@@ -73,7 +73,7 @@ func (b *deadlineBody) Read(p []byte) (int, error) {
 		b.clear()
 	}
 	var ne net.Error
-	if err != nil && errors.As(err, &ne) && ne.Timeout() {
+	if err != nil && err != io.EOF && errors.As(err, &ne) && ne.Timeout() {
 		err = fmt.Errorf("%w: not read within %v (body_read_timeout)", ErrBodyTimeout, b.d)
 	}
 	return n, err

@@ -138,7 +138,6 @@ func TestServeDynamicHealth(t *testing.T) {
 		}
 	}
 	runLoops(t, p)
-	b.healthy.Store(false)
 	p.pool.Add(cluster.Replica{Name: "b", URL: b.srv.URL, Ready: true})
 	want := func(s string) {
 		t.Helper()
@@ -152,6 +151,7 @@ func TestServeDynamicHealth(t *testing.T) {
 		}
 	}
 	want("b up") // joined
+	b.healthy.Store(false)
 	want("b down")
 	if got := servedBy(t, srv.URL, 3); got["a"] != 3 {
 		t.Errorf("b ejected: %v", got)

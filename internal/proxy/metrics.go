@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"sync"
+
 	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -76,4 +78,52 @@ func (m *metrics) replicaRemoved(name string) {
 		m.latency.MetricVec, m.retries.MetricVec, m.health.MetricVec} {
 		v.DeletePartialMatch(l)
 	}
+}
+
+// backendMetrics are one replica's children of the request-path metric
+// vectors, each looked up once (WithLabelValues hashes its labels and
+// takes the vector's lock on every call) and created when first used, as
+// WithLabelValues would create it.
+type backendMetrics struct {
+	inflight      prometheus.Gauge
+	ttft, latency func() prometheus.Observer
+	policy, name  string
+	requests      *prometheus.CounterVec
+	decisionVec   *prometheus.CounterVec
+	codes         sync.Map // code → prometheus.Counter
+	branches      sync.Map // branch → prometheus.Counter
+}
+
+// forBackend returns replica name's metric children, under policy.
+func (m *metrics) forBackend(policy, name string) *backendMetrics {
+	return &backendMetrics{
+		inflight:    m.inflight.WithLabelValues(name),
+		ttft:        sync.OnceValue(func() prometheus.Observer { return m.ttft.WithLabelValues(name) }),
+		latency:     sync.OnceValue(func() prometheus.Observer { return m.latency.WithLabelValues(name) }),
+		policy:      policy,
+		name:        name,
+		requests:    m.requests,
+		decisionVec: m.Decisions,
+	}
+}
+
+// request is prefixlb_requests_total of a request this replica answered
+// last, with outcome code.
+func (bm *backendMetrics) request(code string) prometheus.Counter {
+	if c, ok := bm.codes.Load(code); ok {
+		return c.(prometheus.Counter)
+	}
+	c := bm.requests.WithLabelValues(bm.policy, bm.name, code)
+	bm.codes.Store(code, c)
+	return c
+}
+
+// decision is the decisions counter of the replica in branch.
+func (bm *backendMetrics) decision(branch string) prometheus.Counter {
+	if c, ok := bm.branches.Load(branch); ok {
+		return c.(prometheus.Counter)
+	}
+	c := bm.decisionVec.WithLabelValues(bm.policy, branch, bm.name)
+	bm.branches.Store(branch, c)
+	return c
 }

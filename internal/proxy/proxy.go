@@ -69,6 +69,10 @@ type backend struct {
 	// fails and oks count consecutive failed and good health checks
 	// (guarded by the core's Mu).
 	fails, oks int
+	// basePath is the URL's path less a final "/", host its host less
+	// an empty port: what forwarded requests are built from (outRequest).
+	basePath, host string
+	m              *backendMetrics // its children of the metric vectors
 }
 
 // Proxy is the router's HTTP front: see the package comment. Create it with
@@ -88,9 +92,9 @@ type Proxy struct {
 	// pool is the replicas with their feeds (KV events, load, engine,
 	// tokenizer): a static list from Backends, and what Discovery finds.
 	pool *cluster.Pool
-	mu   *sync.Mutex // the core's Mu: guards rt, the pool's members, the backends and dash
+	mu   *sync.Mutex // the core's Mu: guards rt, the pool's members and the backends
 	rt   *router.Router
-	dash dashRing // recent decisions for the dashboard (dashboard.go)
+	dash dashRing // recent decisions for the dashboard (dashboard.go), its own lock
 	// scratch holds backendsLocked's answer.
 	scratch []*backend
 
@@ -143,7 +147,11 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
 	p.fwd = &http.Transport{
-		DialContext:           dialer.DialContext,
+		DialContext: dialer.DialContext,
+		// A request's headers and a 4k-token prompt (~25 KB) go out in one
+		// write, from the connection's buffer, with no copy buffer per
+		// request.
+		WriteBufferSize:       64 << 10,
 		ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
 		IdleConnTimeout:       90 * time.Second,
 		MaxIdleConnsPerHost:   256,
@@ -168,7 +176,10 @@ func New(cfg Config) (*Proxy, error) {
 		return nil, fmt.Errorf("proxy: config: %w", err)
 	}
 	p.pool.Hooks = cluster.PoolHooks{
-		Added:   func(m *cluster.Member) { m.Front = &backend{Member: m}; p.m.replicaAdded(m.Name) },
+		Added: func(m *cluster.Member) {
+			m.Front = newBackend(m, p.m.forBackend(core.Policy, m.Name))
+			p.m.replicaAdded(m.Name)
+		},
 		Removed: func(m *cluster.Member) { p.m.replicaRemoved(m.Name) },
 		Feed:    func(ctx context.Context, m *cluster.Member) { p.watch(ctx, m.Front.(*backend)) },
 		Up:      p.upChanged,
@@ -219,8 +230,9 @@ func (p *Proxy) Config() Config { return p.cfg }
 // Handler returns the proxy's HTTP handler: /v1/* forwarded (completions
 // and chat routed by prompt), /v1/models (the union of the replicas'),
 // /health, /metrics, the debug endpoints POST /debug/route, GET
-// /debug/replicas and GET /debug/cache, and the dashboard at /ui with its
-// JSON at /ui/state.json (bearer AdminToken when set).
+// /debug/replicas, GET /debug/cache and Go's profiler under /debug/pprof/,
+// and the dashboard at /ui with its JSON at /ui/state.json (bearer
+// AdminToken when set).
 func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindCompletion) }))
@@ -232,6 +244,7 @@ func (p *Proxy) Handler() http.Handler {
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
 	mux.HandleFunc("GET /debug/replicas", p.admin(p.serveDebugReplicas))
 	mux.HandleFunc("GET /debug/cache", p.admin(p.serveDebugCache))
+	p.handlePprof(mux)
 	mux.Handle("/ui", p.dashboardHandler())
 	mux.Handle("/ui/", p.dashboardHandler())
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -331,17 +344,20 @@ func (p *Proxy) Close() {
 // route decides where req goes, excluding the replicas in exclude (tried
 // already), and commits the decision in the core. It returns the chosen
 // replica's backend, taken under the lock: a replica that leaves the pool
-// meanwhile is still reached for this request.
+// meanwhile is still reached for this request. The dashboard records the
+// decision after the core's lock is released.
 func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, *backend, error) {
 	now := time.Now()
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	d, err := p.rt.RouteWithin(req, now, router.Constraint{Exclude: exclude})
 	if err != nil {
+		p.mu.Unlock()
 		return d, nil, err
 	}
+	b := p.pool.Member(d.Replica).Front.(*backend)
+	p.mu.Unlock()
 	p.dash.record(now, req.PromptTokens, &d)
-	return d, p.pool.Member(d.Replica).Front.(*backend), nil
+	return d, b, nil
 }
 
 // predict returns the decision for req without committing it.

@@ -674,6 +674,10 @@ func TestDebugRouteAuth(t *testing.T) {
 	if (ex.Replica != "a" && ex.Replica != "b") || ex.Branch == "" || ex.Policy != "e2" || len(ex.Candidates) == 0 || !strings.HasPrefix(ex.Explain, "branch=") || ex.Keys == 0 {
 		t.Errorf("explanation %+v", ex)
 	}
+	// e2's terms, per candidate and rendered.
+	if !strings.Contains(ex.ExplainTerms, "prefill=") || ex.Candidates[0].Terms == nil {
+		t.Errorf("no cost terms: %q, candidate %+v", ex.ExplainTerms, ex.Candidates[0])
+	}
 	if n := a.served.Load() + b.served.Load(); n != 0 {
 		t.Errorf("debug route forwarded %d requests", n)
 	}
