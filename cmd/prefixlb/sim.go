@@ -52,12 +52,20 @@ gives each replica its own (a mixed cluster; NAME*N repeats one), and
 --router-profile tells the router another than the replicas' true ones.
 --calibrate makes the router learn each replica's real prefill and decode
 speed from first tokens and finishes (and llama.cpp's timings), starting
-from the profile it was told (internal/calibrate; docs/calibration.md).`,
+from the profile it was told (internal/calibrate; docs/calibration.md).
+
+--prefill-replicas K makes the first K replicas prefill replicas and the rest
+decode replicas (docs/pd.md): a disaggregating policy prefills a request on
+one, moves the KV its decode replica lacks over --kv-link-gbps links (shared
+by the transfers on each) with --kv-link-latency per transfer, and decodes it
+there; the profile must give KV bytes per token (a roofline does).`,
 		Example: `  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --policies round-robin,e2 --rates 4,8,12
   prefixlb sim --trace trace.jsonl --trace-format mooncake --replicas 8 --profile llama3-70b-h100x2 --json out.json
   prefixlb sim --engine llamacpp --slots 2 --workload toolbench --replicas 3 --rate 1 --requests 300 --policies round-robin,e2
   prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --rate 60 \
-      --replica-profiles 'llama3.1-8b-h100*2,llama3.1-8b-a100*2' --router-profile llama3.1-8b-h100 --calibrate`,
+      --replica-profiles 'llama3.1-8b-h100*2,llama3.1-8b-a100*2' --router-profile llama3.1-8b-h100 --calibrate
+  prefixlb sim --workload coding-agent --replicas 8 --prefill-replicas 2 --profile qwen3-32b-h100x2 \
+      --policies e2,round-robin-pd,llmd-pd,dynamo-pd,e2-pd --rate 1`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("workload-replicas") {
@@ -91,6 +99,9 @@ from the profile it was told (internal/calibrate; docs/calibration.md).`,
 	fs.BoolVarP(&c.Quiet, "quiet", "q", false, "no progress output")
 	fs.StringVar(&c.Engine, "engine", sweep.EngineVLLM, "replica engine to model: vllm (block prefix cache) or llamacpp (llama-server's slot cache; changes the defaults of --chunk-budget, --kv-events and --profile, see above)")
 	fs.IntVar(&c.Slots, "slots", sweep.DefaultSlots, "--engine llamacpp: slots per replica (llama-server -np), splitting the profile's KV capacity")
+	fs.IntVar(&c.PrefillReplicas, "prefill-replicas", 0, "prefill/decode disaggregation: the first N of --replicas are prefill replicas, the rest decode replicas (policies round-robin-pd, llmd-pd, dynamo-pd, e2-pd pick both; the others only decode replicas); 0: none")
+	fs.Float64Var(&c.KVLinkGbps, "kv-link-gbps", 400, "--prefill-replicas: each replica's link for KV transfers, Gbit/s, shared by the transfers using it (400: one ConnectX-7 port)")
+	fs.DurationVar(&c.KVLinkLatency, "kv-link-latency", time.Millisecond, "--prefill-replicas: fixed time of one KV transfer beyond its bytes")
 	return cmd
 }
 

@@ -82,6 +82,14 @@ func (p *LLMDPrecise) Speculative() bool { return p.SpeculativeIndexing }
 
 // Route implements Policy.
 func (p *LLMDPrecise) Route(req *Request, v *View, now time.Time) (Decision, error) {
+	p.prefix = precisePrefixScores(p.prefix, v)
+	return scoreLLMD(req, v, p.prefix, v.Match.PerReplica, p.PrefixWeight, p.KVWeight, p.QueueWeight, "llmd-precise")
+}
+
+// precisePrefixScores fills dst (resized) with the precise scorer's prefix
+// score of each replica: its matched blocks normalised min-max over the up
+// replicas with any (LLMDPrecise's doc comment gives the source).
+func precisePrefixScores(dst []float64, v *View) []float64 {
 	matched := v.Match.PerReplica
 	lo, hi := math.MaxInt, 0
 	for i := range v.Replicas {
@@ -89,19 +97,19 @@ func (p *LLMDPrecise) Route(req *Request, v *View, now time.Time) (Decision, err
 			lo, hi = min(lo, m), max(hi, m)
 		}
 	}
-	p.prefix = resize(p.prefix, len(v.Replicas))
+	dst = resize(dst, len(v.Replicas))
 	for i := range v.Replicas {
 		m := at(matched, i)
 		switch {
 		case !v.Replicas[i].Up || m == 0:
-			p.prefix[i] = 0
+			dst[i] = 0
 		case hi == lo:
-			p.prefix[i] = 1
+			dst[i] = 1
 		default:
-			p.prefix[i] = float64(m-lo) / float64(hi-lo)
+			dst[i] = float64(m-lo) / float64(hi-lo)
 		}
 	}
-	return scoreLLMD(req, v, p.prefix, matched, p.PrefixWeight, p.KVWeight, p.QueueWeight, "llmd-precise")
+	return dst
 }
 
 // scoreLLMD sums GIE's weighted scorers, given each replica's prefix score

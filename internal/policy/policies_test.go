@@ -133,7 +133,7 @@ func TestNewUnknownAndParse(t *testing.T) {
 	}
 	bad := []struct{ spec, want string }{
 		{"nope", "unknown policy"},
-		{"round-robin:x=1", "only e2, e2-preble, llmd-precise and llmd-approx take settings"},
+		{"round-robin:x=1", "only e2, e2-preble, e2-pd, llmd-precise and llmd-approx take settings"},
 		{"e2:window", "not field=value"},
 		{"e2:nosuch=1", `unknown e2 field "nosuch" (known: `},
 		{"llmd-precise:nosuch=1", `unknown llmd-precise setting "nosuch" (known: kv_weight, prefix_weight, queue_weight, speculative)`},

@@ -92,6 +92,14 @@ type Replica struct {
 	// measures (docs/profiles.md, llamacpp-tiny-cpu). 0 for a block cache;
 	// set per decision by the router (SeqFor reads it).
 	SlotSpan int
+	// Role is the replica's role in a disaggregated cluster (RoleBoth, the
+	// zero value: it prefills and decodes its own requests).
+	Role Role
+	// Transfers counts the disaggregated requests in flight whose KV
+	// moves from or to this replica and has not yet arrived (routed to it
+	// as their prefill or decode replica, no token out of the decode yet):
+	// they share its link (View.KVLink).
+	Transfers int
 }
 
 // Queue is the replica's waiting queue, what GIE's queue scorer and
@@ -135,6 +143,9 @@ type View struct {
 	// caching if it took this request, for replicas whose cache is not a
 	// block LRU (Replica.Slots > 0: a llama.cpp slot is overwritten whole).
 	Victims func(r int, fn func(n *prefixtree.Node) bool)
+	// KVLink is the network a disaggregated request's KV crosses from its
+	// prefill replica to its decode replica (zero: unknown, not priced).
+	KVLink KVLink
 }
 
 // BlockTokens is the number of tokens per block key.
@@ -190,6 +201,16 @@ type Decision struct {
 	// Candidates explains the scores of the replicas considered (may be empty
 	// for policies that score nothing).
 	Candidates []Candidate
+	// Disaggregated says the request's prompt is prefilled on
+	// PrefillReplica and its KV moved to Replica, which decodes it
+	// (prefill/decode disaggregation; only policies that implement
+	// Disaggregator set it). When false, Replica does both and the
+	// PrefillReplica fields mean nothing.
+	Disaggregated bool
+	// PrefillReplica is the replica that prefills a disaggregated request.
+	PrefillReplica int
+	// PrefillMatchedTokens is how many prompt tokens PrefillReplica caches.
+	PrefillMatchedTokens int
 }
 
 // Candidate is one replica's terms in a decision. Cost terms are seconds of
@@ -206,6 +227,13 @@ type Candidate struct {
 	// it (Request.Explain): in JSON an object keyed by the terms' names.
 	// Nil, and absent from JSON, otherwise and for the other policies.
 	Terms *E2Terms `json:"terms,omitempty"`
+	// Leg, in a prefill/decode decision, says which choice the candidate
+	// was priced for: "prefill" or "decode" (a leg of a disaggregated
+	// request) or "" (the whole request on one replica).
+	Leg string `json:"leg,omitempty"`
+	// Transfer is, for a decode leg, the seconds its KV takes to arrive
+	// from the prefill replica (View.TransferSeconds), part of Score.
+	Transfer float64 `json:"transfer,omitempty"`
 }
 
 // Explain renders a decision compactly for the x-prefixlb-route header:
@@ -213,6 +241,9 @@ type Candidate struct {
 func (d *Decision) Explain() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "branch=%s; matched=%d", d.Branch, d.MatchedTokens)
+	if d.Disaggregated {
+		fmt.Fprintf(&b, "; prefill=r%d; prefill_matched=%d", d.PrefillReplica, d.PrefillMatchedTokens)
+	}
 	for _, c := range d.Candidates {
 		fmt.Fprintf(&b, "; r%d=%.4g(L=%.3g,M=%.3g,P=%.3g,m=%d)", c.Replica, c.Score, c.Load, c.Eviction, c.Prefill, c.MatchedTokens)
 	}
@@ -302,6 +333,11 @@ var constructors = map[string]func(Options) (Policy, error){
 	"dynamo":       func(Options) (Policy, error) { return NewDynamo(DefaultDynamoConfig()), nil },
 	"e2":           func(o Options) (Policy, error) { return NewE2(o.E2) },
 	"e2-preble":    func(o Options) (Policy, error) { return NewE2(o.E2Preble) },
+	// Prefill/decode disaggregation (pd.go).
+	"round-robin-pd": func(Options) (Policy, error) { return &RoundRobinPD{}, nil },
+	"llmd-pd":        func(Options) (Policy, error) { return NewLLMDPD(DefaultLLMDPDThreshold), nil },
+	"dynamo-pd":      func(Options) (Policy, error) { return NewDynamoPD(DefaultDynamoConfig()), nil },
+	"e2-pd":          func(o Options) (Policy, error) { return NewE2PD(o.E2PD) },
 }
 
 // Options configures the policies New builds. DefaultOptions gives the
@@ -317,8 +353,9 @@ type Options struct {
 	// PrefixThreshold is the share of the prompt the `prefix` policy needs
 	// matched to stick (else least-load).
 	PrefixThreshold float64
-	// E2 configures `e2`; E2Preble configures `e2-preble`.
-	E2, E2Preble E2Config
+	// E2 configures `e2`; E2Preble configures `e2-preble`; E2PD configures
+	// `e2-pd`.
+	E2, E2Preble, E2PD E2Config
 }
 
 // DefaultOptions returns the published settings for every policy.
@@ -329,6 +366,7 @@ func DefaultOptions() Options {
 		PrefixThreshold:      0.5,
 		E2:                   DefaultE2Config(),
 		E2Preble:             PrebleE2Config(),
+		E2PD:                 DefaultE2PDConfig(),
 	}
 }
 

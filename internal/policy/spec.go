@@ -12,7 +12,7 @@ import (
 // Parse builds a policy from a spec "NAME[:key=value[:key=value...]]".
 // Settings apply to:
 //
-//   - e2 and e2-preble: E2Config's JSON field names, durations as Go
+//   - e2, e2-preble and e2-pd: E2Config's JSON field names, durations as Go
 //     durations ("e2-preble:mixing=false:window=1m");
 //   - llmd-precise and llmd-approx: prefix_weight, kv_weight and
 //     queue_weight (finite, ≥ 0), and for llmd-precise speculative (a bool:
@@ -37,10 +37,16 @@ func Parse(spec string, o Options) (Policy, error) {
 		return parseE2(spec, o.E2, settings)
 	case "e2-preble":
 		return parseE2(spec, o.E2Preble, settings)
+	case "e2-pd":
+		p, err := parseE2(spec, o.E2PD, settings)
+		if err != nil {
+			return nil, err
+		}
+		return NewE2PD(p.(*E2).Config())
 	case "llmd-precise", "llmd-approx":
 		return parseLLMD(spec, name, o, settings)
 	}
-	return nil, fmt.Errorf("policy: %q: only e2, e2-preble, llmd-precise and llmd-approx take settings", spec)
+	return nil, fmt.Errorf("policy: %q: only e2, e2-preble, e2-pd, llmd-precise and llmd-approx take settings", spec)
 }
 
 // setting is one key=value of a spec.

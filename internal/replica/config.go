@@ -23,6 +23,26 @@ const (
 	LocalPriority = "priority"
 )
 
+// Roles a replica can have in a disaggregated cluster (Config.Role): where a
+// request's prefill and decode run. vLLM's disaggregated serving
+// (NixlConnector, docs/features/disagg_prefill.md) runs one engine per role
+// and a proxy that sends each request's prompt to a prefill engine with
+// max_tokens 1, then the request to a decode engine that pulls the prompt's
+// KV from it; llm-d labels its pods llm-d.ai/role prefill, decode or both.
+const (
+	// RoleBoth prefills and decodes its own requests (an aggregated
+	// replica, today's). "" means RoleBoth.
+	RoleBoth = "both"
+	// RolePrefill only prefills: it takes requests of one output token
+	// (the prefill leg of a disaggregated request, max_tokens 1) and never
+	// receives KV from another replica.
+	RolePrefill = "prefill"
+	// RoleDecode decodes requests whose prompt's KV it pulls from a
+	// prefill replica (Request.RemoteKV), and, when the router so decides,
+	// prefills and decodes a request itself (conditional disaggregation).
+	RoleDecode = "decode"
+)
+
 // Defaults filled in by Config.Default.
 const (
 	// DefaultChunkBudget is the prefill token budget of an iteration,
@@ -110,6 +130,11 @@ type Config struct {
 	// the slot's cached tokens). Slot cache only; in [0, 1), 0 meaning
 	// DefaultSlotSimilarity, or NoSlotSimilarity.
 	SlotSimilarity float64
+	// Role is the replica's role in a disaggregated cluster: RoleBoth (or
+	// ""; the default), RolePrefill or RoleDecode. A prefill replica
+	// rejects requests of more than one output token and requests with
+	// RemoteKV; RemoteKV needs a block cache (Slots 0).
+	Role string
 }
 
 // DefaultConfig returns a Config with every default filled in but those that
@@ -175,6 +200,10 @@ func (c Config) Validate() error {
 		return bad("KVCapacity must be 0 (the profile's) or positive, got %d", c.KVCapacity)
 	case c.Slots < 0:
 		return bad("Slots must be 0 (a block cache) or positive, got %d", c.Slots)
+	case c.Role != "" && c.Role != RoleBoth && c.Role != RolePrefill && c.Role != RoleDecode:
+		return bad("Role must be %q, %q or %q, got %q", RoleBoth, RolePrefill, RoleDecode, c.Role)
+	case c.Role == RoleDecode && c.Slots > 0:
+		return bad("Role %q needs a block cache (Slots 0): llama.cpp's slots do not receive KV", RoleDecode)
 	}
 	if c.Slots > 0 {
 		return c.validateSlots(bad)

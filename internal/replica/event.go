@@ -11,7 +11,7 @@ import (
 type Kind uint8
 
 // Event kinds. Step returns them in the order they happen: first those dated
-// at the start of the iteration (Admitted, Preempted, BlocksRemoved), then
+// at the start of the iteration (Admitted, KVPull, Preempted, BlocksRemoved), then
 // those dated at its end (BlocksStored, FirstToken, Token, Finished).
 const (
 	// Admitted: the request left the waiting queue and its prefill was
@@ -47,6 +47,12 @@ const (
 	// AllCleared: the prefix cache was emptied (ResetPrefixCache), like
 	// vLLM's AllBlocksCleared KV event.
 	AllCleared
+	// KVPull: a remote request (Request.RemoteKV) was admitted and its
+	// blocks reserved; N of its prompt blocks, those the replica does not
+	// cache, must now come from the prefill replica. The caller reports
+	// their arrival with KVArrived. At is the start of the iteration; it
+	// follows the request's Admitted event.
+	KVPull
 )
 
 var kindNames = [...]string{
@@ -59,6 +65,7 @@ var kindNames = [...]string{
 	BlocksStored:  "BlocksStored",
 	BlocksRemoved: "BlocksRemoved",
 	AllCleared:    "AllCleared",
+	KVPull:        "KVPull",
 }
 
 // String returns the kind's name.
@@ -97,7 +104,7 @@ type Event struct {
 	// Resumed (Admitted) is true when the request was preempted before.
 	Resumed bool
 	// N (FirstToken, Token, Finished, Preempted, Cancelled) is the number of
-	// output tokens generated so far.
+	// output tokens generated so far; for KVPull, the blocks to pull.
 	N int
 	// Keys (BlocksStored, BlocksRemoved) are the block keys concerned. For
 	// BlocksStored they alias the request's Keys slice; for BlocksRemoved the

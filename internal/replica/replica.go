@@ -57,6 +57,11 @@ var (
 	// ErrTooLong: the request's prompt and output cannot fit the KV cache
 	// even alone (vLLM rejects such requests against max_model_len).
 	ErrTooLong = errors.New("replica: request does not fit the KV cache")
+	// ErrRole: the request is not one the replica's role takes (Config.Role).
+	ErrRole = errors.New("replica: request does not fit the replica's role")
+	// ErrNotAwaitingKV: KVArrived names a request that is not waiting for
+	// its KV.
+	ErrNotAwaitingKV = errors.New("replica: request is not awaiting KV")
 )
 
 // Request is one inference request as the replica sees it. The replica keeps
@@ -74,6 +79,14 @@ type Request struct {
 	PromptTokens int
 	// OutputTokens is the number of tokens to generate, at least 1.
 	OutputTokens int
+	// RemoteKV says the prompt was prefilled on another replica (the decode
+	// leg of a disaggregated request, vLLM's do_remote_prefill): when
+	// admitted, the request takes blocks for its whole prompt, reusing the
+	// prefix this replica caches, and waits (a KVPull event) until the
+	// caller reports with KVArrived that the blocks it lacked came over the
+	// network. It then recomputes only the last prompt token, for its
+	// logits, and decodes. A block cache only; not on a prefill replica.
+	RemoteKV bool
 }
 
 // seq is a request's state on the replica.
@@ -91,6 +104,8 @@ type seq struct {
 	match     int // scratch: cached prefix blocks (lpm)
 	slot      int // slot cache: the slot it runs on, while running
 	done      bool
+	awaitKV   bool // RemoteKV: admitted, its blocks reserved, its KV not yet arrived
+	kvDone    bool // RemoteKV: its KV arrived (a preemption then recomputes it here)
 }
 
 // Replica is the model of one GPU engine. Create it with New. It is not safe
@@ -110,6 +125,7 @@ type Replica struct {
 	spare   []*seq // finished requests' state, for reuse
 	nArr    uint64
 	nAdm    uint64
+	nAwait  int // running requests awaiting their KV (RemoteKV)
 
 	// Per-step scratch, reused so that a step does not allocate.
 	chunks  []costmodel.Chunk
@@ -181,6 +197,11 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 			ErrInvalidRequest, req.ID, len(req.Keys), B, req.PromptTokens)
 	case r.byID[req.ID] != nil:
 		return fmt.Errorf("%w: %d", ErrDuplicateID, req.ID)
+	case req.RemoteKV && r.slots != nil:
+		return fmt.Errorf("%w: request %d: RemoteKV needs a block cache, the replica has slots", ErrInvalidRequest, req.ID)
+	case r.cfg.Role == RolePrefill && (req.RemoteKV || req.OutputTokens > 1):
+		return fmt.Errorf("%w: request %d: a prefill replica takes one output token and no remote KV (asked %d tokens, remote %v)",
+			ErrRole, req.ID, req.OutputTokens, req.RemoteKV)
 	}
 	// The longest sequence whose KV is ever held is prompt + output - 1 (the
 	// last token's KV is never computed); recomputing it after a preemption
@@ -208,7 +229,11 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 // batch, applies all its effects at once, and returns the iteration's end
 // (now plus Profile.Iteration of the batch) with the iteration's events
 // appended to ev, in time order (see Kind). busy is false, end is now and no
-// event is added when nothing is running or waiting.
+// event is added when nothing is running or waiting. When every running
+// request awaits its KV (Request.RemoteKV) and nothing else can be
+// scheduled, busy is false and end is now too, with the events of the
+// admissions made (KVPull among them): the caller steps again after
+// KVArrived.
 //
 // The caller calls Step again at end (the simulator schedules it; a real-time
 // server sleeps until then). Because the effects are applied when Step
@@ -239,14 +264,14 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 	for i := 0; i < len(r.running); i++ {
 		s := r.running[i]
 		if s.computed < s.target {
-			continue // still prefilling
+			continue // still prefilling, or awaiting its KV
 		}
 		if !unlimited && budget == 0 {
 			break // unreachable: Validate keeps ChunkBudget ≥ MaxRunning
 		}
 		if ceilDiv(s.computed+1, B) > s.pinned+s.priv {
 			for r.freeBlocks() == 0 && r.cache.nLRU == 0 {
-				victim := r.running[len(r.running)-1]
+				victim := r.victim()
 				r.preempt(victim, now, &ev)
 				if victim == s {
 					break
@@ -267,7 +292,7 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 
 	// 2. Continuing prefills, in admission order.
 	for _, s := range r.running {
-		if s.computed >= s.target {
+		if s.computed >= s.target || s.awaitKV {
 			continue
 		}
 		if !unlimited && budget == 0 {
@@ -295,8 +320,24 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 			r.admitPriority(now, &ev, &budget)
 		}
 	}
+	if r.nAwait > 0 && len(r.chunks) == 0 && len(r.decodes) == 0 {
+		return now, ev, false // only requests awaiting their KV: idle until KVArrived
+	}
 	end, ev = r.runBatch(now, decodeCtx, ev)
 	return end, ev, true
+}
+
+// victim is the request a decode short of blocks preempts: the youngest
+// running one, leaving out those awaiting their KV (their blocks are the
+// target of a transfer in flight; vLLM keeps such requests out of its
+// running queue until their KV has arrived).
+func (r *Replica) victim() *seq {
+	for i := len(r.running) - 1; i >= 0; i-- {
+		if s := r.running[i]; !s.awaitKV {
+			return s
+		}
+	}
+	panic("replica: internal error: no running request to preempt")
 }
 
 // runBatch runs the iteration scheduled in r.chunks and r.decodes, starting
@@ -457,6 +498,10 @@ func (r *Replica) release(s *seq) {
 	r.privAll -= s.priv
 	s.pinned, s.priv, s.computed, s.target = 0, 0, 0, 0
 	s.running = false
+	if s.awaitKV {
+		s.awaitKV = false
+		r.nAwait--
+	}
 }
 
 // preempt drops the KV of running request s and puts it back at the front of
@@ -517,6 +562,15 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 	r.st.PrefixCacheHits += int64(hit * B)
 	*ev = append(*ev, Event{Kind: Admitted, At: now, RequestID: s.req.ID,
 		HitTokens: hit * B, Resumed: s.generated > 0})
+	if s.req.RemoteKV && !s.kvDone {
+		// Its blocks are reserved; the ones this replica lacks come over
+		// the network (NixlConnector's pull of the blocks not computed
+		// locally). No chunk until KVArrived.
+		s.awaitKV = true
+		r.nAwait++
+		*ev = append(*ev, Event{Kind: KVPull, At: now, RequestID: s.req.ID, N: total - hit})
+		return true
+	}
 	n := target - s.computed
 	if *budget != NoChunking && n > *budget {
 		n = *budget
@@ -553,6 +607,29 @@ func (r *Replica) Cancel(id uint64, now time.Time) []Event {
 	n := s.generated
 	r.recycle(s)
 	return []Event{{Kind: Cancelled, At: now, RequestID: id, N: n}}
+}
+
+// KVArrived reports that the KV of remote request id (Request.RemoteKV),
+// admitted and waiting since its KVPull event, has arrived at now. Its full
+// prompt blocks enter the prefix cache (BlocksStored events at now, as vLLM
+// caches the blocks a decode instance received), and it becomes ready to
+// run: its next iteration recomputes its last prompt token, for the logits
+// of its first output token, as vLLM's scheduler does for a request whose
+// remote KV covers its whole prompt. A caller whose last Step returned
+// busy=false must call Step again.
+func (r *Replica) KVArrived(id uint64, now time.Time) ([]Event, error) {
+	s := r.byID[id]
+	if s == nil || !s.awaitKV {
+		return nil, fmt.Errorf("%w: %d", ErrNotAwaitingKV, id)
+	}
+	s.awaitKV, s.kvDone = false, true
+	r.nAwait--
+	pulled := (s.pinned + s.priv) - s.computed/r.cfg.BlockSize
+	r.st.KVBlocksPulled += int64(pulled)
+	s.computed = s.target - 1
+	var ev []Event
+	r.store(s, now, &ev)
+	return ev, nil
 }
 
 // recycle keeps a dead request's state for the next Submit.
@@ -631,6 +708,9 @@ type Stats struct {
 	PromptTokensComputed int64
 	// GenerationTokens counts output tokens produced.
 	GenerationTokens int64
+	// KVBlocksPulled counts the blocks of remote requests' prompts that
+	// came from another replica (KVArrived; Request.RemoteKV).
+	KVBlocksPulled int64 `json:",omitempty"`
 	// BusyTime is the total duration of the iterations run.
 	BusyTime time.Duration
 }

@@ -71,6 +71,10 @@ type Config struct {
 	// NoFeedback turns off the correction of mirrored caches by the cached
 	// tokens replicas report (cacheview.go); the reports are still measured.
 	NoFeedback bool
+	// KVLink is the network between prefill and decode replicas that
+	// disaggregating policies price transfers on (policy.View.KVLink; zero:
+	// unknown).
+	KVLink policy.KVLink
 }
 
 // DefaultSpeculativeTTL is Config.SpeculativeTTL's default: comfortably
@@ -127,6 +131,15 @@ type flight struct {
 	// unary says its client asked for no stream.
 	cal   calibrate.Flight
 	unary bool
+	// pd: a disaggregated request (Decision.Disaggregated), prefilled on
+	// prefill while in flight on replica, the decode replica; prefillDone
+	// once its prefill leg finished (PrefillDone), transferred once its KV
+	// reached the decode replica (its first token there). prefillPending
+	// and prefillTokens are the prefill leg's load on the prefill replica.
+	pd, prefillDone, transferred bool
+	prefill                      int
+	prefillPending               time.Duration
+	prefillTokens                int
 }
 
 // Router is the routing core. See the package comment for its concurrency.
@@ -160,6 +173,11 @@ type Router struct {
 	// mirrorSet: Config.MirrorCapacityTokens was given (else each
 	// replica's profile's KV capacity).
 	mirrorSet bool
+	// disagg: the policy picks prefill replicas (policy.Disaggregator);
+	// prefillRoles counts the replicas of role prefill, which other
+	// policies never see.
+	disagg       bool
+	prefillRoles int
 }
 
 // Stats counts what the router has done, for metrics and reports.
@@ -205,10 +223,13 @@ func New(cfg Config) (*Router, error) {
 		mirrorSet: mirrorSet,
 	}
 	r.obs, _ = cfg.Policy.(policy.Observer)
+	if d, ok := cfg.Policy.(policy.Disaggregator); ok {
+		r.disagg = d.Disaggregates()
+	}
 	if sp, ok := cfg.Policy.(policy.Speculator); ok && cfg.SpeculativeTTL > 0 {
 		r.speculative = sp.Speculative()
 	}
-	r.view = policy.View{Tree: t, Match: &r.match, Profile: cfg.Profile, Rand: r.rng}
+	r.view = policy.View{Tree: t, Match: &r.match, Profile: cfg.Profile, Rand: r.rng, KVLink: cfg.KVLink}
 	return r, nil
 }
 
@@ -411,6 +432,28 @@ func (r *Router) SetEvents(id int, on bool) error {
 	return nil
 }
 
+// SetRole gives replica id a role in a disaggregated cluster. A prefill
+// replica is only ever the prefill leg of a disaggregated decision: policies
+// that do not disaggregate (policy.Disaggregator) never see it, and a
+// decision that sends a whole request to it is refused. Set roles before
+// routing.
+func (r *Router) SetRole(id int, role policy.Role) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if role > policy.RoleDecode {
+		return fmt.Errorf("router: SetRole: unknown role %v", role)
+	}
+	if r.reps[id].Role == policy.RolePrefill {
+		r.prefillRoles--
+	}
+	if role == policy.RolePrefill {
+		r.prefillRoles++
+	}
+	r.reps[id].Role = role
+	return nil
+}
+
 // ReplicaLoad records an engine's own load figures (scraped metrics, or the
 // replica model's state in the simulator). Negative counts mean unknown; a
 // NaN, infinite or out-of-range KV usage is rejected.
@@ -494,24 +537,57 @@ func (r *Router) route(req policy.Request, now time.Time, c Constraint, force in
 	if d.Replica < 0 || d.Replica >= len(r.reps) || !r.reps[d.Replica].Up {
 		return d, fmt.Errorf("router: policy %s chose replica %d, which is not up", r.pol.Name(), d.Replica)
 	}
+	if err := r.checkRoles(&d); err != nil {
+		return d, err
+	}
 	r.commit(&req, &d, now)
 	return d, nil
+}
+
+// checkRoles refuses a decision that breaks the replicas' roles: a whole
+// request or a decode leg on a prefill replica, a prefill leg elsewhere than
+// on another up prefill replica.
+func (r *Router) checkRoles(d *policy.Decision) error {
+	if !d.Disaggregated {
+		if r.reps[d.Replica].Role == policy.RolePrefill && r.prefillRoles > 0 {
+			return fmt.Errorf("router: policy %s sent a whole request to prefill replica %d", r.pol.Name(), d.Replica)
+		}
+		return nil
+	}
+	p := d.PrefillReplica
+	switch {
+	case !r.disagg:
+		return fmt.Errorf("router: policy %s disaggregated a request but is no Disaggregator", r.pol.Name())
+	case r.reps[d.Replica].Role == policy.RolePrefill:
+		return fmt.Errorf("router: policy %s chose prefill replica %d to decode", r.pol.Name(), d.Replica)
+	case p < 0 || p >= len(r.reps) || !r.reps[p].Up || p == d.Replica || r.reps[p].Role != policy.RolePrefill:
+		return fmt.Errorf("router: policy %s chose replica %d to prefill, which is not an up prefill replica", r.pol.Name(), p)
+	}
+	return nil
 }
 
 // decide asks the policy, showing it the replicas c rules out as down. The
 // view the decision is then committed and observed with is the whole one.
 func (r *Router) decide(req *policy.Request, now time.Time, c Constraint) (policy.Decision, error) {
-	if c.Only == nil && len(c.Exclude) == 0 {
+	hide := r.prefillRoles > 0 && !r.disagg
+	if c.Only == nil && len(c.Exclude) == 0 && !hide {
 		return r.pol.Route(req, &r.view, now)
 	}
 	r.masked = append(r.masked[:0], r.reps...)
+	if hide {
+		for i := range r.masked {
+			if r.masked[i].Role == policy.RolePrefill {
+				r.masked[i].Up = false
+			}
+		}
+	}
 	if c.Only != nil {
 		for i := range r.masked {
 			r.masked[i].Up = false
 		}
 		for _, id := range c.Only {
 			if id >= 0 && id < len(r.masked) {
-				r.masked[id].Up = r.reps[id].Up
+				r.masked[id].Up = r.reps[id].Up && !(hide && r.reps[id].Role == policy.RolePrefill)
 			}
 		}
 	}
@@ -569,6 +645,25 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 			}
 		}
 	}
+	if d.Disaggregated {
+		// The decode replica computes only the last prompt token; the
+		// prefill replica carries the prefill of what it does not cache.
+		pr := d.PrefillReplica
+		pm := r.view.MatchedTokens(pr, req)
+		f.pendingTokens, f.pendingPrefill = 0, 0
+		f.pd, f.prefill = true, pr
+		f.prefillTokens = req.PromptTokens - pm
+		f.prefillPending = r.priced[pr].Prefill(f.prefillTokens, r.view.SeqFor(pr, req))
+		pp := &r.reps[pr]
+		pp.InFlight++
+		pp.Prefilling++
+		pp.PendingPrefill += f.prefillPending
+		pp.PendingPrefillTokens += f.prefillTokens
+		pp.Transfers++
+		r.reps[id].Transfers++
+		r.tree.AddRef(r.match.Path, pr, 1)
+		r.cacheRouted(pr, req, now)
+	}
 	r.inflight[req.ID] = f
 	rp := &r.reps[id]
 	rp.InFlight++
@@ -579,7 +674,7 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	path := r.match.Path
 	r.tree.AddRef(path, id, 1)
 	f.unary = req.Unary
-	if t := r.cal[id]; t != nil && r.slotted(id) == nil {
+	if t := r.cal[id]; t != nil && r.slotted(id) == nil && !f.pd {
 		// A block cache's engine queue is opaque: the request's prefill
 		// (as calibration counts it) starts now. A slot cache's starts
 		// when it takes a slot (occupy).
@@ -593,24 +688,68 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 		} else {
 			c.deferred = append(c.deferred, req.ID)
 		}
-	} else if !r.events[id] {
-		// Mirror: the replica will cache this prompt's blocks; evict its
-		// least recently used unreferenced blocks beyond its capacity.
-		r.tree.SetPathCached(path, id, now)
-		capBlocks := r.mirrorCapacity(id) / r.cfg.BlockTokens
-		if over := r.tree.CachedBlocks(id) - capBlocks; over > 0 {
-			r.tree.EvictLRU(id, over, now)
-		}
 	} else {
-		if r.speculative {
-			r.speculate(id, req.Keys, path, now)
-		}
-		r.tree.Touch(path, id, now)
+		r.cacheRouted(id, req, now)
 	}
 	r.stats.Routed++
 	if r.obs != nil {
 		r.obs.Routed(req, d, &r.view, now)
 	}
+}
+
+// cacheRouted records that block-cache replica id will cache req's prompt
+// (the request's path, r.match.Path): in its mirror, evicting its least
+// recently used unreferenced blocks beyond its capacity, or with KV events
+// as a speculative entry when the policy wants them.
+func (r *Router) cacheRouted(id int, req *policy.Request, now time.Time) {
+	path := r.match.Path
+	if !r.events[id] {
+		r.tree.SetPathCached(path, id, now)
+		capBlocks := r.mirrorCapacity(id) / r.cfg.BlockTokens
+		if over := r.tree.CachedBlocks(id) - capBlocks; over > 0 {
+			r.tree.EvictLRU(id, over, now)
+		}
+		return
+	}
+	if r.speculative {
+		r.speculate(id, req.Keys, path, now)
+	}
+	r.tree.Touch(path, id, now)
+}
+
+// PrefillDone records that the prefill leg of disaggregated request id
+// finished on its prefill replica (the prefill response came back, its KV
+// ready to be pulled): the prefill replica's share of the request leaves
+// its load. It is a no-op for a request that is not disaggregated or whose
+// prefill was already reported.
+func (r *Router) PrefillDone(id uint64, now time.Time) error {
+	f, ok := r.inflight[id]
+	if !ok {
+		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
+	}
+	if f.pd && !f.prefillDone {
+		r.endPrefill(f)
+	}
+	return nil
+}
+
+// endPrefill takes flight f's prefill leg off its prefill replica.
+func (r *Router) endPrefill(f *flight) {
+	f.prefillDone = true
+	pp := &r.reps[f.prefill]
+	pp.InFlight--
+	pp.Prefilling--
+	pp.PendingPrefill -= f.prefillPending
+	pp.PendingPrefillTokens -= f.prefillTokens
+	r.tree.Lookup(f.keys, &r.scratch)
+	r.tree.AddRef(r.scratch.Path, f.prefill, -1)
+}
+
+// endTransfer takes flight f's KV transfer off both replicas' links.
+func (r *Router) endTransfer(f *flight) {
+	f.transferred = true
+	r.reps[f.prefill].Transfers--
+	r.reps[f.replica].Transfers--
 }
 
 func (r *Router) newFlight() *flight {
@@ -632,6 +771,14 @@ func (r *Router) FirstToken(id uint64, now time.Time) error {
 		return nil
 	}
 	f.prefilled = true
+	if f.pd {
+		if !f.prefillDone {
+			r.endPrefill(f)
+		}
+		if !f.transferred {
+			r.endTransfer(f)
+		}
+	}
 	if t := r.cal[f.replica]; t != nil {
 		t.FirstToken(&f.cal, now)
 	}
@@ -681,9 +828,17 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	if !found {
 		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
 	}
-	if t := r.cal[f.replica]; t != nil {
+	if t := r.cal[f.replica]; t != nil && !f.pd {
 		t.Finished(&f.cal, calibrate.Report{OK: ok, OutputTokens: outputTokens, CachedTokens: cachedTokens,
 			Timings: fin.Timings, ITL: fin.ITL, ITLSamples: fin.ITLSamples}, now)
+	}
+	if f.pd {
+		if !f.prefillDone {
+			r.endPrefill(f)
+		}
+		if !f.transferred {
+			r.endTransfer(f)
+		}
 	}
 	if !f.prefilled {
 		rp := &r.reps[f.replica]
@@ -827,7 +982,7 @@ func (r *Router) Predict(req policy.Request, now time.Time) (policy.Decision, er
 	}
 	r.tree.Lookup(req.Keys, &r.match)
 	r.prepareView(req.Keys, req.PromptTokens)
-	return r.pol.Route(&req, &r.view, now)
+	return r.decide(&req, now, Constraint{})
 }
 
 // ExternalLoad is work other routers have in flight on one replica (shared

@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 
@@ -70,6 +71,19 @@ type Config struct {
 	// replicas compute takes k/HostCores times as long (processor sharing,
 	// fixed at the iteration's start). 0: each replica has its own hardware.
 	HostCores int
+	// PrefillReplicas, when > 0, makes the first PrefillReplicas replicas
+	// prefill replicas and the others decode replicas (prefill/decode
+	// disaggregation): a policy that disaggregates (policy.Disaggregator)
+	// prefills a request on one and decodes it on another, its KV moving
+	// over KVLink; any other policy sees only the decode replicas. 0: every
+	// replica does both.
+	PrefillReplicas int
+	// KVLink is each replica's link for disaggregated requests' KV: its
+	// bandwidth, shared by the transfers using it, and a latency per
+	// transfer (links in link.go). The bytes of a transfer are the blocks
+	// the decode replica lacks times the profile's KV bytes per token
+	// (costmodel.KVBytesOf). Required with PrefillReplicas.
+	KVLink policy.KVLink
 }
 
 // Validate reports the first invalid field.
@@ -98,6 +112,30 @@ func (c *Config) Validate() error {
 	for i, p := range c.RouterProfiles {
 		if p == nil {
 			return fmt.Errorf("sim: replica %d has no router profile", i)
+		}
+	}
+	return c.validatePD()
+}
+
+// validatePD checks the disaggregation settings.
+func (c *Config) validatePD() error {
+	switch {
+	case c.PrefillReplicas < 0 || c.PrefillReplicas >= max(c.Replicas, 1):
+		return fmt.Errorf("sim: prefill replicas must be in [0, replicas), got %d of %d", c.PrefillReplicas, c.Replicas)
+	case c.PrefillReplicas == 0:
+		return nil
+	case !(c.KVLink.BytesPerSecond > 0) || math.IsInf(c.KVLink.BytesPerSecond, 0):
+		return fmt.Errorf("sim: prefill replicas need a KV link bandwidth > 0, got %v bytes/s", c.KVLink.BytesPerSecond)
+	case c.KVLink.Latency < 0:
+		return fmt.Errorf("sim: KV link latency must be ≥ 0, got %v", c.KVLink.Latency)
+	case c.Replica.Slots > 0:
+		return errors.New("sim: prefill replicas need a block cache (llama.cpp's slots receive no KV)")
+	case c.Calibrate != nil:
+		return errors.New("sim: calibration does not model disaggregated requests yet")
+	}
+	for i := 0; i < c.Replicas; i++ {
+		if costmodel.KVBytesOf(c.profile(i)) <= 0 {
+			return fmt.Errorf("sim: replica %d's profile %s gives no KV bytes per token (a roofline does): its transfers cannot be sized", i, c.profile(i).Name())
 		}
 	}
 	return nil
@@ -140,6 +178,23 @@ type Result struct {
 	// Calibration holds, per replica, the router's calibrated fit and its
 	// counters at the end (Config.Calibrate; empty otherwise).
 	Calibration []ReplicaCalibration
+	// PD describes the disaggregated requests (Config.PrefillReplicas > 0;
+	// nil otherwise).
+	PD *PDStats `json:",omitempty"`
+}
+
+// PDStats counts what disaggregation did in a run.
+type PDStats struct {
+	// Disaggregated and Local count the requests prefilled on a prefill
+	// replica and those prefilled where they decoded.
+	Disaggregated, Local int
+	// TransferBytes is the KV moved between replicas.
+	TransferBytes float64
+	// PrefillMs, TransferMs and DecodeWaitMs split the disaggregated
+	// requests' TTFT: arrival to the prefill leg's end, the KV's way from
+	// there to the decode replica (its admission there, the transfer and
+	// the link's latency), and from the KV's arrival to the first token.
+	PrefillMs, TransferMs, DecodeWaitMs report.Summary
 }
 
 // ReplicaCalibration is one replica's calibration at the end of a run, with
@@ -161,6 +216,8 @@ const (
 	evArrival evKind = iota
 	evStepDone
 	evCache
+	evLink     // the link's next transfer end (ev.N holds its generation)
+	evKVArrive // a transfer's KV reaches its decode replica
 )
 
 type event struct {
@@ -210,6 +267,15 @@ type reqState struct {
 	// them (their median is the decode step calibration learns).
 	lastTok time.Time
 	gaps    []time.Duration
+	// A disaggregated request: prefilled on prefill (preq, its one-token
+	// prefill leg), whose cache held prefillHit of its prompt; prefilled
+	// when that leg ended, kvAt when its KV reached the decode replica.
+	pd         bool
+	prefill    int
+	preq       replica.Request
+	prefillHit int
+	prefilled  time.Time
+	kvAt       time.Time
 }
 
 type runner struct {
@@ -226,6 +292,10 @@ type runner struct {
 	done     int
 	free     []*event
 	freeGaps [][]time.Duration
+	links    *links // nil unless disaggregated
+	done_    []*transfer
+	// the disaggregated requests' TTFT split (PDStats)
+	pdPrefill, pdTransfer, pdWait report.Samples
 }
 
 // Run simulates reqs (sorted by Arrival) on the configured cluster.
@@ -240,16 +310,28 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 	rt, err := router.New(router.Config{BlockTokens: bt, Profile: cfg.routerProfile(0), Policy: cfg.Policy, Seed: cfg.Seed,
 		SpeculativeTTL:       cfg.SpeculativeTTL,
 		MirrorCapacityTokens: cfg.Replica.KVCapacity,
-		Calibrate:            cfg.Calibrate})
+		Calibrate:            cfg.Calibrate,
+		KVLink:               cfg.KVLink})
 	if err != nil {
 		return nil, err
 	}
 	rn := &runner{cfg: cfg, rt: rt, reqs: reqs, st: make([]reqState, len(reqs)),
 		res: &Result{Branches: map[string]int{}}}
+	if cfg.PrefillReplicas > 0 {
+		rn.links = newLinks(cfg.Replicas, cfg.KVLink.BytesPerSecond, cfg.KVLink.Latency)
+		rn.res.PD = &PDStats{}
+	}
 	for i := 0; i < cfg.Replicas; i++ {
 		rc := cfg.Replica
 		rc.Profile = cfg.profile(i)
 		rc.BlockSize = bt
+		role := policy.RoleBoth
+		if cfg.PrefillReplicas > 0 {
+			rc.Role, role = replica.RoleDecode, policy.RoleDecode
+			if i < cfg.PrefillReplicas {
+				rc.Role, role = replica.RolePrefill, policy.RolePrefill
+			}
+		}
 		rp, err := replica.New(rc)
 		if err != nil {
 			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
@@ -263,6 +345,9 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 			if err := rt.SetCacheSlots(id, rc.Slots); err != nil {
 				return nil, fmt.Errorf("sim: replica %d: %w", i, err)
 			}
+		}
+		if err := rt.SetRole(id, role); err != nil {
+			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
 		}
 	}
 	for i := range rn.reps {
@@ -310,6 +395,10 @@ func (rn *runner) handle(e *event) {
 		rn.stepDone(e.idx, e.at)
 	case evCache:
 		rn.deliverCache(e.idx, e.ev, e.at)
+	case evLink:
+		rn.linkDone(uint64(e.ev.N), e.at)
+	case evKVArrive:
+		rn.kvArrive(e.idx, e.at)
 	}
 }
 
@@ -331,16 +420,101 @@ func (rn *runner) arrive(i int, now time.Time) {
 	rn.res.Branches[d.Branch]++
 	s.replica = d.Replica
 	s.rreq = replica.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens), OutputTokens: out}
-	rp := rn.reps[d.Replica]
-	if err := rp.Submit(&s.rreq, now); err != nil {
+	if pd := rn.res.PD; pd != nil {
+		if !d.Disaggregated {
+			pd.Local++
+		} else {
+			pd.Disaggregated++
+			s.pd, s.prefill = true, d.PrefillReplica
+			s.rreq.RemoteKV = true
+			s.preq = replica.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens), OutputTokens: 1}
+			rn.submit(i, d.PrefillReplica, &s.preq, now)
+			return
+		}
+	}
+	rn.submit(i, d.Replica, &s.rreq, now)
+}
+
+// submit gives request i's leg req to replica r at now, failing the
+// request if the replica refuses it.
+func (rn *runner) submit(i, r int, req *replica.Request, now time.Time) {
+	s := &rn.st[i]
+	rp := rn.reps[r]
+	if err := rp.Submit(req, now); err != nil {
 		s.err = err.Error()
 		rn.done++
 		_ = rn.rt.Finished(uint64(i), 0, -1, false, now)
 		return
 	}
-	rn.updateLoad(d.Replica)
-	if !rn.stepping[d.Replica] {
-		rn.step(d.Replica, now)
+	rn.updateLoad(r)
+	if !rn.stepping[r] {
+		rn.step(r, now)
+	}
+}
+
+// prefillEvent handles an event of request i's prefill leg on its prefill
+// replica: at its end the router learns it (PrefillDone) and the decode
+// leg, which will pull the KV, goes to the decode replica.
+func (rn *runner) prefillEvent(i int, ev replica.Event) {
+	s := &rn.st[i]
+	switch ev.Kind {
+	case replica.Admitted:
+		if s.prefilled.IsZero() {
+			s.prefillHit = ev.HitTokens
+		}
+	case replica.Finished:
+		s.prefilled = ev.At
+		_ = rn.rt.PrefillDone(uint64(i), ev.At)
+		rn.submit(i, s.replica, &s.rreq, ev.At)
+	}
+}
+
+// pull starts moving request i's KV: n blocks its decode replica lacks.
+func (rn *runner) pull(i, n int, now time.Time) {
+	s := &rn.st[i]
+	bytes := float64(n*rn.rt.Tree().BlockTokens()) * costmodel.KVBytesOf(rn.cfg.profile(s.replica))
+	rn.res.PD.TransferBytes += bytes
+	rn.links.start(i, s.prefill, s.replica, bytes, now)
+	rn.scheduleLink()
+}
+
+// scheduleLink schedules the link's next transfer end; an earlier
+// schedule is ignored when it fires (its generation is stale).
+func (rn *runner) scheduleLink() {
+	if at, gen, ok := rn.links.next(); ok {
+		rn.push(at, evLink, 0, replica.Event{N: int(gen)})
+	}
+}
+
+// linkDone ends the transfers done at now, if gen is still the link's
+// current schedule: each one's KV arrives at its decode replica after the
+// link's latency.
+func (rn *runner) linkDone(gen uint64, now time.Time) {
+	if gen != rn.links.gen {
+		return
+	}
+	rn.done_ = rn.links.finish(now, rn.done_[:0])
+	for _, t := range rn.done_ {
+		rn.push(now.Add(rn.links.lat), evKVArrive, t.req, replica.Event{})
+	}
+	rn.scheduleLink()
+}
+
+// kvArrive hands request i's KV to its decode replica at now.
+func (rn *runner) kvArrive(i int, now time.Time) {
+	s := &rn.st[i]
+	s.kvAt = now
+	r := s.replica
+	evs, err := rn.reps[r].KVArrived(uint64(i), now)
+	if err != nil {
+		panic(fmt.Sprintf("sim: request %d: %v", i, err)) // the replica reported a KVPull for it
+	}
+	for _, ev := range evs {
+		rn.apply(r, ev)
+	}
+	rn.updateLoad(r)
+	if !rn.stepping[r] {
+		rn.step(r, now)
 	}
 }
 
@@ -392,6 +566,16 @@ func (rn *runner) stepDone(r int, now time.Time) {
 }
 
 func (rn *runner) apply(r int, ev replica.Event) {
+	switch ev.Kind {
+	case replica.Admitted, replica.FirstToken, replica.Token, replica.Finished:
+		if s := &rn.st[ev.RequestID]; s.pd && r == s.prefill {
+			rn.prefillEvent(int(ev.RequestID), ev)
+			return
+		}
+	case replica.KVPull:
+		rn.pull(int(ev.RequestID), ev.N, ev.At)
+		return
+	}
 	switch ev.Kind {
 	case replica.Admitted:
 		s := &rn.st[ev.RequestID]
@@ -481,6 +665,15 @@ func (rn *runner) finish() {
 			Session: w.Session, Group: w.Group,
 			PromptTokens: len(w.Tokens), CachedTokens: s.hit, OutputTokens: s.out, Error: s.err,
 		}
+		if s.pd {
+			// The prefill computed what the prefill replica did not hold.
+			rec.CachedTokens = s.prefillHit
+			if s.err == "" && !s.first.IsZero() {
+				rn.pdPrefill.Add(ms(s.prefilled.Sub(s.arrival)))
+				rn.pdTransfer.Add(ms(s.kvAt.Sub(s.prefilled)))
+				rn.pdWait.Add(ms(s.first.Sub(s.kvAt)))
+			}
+		}
 		if s.err == "" && !s.finish.IsZero() {
 			rec.TTFTMs = ms(s.first.Sub(s.arrival))
 			rec.LatencyMs = ms(s.finish.Sub(s.arrival))
@@ -500,6 +693,9 @@ func (rn *runner) finish() {
 	}
 	if !last.IsZero() {
 		res.Span = last.Sub(first)
+	}
+	if pd := res.PD; pd != nil {
+		pd.PrefillMs, pd.TransferMs, pd.DecodeWaitMs = rn.pdPrefill.Summary(), rn.pdTransfer.Summary(), rn.pdWait.Summary()
 	}
 	res.Router = rn.rt.Stats()
 	for i, rp := range rn.reps {

@@ -82,6 +82,13 @@ type Config struct {
 	// per replica (-np).
 	Engine string
 	Slots  int
+	// PrefillReplicas makes the first N of Replicas prefill replicas and
+	// the rest decode replicas (sim.Config.PrefillReplicas; 0: none).
+	// KVLinkGbps and KVLinkLatency are each replica's link for the KV of
+	// disaggregated requests, in gigabits per second and per transfer.
+	PrefillReplicas int
+	KVLinkGbps      float64
+	KVLinkLatency   time.Duration
 	// Changed reports whether the user gave a flag (cobra's
 	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
 	// given take llama-server's defaults (ApplyEngine).
@@ -173,6 +180,7 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	var results []report.Result
 	var records []report.RequestRecord
+	var pdLines []string
 	for _, rate := range rates {
 		c.Workload.Arrival.Rate = rate
 		reqs, skipped, err := c.Workload.Load()
@@ -208,7 +216,8 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			cfg := sim.Config{Replicas: c.Replicas, Replica: prc, Profile: sp.Base, Policy: pol,
 				Profiles: sp.Replicas, RouterProfiles: sp.Router, Calibrate: calCfg,
 				KVEvents: c.KVEvents, EventLag: c.EventLag, SpeculativeTTL: c.SpeculativeTTL, Seed: c.RouterSeed, Rate: label,
-				HostCores: c.HostCores}
+				HostCores: c.HostCores, PrefillReplicas: c.PrefillReplicas,
+				KVLink: policy.KVLink{BytesPerSecond: c.KVLinkGbps * 1e9 / 8, Latency: c.KVLinkLatency}}
 			if !c.Quiet {
 				cfg.Progress = func(done, total int) {
 					fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)
@@ -229,12 +238,33 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 				ReplicaProfiles: c.ReplicaProfiles, Calibrated: c.Calibrate, Local: prc.Local,
 			}, oracle)
 			results = append(results, r)
+			if pd := res.PD; pd != nil {
+				pdLines = append(pdLines, PDLine(name, label, pd))
+			}
 			if c.OutDir != "" {
 				records = append(records, res.Records...)
 			}
 		}
 	}
-	return Write(stdout, stderr, c, results, records)
+	if err := Write(stdout, stderr, c, results, records); err != nil {
+		return err
+	}
+	if len(pdLines) > 0 {
+		fmt.Fprintf(stderr, "\nprefill/decode (%d prefill + %d decode replicas, %g Gb/s links, %v latency):\n", c.PrefillReplicas, c.Replicas-c.PrefillReplicas, c.KVLinkGbps, c.KVLinkLatency)
+		for _, l := range pdLines {
+			fmt.Fprintln(stderr, l)
+		}
+	}
+	return nil
+}
+
+// PDLine renders a run's disaggregation figures: how many requests were
+// disaggregated, the KV moved, and their TTFT split into the prefill leg,
+// the transfer and the wait for the first token on the decode replica.
+func PDLine(name string, rate float64, pd *sim.PDStats) string {
+	return fmt.Sprintf("  %-16s rate %-6.3g disaggregated %5d local %5d  KV moved %7.1f GB  ttft split (mean/p99 ms): prefill %.0f/%.0f transfer %.0f/%.0f first decode %.0f/%.0f",
+		name, rate, pd.Disaggregated, pd.Local, pd.TransferBytes/1e9,
+		pd.PrefillMs.Mean, pd.PrefillMs.P99, pd.TransferMs.Mean, pd.TransferMs.P99, pd.DecodeWaitMs.Mean, pd.DecodeWaitMs.P99)
 }
 
 // checkPolicies checks that every policy spec parses and that each local

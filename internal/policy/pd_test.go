@@ -1,0 +1,191 @@
+package policy_test
+
+import (
+	"math"
+	"testing"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+// kvProfile is linearProfile with a KV size, so that transfers have bytes.
+type kvProfile struct {
+	linearProfile
+	bytes float64
+}
+
+func (p kvProfile) KVBytesPerToken() float64 { return p.bytes }
+
+// pdCluster is n replicas, the first k of them prefill replicas, the rest
+// decode replicas.
+func pdCluster(t *testing.T, n, k int) *cluster {
+	c := newCluster(t, n, bigKV)
+	for i := range c.reps {
+		c.reps[i].Role = policy.RoleDecode
+		if i < k {
+			c.reps[i].Role = policy.RolePrefill
+		}
+	}
+	return c
+}
+
+var pdPolicies = []string{"round-robin-pd", "llmd-pd", "dynamo-pd", "e2-pd"}
+
+// TestPDRoles: every P/D policy decodes on a replica that decodes and
+// prefills a disaggregated request on a prefill replica, whatever the load;
+// without prefill replicas up it never disaggregates.
+func TestPDRoles(t *testing.T) {
+	for _, name := range pdPolicies {
+		t.Run(name, func(t *testing.T) {
+			p := newPolicy(t, name)
+			if d, ok := p.(policy.Disaggregator); !ok || !d.Disaggregates() {
+				t.Fatalf("%s is not a Disaggregator", name)
+			}
+			c := pdCluster(t, 5, 2)
+			pd := 0
+			for i := 0; i < 60; i++ {
+				c.reps[i%5].Waiting = i % 3
+				c.reps[(i+2)%5].Decoding = i % 7
+				if i == 40 {
+					c.reps[0].Up, c.reps[1].Up = false, false
+				}
+				d, _ := c.route(p, cat(toks(uint64(i%4), 2000), toks(uint64(100+i), 300)), at(float64(i)))
+				if c.reps[d.Replica].Role == policy.RolePrefill || !c.reps[d.Replica].Up {
+					t.Fatalf("decision %d decodes on replica %d (%v, up %v)", i, d.Replica, c.reps[d.Replica].Role, c.reps[d.Replica].Up)
+				}
+				if !d.Disaggregated {
+					continue
+				}
+				pd++
+				if i >= 40 {
+					t.Fatalf("decision %d disaggregated with no prefill replica up", i)
+				}
+				if pr := d.PrefillReplica; c.reps[pr].Role != policy.RolePrefill || !c.reps[pr].Up {
+					t.Fatalf("decision %d prefills on replica %d (%v)", i, pr, c.reps[pr].Role)
+				}
+			}
+			if pd == 0 && name != "e2-pd" {
+				t.Errorf("%s never disaggregated", name)
+			}
+		})
+	}
+}
+
+// TestPullAndTransfer: the KV a decode replica must receive excludes the
+// blocks it caches, and a transfer shares its link with those already on
+// either end.
+func TestPullAndTransfer(t *testing.T) {
+	c := pdCluster(t, 3, 1)
+	c.prof = kvProfile{linearProfile{kv: bigKV}, 1000}
+	prompt := toks(1, 5*bt)
+	c.cache(prompt[:3*bt], 1, at(0))
+	req, v := c.request(prompt, at(1))
+	v.KVLink = policy.KVLink{BytesPerSecond: 1e6, Latency: 2 * time.Millisecond}
+	if got := v.PullTokens(1, req); got != 2*bt {
+		t.Errorf("PullTokens on the replica caching 3 of 5 blocks = %d, want %d", got, 2*bt)
+	}
+	if got := v.PullTokens(2, req); got != 5*bt {
+		t.Errorf("PullTokens on an empty replica = %d, want %d", got, 5*bt)
+	}
+	// 32 tokens · 1000 bytes at 1 MB/s: 32 ms, plus 2 ms.
+	if got := v.TransferSeconds(0, 1, req); math.Abs(got-0.034) > 1e-9 {
+		t.Errorf("TransferSeconds alone = %v, want 0.034", got)
+	}
+	// Two transfers already from the prefill replica: a third of the link.
+	c.reps[0].Transfers = 2
+	if got := v.TransferSeconds(0, 1, req); math.Abs(got-(0.002+3*0.032)) > 1e-9 {
+		t.Errorf("TransferSeconds sharing with 2 = %v, want %v", got, 0.002+3*0.032)
+	}
+	// A whole prompt cached: only the last block moves (it is recomputed).
+	c.cache(prompt, 2, at(2))
+	req, v = c.request(prompt, at(3))
+	if got := v.PullTokens(2, req); got != bt {
+		t.Errorf("PullTokens with the prompt cached = %d, want %d", got, bt)
+	}
+}
+
+// TestE2PDConditional: e2-pd prefills locally when the decode replica holds
+// the prompt, and when it holds nothing but runs no decodes (a transfer
+// then costs more than it saves); it disaggregates a long uncached prompt
+// when the decode replicas are busy decoding, whose streams a local prefill
+// would stall. The choice is the cost comparison, not a token count: the
+// same uncached prompt goes both ways.
+func TestE2PDConditional(t *testing.T) {
+	prompt := toks(7, 4000)
+	for _, tc := range []struct {
+		name     string
+		cached   bool // replica 2 holds the prompt
+		decoding int  // requests decoding on each decode replica
+		wantPD   bool
+	}{
+		{"decode replica holds the prompt, busy", true, 100, false},
+		{"uncached, decode replicas idle", false, 0, false},
+		{"uncached, decode replicas busy", false, 100, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := pdCluster(t, 4, 1)
+			c.prof = kvProfile{linearProfile{kv: bigKV}, 1000}
+			if tc.cached {
+				c.cache(prompt, 2, at(0))
+			}
+			for r := 1; r < 4; r++ {
+				c.reps[r].Decoding = tc.decoding
+				c.reps[r].InFlight = tc.decoding
+				c.reps[r].DecodeContextTokens = tc.decoding * 2000
+				c.reps[r].DecodeTokens = tc.decoding * 100
+			}
+			p := newPolicy(t, "e2-pd")
+			req, v := c.request(prompt, at(1))
+			v.KVLink = policy.KVLink{BytesPerSecond: 50e9 / 8, Latency: time.Millisecond}
+			d, err := p.Route(req, v, at(1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Disaggregated != tc.wantPD {
+				t.Errorf("Disaggregated = %v (branch %s, decode on %d), want %v\n%s", d.Disaggregated, d.Branch, d.Replica, tc.wantPD, d.Explain())
+			}
+			if tc.cached && d.Replica != 2 {
+				t.Errorf("decode on %d, want 2 (it holds the prompt)", d.Replica)
+			}
+			if d.Disaggregated && d.PrefillReplica != 0 {
+				t.Errorf("prefill on %d, want 0", d.PrefillReplica)
+			}
+		})
+	}
+}
+
+// TestLLMDPDThreshold: llm-d's decider disaggregates when at least 16
+// prompt tokens are not cached on the chosen decode pod; the prefill pod is
+// the one with the best prefix score.
+func TestLLMDPDThreshold(t *testing.T) {
+	c := pdCluster(t, 4, 2)
+	base := toks(3, 20*bt)
+	c.cache(base, 1, at(0))
+	c.cache(base, 3, at(0))
+	p := newPolicy(t, "llmd-pd")
+	// 8 tokens past what replica 3 caches: decode only, on 3.
+	d, _ := c.route(p, cat(base, toks(4, 8)), at(1))
+	if d.Disaggregated || d.Replica != 3 {
+		t.Errorf("8 uncached tokens: decode %d disaggregated %v, want 3, false", d.Replica, d.Disaggregated)
+	}
+	// 40 past it: prefill on 1, which holds the prefix, decode on 3.
+	d, _ = c.route(p, cat(base, toks(5, 40)), at(2))
+	if !d.Disaggregated || d.Replica != 3 || d.PrefillReplica != 1 {
+		t.Errorf("40 uncached tokens: decode %d prefill %d disaggregated %v, want 3, 1, true", d.Replica, d.PrefillReplica, d.Disaggregated)
+	}
+}
+
+// TestDynamoPD: Dynamo's prefill router follows the cache; its decode
+// router ignores it and takes the least active blocks.
+func TestDynamoPD(t *testing.T) {
+	c := pdCluster(t, 4, 2)
+	prompt := toks(9, 30*bt)
+	c.cache(prompt, 1, at(0))
+	c.cache(prompt, 2, at(0))
+	c.hold(toks(10, 10*bt), 2, at(0)) // replica 2 has active blocks
+	p := newPolicy(t, "dynamo-pd")
+	d, _ := c.route(p, prompt, at(1))
+	if !d.Disaggregated || d.PrefillReplica != 1 || d.Replica != 3 {
+		t.Errorf("prefill %d decode %d disaggregated %v, want 1, 3 (the idle one, though 2 caches the prompt), true", d.PrefillReplica, d.Replica, d.Disaggregated)
+	}
+}
