@@ -28,6 +28,7 @@ type serveFlags struct {
 	cfg         proxy.Config
 	backends    string
 	kvEvents    string
+	prefill     string // --prefill-backend
 	config      string
 	ports       discovery.Ports // --http-port .. --kv-topic, with --discovery
 	logLevel    string
@@ -71,6 +72,8 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"tokenizer":               func() { c.Tokenizer = f.cfg.Tokenizer },
 		"backend-kind":            func() { c.BackendKind = upstream.Kind(f.backendKind) },
 		"discovery":               func() { c.Discovery = f.cfg.Discovery },
+		"kv-link-gbps":            func() { c.KVLinkGbps = f.cfg.KVLinkGbps },
+		"kv-link-latency":         func() { c.KVLinkLatency = f.cfg.KVLinkLatency },
 		"kubeconfig":              func() { c.Kubeconfig = f.cfg.Kubeconfig },
 		"http-port":               func() { c.DiscoveryPorts.HTTP = f.ports.HTTP },
 		"metrics-port":            func() { c.DiscoveryPorts.Metrics = f.ports.Metrics },
@@ -156,7 +159,10 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	d := &f.cfg
 	fs.StringVar(&d.Listen, "listen", d.Listen, "address to listen on")
 	fs.StringVar(&f.backends, "backend", "", "replica base URLs, comma-separated (replaces the config file's backends)")
-	fs.StringVar(&f.kvEvents, "kv-events", "", "replicas' KV-event endpoints (tcp://HOST:PORT), comma-separated, matched to the backends by position; replay on port+1")
+	fs.StringVar(&f.prefill, "prefill-backend", "", "prefill replicas' base URLs, comma-separated: requests are disaggregated, their prefill run there and their KV moved to a --backend replica that decodes (vLLM's P/D protocol; the policy defaults to e2-pd)")
+	fs.Float64Var(&d.KVLinkGbps, "kv-link-gbps", d.KVLinkGbps, "with prefill replicas: each replica's KV-transfer link, Gbit/s, as the policies price a transfer")
+	fs.DurationVar(&d.KVLinkLatency, "kv-link-latency", d.KVLinkLatency, "with prefill replicas: one KV transfer's fixed latency")
+	fs.StringVar(&f.kvEvents, "kv-events", "", "replicas' KV-event endpoints (tcp://HOST:PORT), comma-separated, matched by position to the --backend replicas, then the --prefill-backend ones; replay on port+1")
 	fs.IntVar(&d.TreeMaxBlocks, "tree-max-blocks", 0, "bound of the router's prefix tree in blocks (0: 2M, about 420 MiB of heap, ~200 bytes a block; RSS about twice the heap)")
 	fs.DurationVar(&d.SpeculativeTTL, "speculative-ttl", 0, "how long a routed prompt counts as cached on a KV-event replica before its events confirm it (0: 2s; negative: off)")
 	fs.StringVar(&d.Policy, "policy", d.Policy, "routing policy: "+strings.Join(policy.Names(), ", ")+" (e2 settings: 'e2:mixing=false')")
@@ -218,6 +224,12 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		}
 	}
 	f.overrides(cmd.Flags(), &cfg)
+	if f.prefill != "" {
+		cfg.Backends = proxy.SetPrefillBackends(cfg.Backends, f.prefill)
+		if !cmd.Flags().Changed("policy") {
+			cfg.Policy = "e2-pd"
+		}
+	}
 	if f.kvEvents != "" {
 		if err := proxy.SetKVEvents(cfg.Backends, f.kvEvents); err != nil {
 			return fmt.Errorf("serve: --kv-events: %w", err)
@@ -244,6 +256,9 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		names[i] = b.URL
 		if b.Kind != "" {
 			names[i] += " (" + string(b.Kind) + ")"
+		}
+		if b.Role != "" {
+			names[i] += " (" + b.Role + ")"
 		}
 		if b.KVEvents != "" {
 			names[i] += " (kv events " + b.KVEvents + ")"

@@ -55,6 +55,9 @@ type Settings struct {
 	Calibrate *calibrate.Config
 	// MaxPromptTokens bounds a prompt's length in tokens (0: no bound).
 	MaxPromptTokens int
+	// KVLink is the network between prefill and decode replicas that
+	// disaggregating policies price a KV transfer on (router.Config).
+	KVLink policy.KVLink
 }
 
 // ErrPromptTooLong is returned by Key for a prompt over
@@ -116,7 +119,7 @@ func New(s Settings) (*Core, error) {
 	}
 	rt, err := router.New(router.Config{BlockTokens: s.BlockTokens, Profile: prof, Policy: pol, Seed: s.Seed,
 		SpeculativeTTL: s.SpeculativeTTL, DefaultOutputTokens: s.DefaultOutputTokens,
-		TreeMaxBlocks: s.TreeMaxBlocks, Calibrate: s.Calibrate})
+		TreeMaxBlocks: s.TreeMaxBlocks, Calibrate: s.Calibrate, KVLink: s.KVLink})
 	if err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
+	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 )
@@ -48,6 +49,9 @@ type Replica struct {
 	// Profile is the replica's own cost profile (costmodel.Resolve; "":
 	// the core's), for a pool of mixed GPUs.
 	Profile string
+	// Role is the replica's role in a disaggregated cluster
+	// (policy.ParseRole: "" or "both", "prefill", "decode").
+	Role string
 	// Ready says whether the replica takes requests (a pod's readiness;
 	// always true for a static backend).
 	Ready bool
@@ -243,6 +247,9 @@ func (p *Pool) Validate(r Replica) error {
 			return fmt.Errorf("replica %s: profile: %w", r.Name, err)
 		}
 	}
+	if _, err := policy.ParseRole(r.Role); err != nil {
+		return fmt.Errorf("replica %s: %w", r.Name, err)
+	}
 	return nil
 }
 
@@ -331,6 +338,8 @@ func (p *Pool) add(r Replica) (up, changed bool) {
 		_ = p.Router.SetProfile(m.ID, prof)
 	}
 	_ = p.Router.SetUp(m.ID, m.Up(), now)
+	role, _ := policy.ParseRole(r.Role) // validated
+	_ = p.Router.SetRole(m.ID, role)
 	m.kind = r.Kind
 	if r.Kind == upstream.Auto {
 		m.kind = upstream.Unknown

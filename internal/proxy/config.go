@@ -51,6 +51,12 @@ type Backend struct {
 	// with scaled times (costmodel.Resolve). With Calibrate it is the prior
 	// the router corrects from what the replica does.
 	Profile string `json:"profile,omitempty"`
+	// Role is the replica's role in a disaggregated cluster: "both" (or
+	// "", the default: it prefills and decodes its own requests),
+	// "prefill" (it only runs the prefill leg of disaggregated requests)
+	// or "decode" (docs/pd.md). A cluster with prefill replicas needs a
+	// disaggregating policy (e2-pd, llmd-pd, dynamo-pd, round-robin-pd).
+	Role string `json:"role,omitempty"`
 }
 
 // Config configures a Proxy. DefaultConfig gives every default; a zero
@@ -169,6 +175,13 @@ type Config struct {
 	// Memory) grows until it reaches the bound.
 	TreeMaxBlocks int
 
+	// KVLinkGbps and KVLinkLatency are the network between prefill and
+	// decode replicas that disaggregating policies price a KV transfer on:
+	// each replica's link bandwidth in Gbit/s and one transfer's fixed
+	// latency (defaults 400 and 1ms: one ConnectX-7 port, as prefixlb sim).
+	KVLinkGbps    float64
+	KVLinkLatency time.Duration
+
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
 	// Tokenizer, when set and Keyer is nil, is the replicas' tokenizer:
@@ -220,6 +233,8 @@ func DefaultConfig() Config {
 		MaxResponseBytes:      64 << 20,
 		MaxRetries:            2,
 		DrainTimeout:          30 * time.Second,
+		KVLinkGbps:            400,
+		KVLinkLatency:         time.Millisecond,
 	}
 }
 
@@ -265,6 +280,9 @@ func (c *Config) Validate() error {
 		if _, err := upstream.ParseKind(string(b.Kind)); err != nil {
 			return fmt.Errorf("proxy: config: backends[%d].kind: %w", i, err)
 		}
+		if _, err := policy.ParseRole(b.Role); err != nil {
+			return fmt.Errorf("proxy: config: backends[%d].role: %w", i, err)
+		}
 		n := backendName(b)
 		if names[n] {
 			return bad(fmt.Sprintf("backends[%d].name", i), "duplicate backend name %q", n)
@@ -277,8 +295,20 @@ func (c *Config) Validate() error {
 	if c.BlockTokens < 1 {
 		return bad("block_tokens", "must be ≥ 1, got %d", c.BlockTokens)
 	}
-	if _, err := policy.Parse(c.Policy, policyOptions(c)); err != nil {
+	pol, err := policy.Parse(c.Policy, policyOptions(c))
+	if err != nil {
 		return bad("policy", "%v", err)
+	}
+	if prefill, decode := c.roles(); prefill > 0 {
+		if d, ok := pol.(policy.Disaggregator); !ok || !d.Disaggregates() {
+			return bad("policy", "%s does not disaggregate, and %d backend(s) have role prefill: use e2-pd, llmd-pd, dynamo-pd or round-robin-pd", c.Policy, prefill)
+		}
+		if decode == 0 {
+			return bad("backends", "every backend has role prefill: at least one must decode")
+		}
+	}
+	if c.KVLinkGbps < 0 || c.KVLinkLatency < 0 {
+		return bad("kv_link_gbps", "the KV link's bandwidth and latency must be ≥ 0")
 	}
 	if c.Profile == "" {
 		return bad("profile", "a cost profile is required")
@@ -330,6 +360,34 @@ func (c *Config) Validate() error {
 		return bad("max_prompt_tokens", "must be > 0, got %d", c.MaxPromptTokens)
 	}
 	return nil
+}
+
+// roles counts the static backends of role prefill and those that decode
+// (roles valid).
+func (c *Config) roles() (prefill, decode int) {
+	for _, b := range c.Backends {
+		if r, _ := policy.ParseRole(b.Role); r == policy.RolePrefill {
+			prefill++
+		} else {
+			decode++
+		}
+	}
+	return prefill, decode
+}
+
+// KVLink is the link the config gives the policies.
+func (c *Config) KVLink() policy.KVLink {
+	return policy.KVLink{BytesPerSecond: c.KVLinkGbps * 1e9 / 8, Latency: c.KVLinkLatency}
+}
+
+// SetPrefillBackends appends the prefill replicas of "URL[,URL..]" (the
+// serve command's --prefill-backend), named by host:port, to backends.
+func SetPrefillBackends(backends []Backend, list string) []Backend {
+	for _, b := range ParseBackends(list) {
+		b.Role = policy.RolePrefill.String()
+		backends = append(backends, b)
+	}
+	return backends
 }
 
 // policyOptions are the policy options for c (block size from c).
@@ -467,6 +525,8 @@ type fileConfig struct {
 	TreeMaxBlocks         *int             `json:"tree_max_blocks"`
 	Tokenizer             *string          `json:"tokenizer"`
 	Discovery             *fileDiscovery   `json:"discovery"`
+	KVLinkGbps            *float64         `json:"kv_link_gbps"`
+	KVLinkLatency         *duration        `json:"kv_link_latency"`
 }
 
 // fileDiscovery is the YAML form of Config's discovery fields.
@@ -565,6 +625,10 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
 	setI(&c.TreeMaxBlocks, f.TreeMaxBlocks)
 	setS(&c.Tokenizer, f.Tokenizer)
+	if f.KVLinkGbps != nil {
+		c.KVLinkGbps = *f.KVLinkGbps
+	}
+	setD(&c.KVLinkLatency, f.KVLinkLatency)
 	if d := f.Discovery; d != nil {
 		c.Discovery, c.Kubeconfig = d.Target, d.Kubeconfig
 		c.DiscoveryPorts = discovery.Ports{HTTP: d.HTTPPort, HTTPName: d.HTTPPortName, Metrics: d.MetricsPort,

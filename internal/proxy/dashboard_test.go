@@ -346,7 +346,7 @@ func BenchmarkRouteWithViewer(b *testing.B) {
 			for i := 0; b.Loop(); i++ {
 				req := reqs[i%len(reqs)]
 				req.ID = uint64(i + 1)
-				if _, _, err := p.route(req, nil); err != nil {
+				if _, _, _, err := p.route(req, nil); err != nil {
 					b.Fatal(err)
 				}
 				if i >= window {
@@ -382,7 +382,7 @@ func BenchmarkDashboardSnapshot(b *testing.B) {
 			keys = append(keys, blocks.Key(uint64(i%64)<<32|j+1))
 		}
 		keys = append(keys, blocks.Key(1<<63|uint64(i)))
-		if _, _, err := p.route(policy.Request{ID: uint64(i + 1), Keys: keys, PromptTokens: len(keys) * bt, OutputTokens: 64}, nil); err != nil {
+		if _, _, _, err := p.route(policy.Request{ID: uint64(i + 1), Keys: keys, PromptTokens: len(keys) * bt, OutputTokens: 64}, nil); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -35,12 +35,19 @@ var hopHeaders = []string{
 
 // exchange is one client request on its way through the proxy.
 type exchange struct {
-	p     *Proxy
-	w     http.ResponseWriter
-	r     *http.Request
-	body  []byte
-	req   *openai.Request
-	start time.Time
+	p    *Proxy
+	w    http.ResponseWriter
+	r    *http.Request
+	body []byte // this attempt's body: orig, or a decode leg's (pd.go)
+	orig []byte // the client's body
+	req  *openai.Request
+	// pd, rid and prefilled are a disaggregated request's (pd.go): its
+	// body's members, its X-Request-Id, the replica that ran the prefill
+	// leg of this attempt (nil: none, or it failed).
+	pd        *pdBodies
+	rid       string
+	prefilled *backend
+	start     time.Time
 	// wrote is set once any byte of the response went to the client: from
 	// then on the request cannot be retried.
 	wrote bool
@@ -86,7 +93,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		fail(err)
 		return
 	}
-	x.body = body
+	x.body, x.orig = body, body
 	req, err := openai.ParseRequest(kind, body)
 	if err != nil {
 		fail(err)
@@ -115,7 +122,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	var lastD policy.Decision
 	for attempt := 0; ; attempt++ {
 		preq.ID = p.nextID.Add(1)
-		d, b, err := p.route(preq, tried)
+		d, b, pb, err := p.route(preq, tried)
 		if err != nil {
 			if attempt == 0 {
 				fail(fmt.Errorf("proxy: route: %w", err))
@@ -125,6 +132,16 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		}
 		last = b
 		b.m.decision(d.Branch).Inc()
+		x.body, x.prefilled = x.orig, nil
+		if pb != nil {
+			x.requestID()
+			var prefilled bool
+			if x.body, prefilled = x.prefillLeg(ctx, preq.ID, &d, pb); prefilled {
+				x.prefilled = pb
+			}
+		} else if p.pdOn {
+			p.m.pd.WithLabelValues(pdLocal).Inc()
+		}
 		res := x.attempt(ctx, preq.ID, &d, b, attempt)
 		if res.err == nil {
 			return
@@ -209,6 +226,11 @@ func (x *exchange) setRouteHeaders(d *policy.Decision, b *backend, retries int) 
 	h := x.w.Header()
 	h[canonReplica] = []string{b.Name}
 	h[canonRoute] = []string{d.Explain()}
+	if x.prefilled != nil {
+		h[canonPrefillReplica] = []string{x.prefilled.Name}
+	} else {
+		delete(h, canonPrefillReplica)
+	}
 	if retries > 0 {
 		h[canonRetries] = []string{strconv.Itoa(retries)}
 	} else {
@@ -277,6 +299,12 @@ func (x *exchange) attempt(ctx context.Context, id uint64, d *policy.Decision, b
 // parsing its string form would give it), the request's headers less
 // hop-by-hop ones, and its body, read again from the exchange's buffer.
 func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, error) {
+	return x.outRequestWith(ctx, b, x.body)
+}
+
+// outRequestWith is outRequest with body; a disaggregated request's legs
+// carry its X-Request-Id.
+func (x *exchange) outRequestWith(ctx context.Context, b *backend, body []byte) (*http.Request, error) {
 	u := new(url.URL)
 	*u = *b.Base
 	u.Path = b.basePath + x.r.URL.Path
@@ -296,13 +324,13 @@ func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, e
 		return nil, fmt.Errorf("proxy: build request to %s: %w", b.Name, err)
 	}
 	out.URL, out.Host = u, b.host
-	if len(x.body) > 0 {
+	if len(body) > 0 {
 		// A body the Transport knows is in memory (a *bytes.Reader) goes
 		// out with the headers, in one write from the connection's buffer
 		// (Transport.WriteBufferSize); any other body, after the headers are
 		// flushed, through a copy buffer of its own.
-		out.Body, out.ContentLength = io.NopCloser(bytes.NewReader(x.body)), int64(len(x.body))
-		out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(x.body)), nil }
+		out.Body, out.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
+		out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 	}
 	out.Header = x.r.Header.Clone()
 	if out.Header == nil {
@@ -310,6 +338,9 @@ func (x *exchange) outRequest(ctx context.Context, b *backend) (*http.Request, e
 	}
 	removeHop(out.Header)
 	out.Header.Del("Accept-Encoding") // identity: the proxy reads the body on the side
+	if x.rid != "" {
+		out.Header.Set(HeaderRequestID, x.rid)
+	}
 	if host, _, err := net.SplitHostPort(x.r.RemoteAddr); err == nil {
 		if prior := x.r.Header.Values("X-Forwarded-For"); len(prior) > 0 {
 			host = strings.Join(prior, ", ") + ", " + host

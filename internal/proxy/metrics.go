@@ -17,6 +17,10 @@ type metrics struct {
 	latency          *prometheus.HistogramVec // replica
 	retries          *prometheus.CounterVec   // replica, reason
 	health           *prometheus.CounterVec   // replica, result
+	// pd and pdPrefill are prefill/decode disaggregation's (pd.go), with
+	// prefill-role replicas only.
+	pd        *prometheus.CounterVec // outcome
+	pdPrefill prometheus.Histogram
 }
 
 // latencyBuckets span 5 ms to ~10 min: TTFT of a cached short prompt to a
@@ -57,6 +61,15 @@ func newMetrics() (*metrics, error) {
 			Help: "Active health checks by replica and result (ok, fail).",
 		}, []string{"replica", "result"}),
 	}
+	m.pd = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "prefixlb_pd_requests_total",
+		Help: "Requests of a cluster with prefill replicas by outcome: disaggregated (prefilled on a prefill replica, KV moved), local (the policy kept it on one replica), prefill_failed and no_kv_params (the prefill leg failed, or answered without kv_transfer_params: the decode replica prefilled).",
+	}, []string{"outcome"})
+	m.pdPrefill = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "prefixlb_pd_prefill_seconds",
+		Help:    "Time of a disaggregated request's prefill leg, from sending it to its answer.",
+		Buckets: latencyBuckets,
+	})
 	for _, c := range []prometheus.Collector{m.requests, m.inflight, m.ttft, m.latency, m.retries, m.health} {
 		if err := m.Reg.Register(c); err != nil {
 			return nil, err

@@ -88,6 +88,7 @@ type Proxy struct {
 	nextID   atomic.Uint64
 	slots    chan struct{} // one per inference request in flight; nil: no bound (limits.go)
 	adminTok tokenDigest   // digest of cfg.AdminToken, when set
+	pdOn     bool          // some replica has role prefill: requests may be disaggregated (pd.go)
 
 	// pool is the replicas with their feeds (KV events, load, engine,
 	// tokenizer): a static list from Backends, and what Discovery finds.
@@ -113,13 +114,16 @@ func New(cfg Config) (*Proxy, error) {
 		return nil, err
 	}
 	var cal *calibrate.Config
-	if cfg.Calibrate {
+	prefill, _ := cfg.roles()
+	if cfg.Calibrate && prefill == 0 {
+		// Calibration learns a replica's speed from requests it prefills and
+		// decodes itself; it does not read the legs of disaggregated ones.
 		c := cfg.Calibration
 		cal = &c
 	}
 	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
 		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
-		TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal, MaxPromptTokens: cfg.MaxPromptTokens})
+		TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal, MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink()})
 	if err != nil {
 		return nil, fmt.Errorf("proxy: config: %w", err)
 	}
@@ -141,6 +145,16 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	if cfg.MaxConcurrent > 0 {
 		p.slots = make(chan struct{}, cfg.MaxConcurrent)
+	}
+	if prefill > 0 {
+		p.pdOn = true
+		p.m.Reg.MustRegister(p.m.pd, p.m.pdPrefill)
+		for _, o := range pdOutcomes {
+			p.m.pd.WithLabelValues(o)
+		}
+		if cfg.Calibrate {
+			log.Info("calibration is off: the cluster has prefill replicas, and calibration does not learn from disaggregated requests (docs/pd.md)")
+		}
 	}
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
@@ -209,7 +223,7 @@ func (p *Proxy) replicaOf(b Backend) (cluster.Replica, error) {
 		return cluster.Replica{}, err
 	}
 	r := cluster.Replica{Name: backendName(b), Address: cluster.HostPort(u), URL: b.URL, KVEvents: b.KVEvents,
-		KVTopic: b.KVTopic, Kind: backendKind(b, p.cfg.BackendKind), Profile: b.Profile, Ready: true}
+		KVTopic: b.KVTopic, Kind: backendKind(b, p.cfg.BackendKind), Profile: b.Profile, Role: b.Role, Ready: true}
 	if strings.HasPrefix(p.cfg.MetricsPath, "/") {
 		m := *u
 		m.Path = upstream.TrimSlash(u.Path) + p.cfg.MetricsPath
@@ -345,19 +359,23 @@ func (p *Proxy) Close() {
 // already), and commits the decision in the core. It returns the chosen
 // replica's backend, taken under the lock: a replica that leaves the pool
 // meanwhile is still reached for this request. The dashboard records the
-// decision after the core's lock is released.
-func (p *Proxy) route(req policy.Request, exclude []int) (policy.Decision, *backend, error) {
+// decision after the core's lock is released. A disaggregated decision's
+// prefill replica comes with it (prefill; nil otherwise).
+func (p *Proxy) route(req policy.Request, exclude []int) (d policy.Decision, b, prefill *backend, err error) {
 	now := time.Now()
 	p.mu.Lock()
-	d, err := p.rt.RouteWithin(req, now, router.Constraint{Exclude: exclude})
+	d, err = p.rt.RouteWithin(req, now, router.Constraint{Exclude: exclude})
 	if err != nil {
 		p.mu.Unlock()
-		return d, nil, err
+		return d, nil, nil, err
 	}
-	b := p.pool.Member(d.Replica).Front.(*backend)
+	b = p.pool.Member(d.Replica).Front.(*backend)
+	if d.Disaggregated {
+		prefill = p.pool.Member(d.PrefillReplica).Front.(*backend)
+	}
 	p.mu.Unlock()
 	p.dash.record(now, req.PromptTokens, &d)
-	return d, b, nil
+	return d, b, prefill, nil
 }
 
 // predict returns the decision for req without committing it.

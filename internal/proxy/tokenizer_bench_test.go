@@ -69,7 +69,7 @@ func BenchmarkRouteChat60k(b *testing.B) {
 		}
 		t2, c2 := time.Now(), threadCPU()
 		preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens}
-		d, _, err := p.route(preq, nil)
+		d, _, _, err := p.route(preq, nil)
 		if err != nil {
 			b.Fatal(err)
 		}
