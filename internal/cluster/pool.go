@@ -78,6 +78,7 @@ type Member struct {
 	Front any
 
 	healthy bool               // the front door's health checks pass (SetHealthy)
+	role    policy.Role        // Replica.Role, parsed
 	stop    context.CancelFunc // ends its feeds (nil: not started)
 	sub     *kvevents.Subscriber
 	kv      kvCounts
@@ -106,6 +107,10 @@ type kvCounts struct {
 // Up reports whether the replica is in routing: ready and healthy (Mu
 // held).
 func (m *Member) Up() bool { return m.Ready && m.healthy }
+
+// PDRole is the replica's role in a disaggregated cluster (Replica.Role,
+// parsed).
+func (m *Member) PDRole() policy.Role { return m.role }
 
 // Healthy reports the front door's health verdict (SetHealthy; Mu held).
 func (m *Member) Healthy() bool { return m.healthy }
@@ -338,8 +343,8 @@ func (p *Pool) add(r Replica) (up, changed bool) {
 		_ = p.Router.SetProfile(m.ID, prof)
 	}
 	_ = p.Router.SetUp(m.ID, m.Up(), now)
-	role, _ := policy.ParseRole(r.Role) // validated
-	_ = p.Router.SetRole(m.ID, role)
+	m.role, _ = policy.ParseRole(r.Role) // validated
+	_ = p.Router.SetRole(m.ID, m.role)
 	m.kind = r.Kind
 	if r.Kind == upstream.Auto {
 		m.kind = upstream.Unknown

@@ -190,7 +190,7 @@ func TestPoolWatcher(t *testing.T) {
 	ann := map[string]string{AnnotationKVEventsPort: "5557", AnnotationKVTopic: "kv@{ip}:{port}@llama"}
 	cs := fake.NewClientset(
 		pod("v0", "10.0.0.1", true, app, ann),
-		pod("v1", "10.0.0.2", false, app, nil),
+		pod("v1", "10.0.0.2", false, map[string]string{"app": "vllm", LabelRole: "prefill"}, nil),
 		pod("other", "10.0.0.9", true, map[string]string{"app": "web"}, nil),
 		pod("pending", "", false, app, nil),
 	)
@@ -206,8 +206,11 @@ func TestPoolWatcher(t *testing.T) {
 	if got := reg.cur["v0"]; got.KVEvents != "tcp://10.0.0.1:5557" || got.KVTopic != "kv@10.0.0.1:8000@llama" || got.Address != "10.0.0.1:8000" {
 		t.Errorf("v0 = %+v: want the annotations' KV events and topic", got)
 	}
-	if got := reg.cur["v1"]; got.KVEvents != "" {
-		t.Errorf("v1 = %+v: want no KV events (no annotation, no flag)", got)
+	if got := reg.cur["v1"]; got.KVEvents != "" || got.Role != "prefill" {
+		t.Errorf("v1 = %+v: want no KV events (no annotation, no flag), role prefill (llm-d's label)", got)
+	}
+	if got := reg.cur["v0"].Role; got != "" {
+		t.Errorf("v0's role %q, want both (no label)", got)
 	}
 
 	pods := cs.CoreV1().Pods("ns")
@@ -241,6 +244,14 @@ func TestPoolWatcher(t *testing.T) {
 		t.Fatal(err)
 	}
 	reg.await(t, "pool gone", is(map[string]bool{}))
+}
+
+func TestPodRole(t *testing.T) {
+	for label, want := range map[string]string{"prefill": "prefill", "decode": "decode", "both": "", "prefill-decode": "", "": "", "Prefill": ""} {
+		if got := podRole(map[string]string{LabelRole: label}); got != want {
+			t.Errorf("%s=%q: role %q, want %q", LabelRole, label, got, want)
+		}
+	}
 }
 
 func TestParseTarget(t *testing.T) {

@@ -134,9 +134,28 @@ func (w *PoolWatcher) desired(pools cache.GenericLister, pods interface {
 		if p.Status.PodIP == "" {
 			continue
 		}
-		want[p.Name] = replicaAt(p.Name, p.Status.PodIP, spec.port, w.cfg.Ports, p.Annotations, podReady(p))
+		r := replicaAt(p.Name, p.Status.PodIP, spec.port, w.cfg.Ports, p.Annotations, podReady(p))
+		r.Role = podRole(p.Labels)
+		want[p.Name] = r
 	}
 	return want, nil
+}
+
+// LabelRole is llm-d's pod label of a model server's role in a
+// disaggregated pool (llm-d's guides and Helm charts: "prefill", "decode",
+// or "both" / "prefill-decode" for an aggregated server).
+const LabelRole = "llm-d.ai/role"
+
+// podRole is the cluster role a pod's labels give: prefill or decode by
+// llm-d's label, "" (both) otherwise.
+func podRole(l map[string]string) string {
+	switch l[LabelRole] {
+	case "prefill":
+		return "prefill"
+	case "decode":
+		return "decode"
+	}
+	return ""
 }
 
 // podReady: the Ready condition is true and the pod is not terminating.

@@ -130,6 +130,14 @@ type Config struct {
 	// cache is modelled as its -np slots, its cached tokens read from its
 	// timings and its tokenizer checked through its own /tokenize.
 	BackendKind upstream.Kind
+	// KVLink is the network between prefill and decode pods that a
+	// disaggregating policy (e2-pd, llmd-pd, dynamo-pd, round-robin-pd)
+	// prices a KV transfer on. Pods take their role from llm-d's label
+	// llm-d.ai/role (discovery.LabelRole); the picker names a
+	// disaggregated request's prefill pod in x-prefiller-host-port for
+	// llm-d's routing sidecar (PrefillerHeader). Calibration does not learn
+	// from disaggregated requests: in a P/D pool turn it off (NoCalibrate).
+	KVLink policy.KVLink
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -215,11 +223,12 @@ type Picker struct {
 	nextID atomic.Uint64
 	pool   *cluster.Pool
 
-	mu      *sync.Mutex // the core's Mu: guards everything below
-	rt      *router.Router
-	allowed []int // scratch: the replicas a decision may choose (pickLocked)
-	flights map[uint64]*flight
-	others  map[string]router.ExternalLoad // last good Shared.Others
+	mu       *sync.Mutex // the core's Mu: guards everything below
+	rt       *router.Router
+	allowed  []int // scratch: the replicas a decision may choose (pickLocked)
+	decoders []int // scratch: those of allowed that decode, the answer's candidates
+	flights  map[uint64]*flight
+	others   map[string]router.ExternalLoad // last good Shared.Others
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
 }
@@ -238,7 +247,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
 		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
 		TreeMaxBlocks: cfg.TreeMaxBlocks, DefaultOutputTokens: cfg.DefaultOutputTokens, Calibrate: cal,
-		MaxPromptTokens: cfg.MaxPromptTokens})
+		MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink})
 	if err != nil {
 		return nil, fmt.Errorf("epp: %w", err)
 	}
@@ -304,6 +313,10 @@ type Pick struct {
 	Endpoints []string
 	// Replica is the primary's name.
 	Replica string
+	// Prefill is, for a disaggregated decision, the prefill replica's
+	// "ip:port" (llm-d's x-prefiller-host-port), PrefillReplica its name;
+	// "" otherwise.
+	Prefill, PrefillReplica string
 	// Decision is the router's decision, explained.
 	Decision policy.Decision
 }
@@ -380,7 +393,16 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 			}
 		}
 	}
-	if len(p.allowed) == 0 {
+	// The answer's endpoints (the primary, fallbacks) decode; a prefill
+	// replica is only ever a decision's prefill leg (the router knows the
+	// roles: Only may name prefill replicas for it to choose from).
+	p.decoders = p.decoders[:0]
+	for _, id := range p.allowed {
+		if p.pool.Member(id).PDRole().Decodes() {
+			p.decoders = append(p.decoders, id)
+		}
+	}
+	if len(p.decoders) == 0 {
 		if subset != nil {
 			return Pick{}, nil, fmt.Errorf("%w in the subset hint %v", ErrNoEndpoint, subset)
 		}
@@ -388,7 +410,7 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 	}
 	if p.cfg.MaxQueue > 0 {
 		shed := true
-		for _, id := range p.allowed {
+		for _, id := range p.decoders {
 			st, _ := p.rt.Replica(id)
 			if st.Queue() < p.cfg.MaxQueue { // the waiting queue (engine's, else requests not yet started), as GIE's saturation detector reads
 				shed = false
@@ -409,6 +431,10 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 	}
 	primary := p.pool.Member(d.Replica)
 	pick := Pick{ID: req.ID, Replica: primary.Name, Decision: d, Endpoints: []string{primary.Address}}
+	if d.Disaggregated {
+		pm := p.pool.Member(d.PrefillReplica)
+		pick.Prefill, pick.PrefillReplica = pm.Address, pm.Name
+	}
 	pick.Endpoints = append(pick.Endpoints, p.fallbacks(d)...)
 	f := &flight{req: *req, replica: primary, load: p.flightLoad(req.ID), matched: d.MatchedTokens}
 	p.flights[req.ID] = f
@@ -435,7 +461,7 @@ func (p *Picker) fallbacks(d policy.Decision) []string {
 	}
 	type cand struct{ id, matched, inflight int }
 	var cs []cand
-	for _, id := range p.allowed {
+	for _, id := range p.decoders {
 		if id == d.Replica {
 			continue
 		}

@@ -49,6 +49,14 @@ const (
 	// RouteTermsHeader gives every term of each candidate's cost, by name
 	// (policy.Decision.ExplainTerms; e2 only), beside RouteHeader.
 	RouteTermsHeader = "x-prefixlb-route-terms"
+	// PrefillerHeader names a disaggregated request's prefill endpoint,
+	// "ip:port", for llm-d's routing sidecar on the decode pod, which runs
+	// the prefill leg there first (llm-d/llm-d-inference-scheduler
+	// pkg/plugins/pre-request/pd_prerequest.go, PrefillHeaderHandler, at
+	// 0fe970f8: net.JoinHostPort of the prefill profile's target). A request
+	// that is not disaggregated has the header removed, as that plugin
+	// clears it: a client cannot steer the prefill.
+	PrefillerHeader = "x-prefiller-host-port"
 )
 
 // bodyChunkBytes bounds each streamed body chunk sent back to Envoy: some
@@ -287,6 +295,12 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	x.picked, x.pick = true, pick
 	dest := strings.Join(pick.Endpoints, ",")
 	set := []*corev3.HeaderValueOption{{Header: &corev3.HeaderValue{Key: DestinationHeader, RawValue: []byte(dest)}}}
+	var remove []string
+	if pick.Prefill != "" {
+		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: PrefillerHeader, RawValue: []byte(pick.Prefill)}})
+	} else {
+		remove = append(remove, PrefillerHeader)
+	}
 	if x.s.cfg.Explain {
 		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: RouteHeader, RawValue: []byte(pick.Decision.Explain())}})
 		if terms := pick.Decision.ExplainTerms(); terms != "" {
@@ -298,7 +312,7 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
 			Response: &extprocv3.CommonResponse{
 				ClearRouteCache: true,
-				HeaderMutation:  &extprocv3.HeaderMutation{SetHeaders: set},
+				HeaderMutation:  &extprocv3.HeaderMutation{SetHeaders: set, RemoveHeaders: remove},
 			}}},
 		DynamicMetadata: md,
 	}); err != nil {
