@@ -86,6 +86,12 @@ type Replica struct {
 	// Slots is its number of prompt slots for a slot cache (llama.cpp's
 	// -np); 0 for a block cache.
 	Slots int `json:"slots"`
+	// Role is its role in a disaggregated cluster: "both" (it prefills
+	// and decodes its own requests), "prefill" or "decode" (docs/pd.md).
+	Role string `json:"role"`
+	// Transfers counts the disaggregated requests whose KV is moving from
+	// or to it (routed, no token out of their decode yet).
+	Transfers int `json:"transfers"`
 	// PredictionErrorTokens is the moving average of the router's
 	// predicted minus the replica's reported cached tokens (positive: the
 	// router believes the replica caches more than it does).

@@ -111,8 +111,9 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	names := make([]string, len(reps)) // "": a slot no replica holds now
 	up := make([]bool, len(reps))
 	kinds := make([]upstream.Kind, len(reps))
+	roles := make([]string, len(reps))
 	for _, b := range p.backendsLocked() {
-		names[b.ID], up[b.ID], kinds[b.ID] = b.Name, b.Up(), b.Kind()
+		names[b.ID], up[b.ID], kinds[b.ID], roles[b.ID] = b.Name, b.Up(), b.Kind(), b.PDRole().String()
 	}
 	stats := p.rt.Stats()
 	inflight := p.rt.InFlight()
@@ -171,7 +172,7 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 			Name: names[i], Up: up[i], InFlight: rp.InFlight, Waiting: rp.Waiting, Running: rp.Running,
 			KVUsage: rp.KVUsage, LoadSeconds: window[i][0], HitRatio: window[i][1],
 			PendingPrefillS: rp.PendingPrefill.Seconds(), CachedBlocks: cachedBlocks[i],
-			Kind: string(kinds[i]), Slots: views[i].Slots, PredictionErrorTokens: views[i].ErrorTokens,
+			Kind: string(kinds[i]), Slots: views[i].Slots, Role: roles[i], Transfers: rp.Transfers, PredictionErrorTokens: views[i].ErrorTokens,
 			CapacityTokens: views[i].CapacityTokens, Corrections: views[i].Corrections,
 		}
 		fillSpeed(&r, &speeds[i])

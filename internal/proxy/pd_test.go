@@ -351,3 +351,16 @@ func TestPDConfig(t *testing.T) {
 		t.Errorf("YAML: %+v %v", y, err)
 	}
 }
+
+// TestPDDashboard: the dashboard shows each replica's role.
+func TestPDDashboard(t *testing.T) {
+	p, srv, _, _ := pdCluster(t, "round-robin-pd")
+	readAll(t, post(t, srv.URL, "/v1/completions", `{"model":"m","prompt":"x","max_tokens":3}`))
+	roles := map[string]string{}
+	for _, r := range p.Snapshot().Replicas {
+		roles[r.Name] = r.Role
+	}
+	if roles["p0"] != "prefill" || roles["d1"] != "decode" || roles["d0"] != "both" {
+		t.Errorf("roles %v", roles)
+	}
+}

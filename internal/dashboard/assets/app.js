@@ -145,6 +145,16 @@
     }
   }
 
+  // roleBadge names a replica's role in a disaggregated cluster (none for
+  // an aggregated replica), with its KV transfers in flight.
+  function roleBadge(r) {
+    if (!r.role || r.role === "both") return "";
+    const text = r.role + (r.transfers > 0 ? " · " + r.transfers + " KV moving" : "");
+    return el("span", { class: "tag kind", title: r.role === "prefill" ?
+      "prefill replica: runs the prefill leg of disaggregated requests" :
+      "decode replica: decodes disaggregated requests from KV it pulls" }, text);
+  }
+
   // kindBadge names a replica's engine, and its slots for a slot cache
   // (llama.cpp: -np prompts cached at a time).
   function kindBadge(r) {
@@ -209,7 +219,7 @@
     const rows = s.replicas.flatMap((r) => {
       const maxIn = Math.max(1, ...s.replicas.map((x) => x.in_flight));
       const tr = el("tr", { class: r.up ? "up" : "down", dataset: { replica: r.name, up: String(r.up) } },
-        el("td", null, r.name, " ", kindBadge(r)),
+        el("td", null, r.name, " ", kindBadge(r), roleBadge(r)),
         el("td", null, el("span", { class: "badge " + (r.up ? "up" : "down") }, r.up ? "up" : "down")),
         bar(r.in_flight / maxIn, r.in_flight),
         el("td", { class: "num" }, num(r.waiting)),
