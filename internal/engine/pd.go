@@ -3,12 +3,12 @@ package engine
 // Prefill/decode disaggregation over vLLM's wire protocol (docs/pd.md,
 // "prefixlb engine"). The two legs of a disaggregated request are ordinary
 // completion or chat requests that carry kv_transfer_params, as vLLM's
-// NixlConnector and its toy proxy exchange them (vllm-project/vllm @
-// 030ea52effcb05071543c8c42b8f0145e94cee43:
-// tests/v1/kv_connector/nixl_integration/toy_proxy_server.py,
-// send_request_to_service and _handle_completions;
-// vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py,
-// NixlConnectorScheduler.request_finished and get_num_new_matched_tokens):
+// NixlConnector and its toy proxy exchange them (vllm-project/vllm:
+// tests/v1/kv_connector/nixl_integration/toy_proxy_server.py @
+// 030ea52effcb05071543c8c42b8f0145e94cee43, send_request_to_service and
+// _handle_completions; vllm/distributed/kv_transfer/kv_connector/v1/
+// nixl_connector.py, NixlConnectorScheduler.request_finished, read @
+// 002a1057e9ae674d7bdc9c4be95bc29d65d2e808, NIXL_CONNECTOR_VERSION 2):
 //
 //   - the prefill leg's body has {"do_remote_decode": true, ...}, stream
 //     false and max_tokens 1; the engine serves it and answers, at the top

@@ -332,6 +332,53 @@ func TestPullTiming(t *testing.T) {
 	})
 }
 
+// TestPullCancelled: a decode leg whose client goes away during its pull
+// leaves the link; the other pull then moves alone.
+func TestPullCancelled(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		cfg := testConfig(t)
+		cfg.TimeScale = 1
+		cfg.Replica.Role = replica.RoleDecode
+		e, err := New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() { done <- e.Run(ctx) }()
+		const gone = 100 * time.Microsecond
+		var wg sync.WaitGroup
+		for i, tag := range []string{"gone", "stays"} {
+			wg.Go(func() {
+				rctx := t.Context()
+				if i == 0 {
+					c, stop := context.WithTimeout(rctx, gone)
+					defer stop()
+					rctx = c
+				}
+				req := httptest.NewRequest("POST", "/v1/completions", strings.NewReader(decodeLegBody(words(tag, 64), 3)))
+				e.Handler().ServeHTTP(httptest.NewRecorder(), req.WithContext(rctx))
+			})
+		}
+		wg.Wait()
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		// Both share the link for 100 µs, then "stays" moves alone: it
+		// takes 50 µs longer than alone.
+		b := 4 * 16 * costmodel.KVBytesOf(cfg.Replica.Profile)
+		want := DefaultKVLinkLatency + gone/2 + time.Duration(b/(DefaultKVLinkGbps*1e9/8)*1e9)
+		ps := e.met.pullSnapshot()
+		if got := time.Duration(ps.seconds.sum * 1e9); ps.n != 1 || absDur(got-want) > 5*time.Nanosecond {
+			t.Errorf("%d pulls, %v; want 1 (the cancelled one never lands) of %v", ps.n, got, want)
+		}
+		if st := e.Stats(); st.Cancelled != 1 || st.Finished != 1 {
+			t.Errorf("stats %+v", st)
+		}
+	})
+}
+
 // TestKVLink checks the link model by hand: 1000 bytes/s, 10 ms latency.
 func TestKVLink(t *testing.T) {
 	t0 := time.Unix(1000, 0)
