@@ -12,6 +12,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/replica"
 )
 
 func init() { rootCmd.AddCommand(engineCmd()) }
@@ -44,10 +45,22 @@ than the profile says; latencies in /metrics are real (scaled) time.
 (ZeroMQ PUB, [topic, seq, msgpack batch]; docs/kv-events.md): like vLLM, an
 endpoint with '*' (tcp://*:5557) is bound, any other is dialled (for a router
 that binds one SUB). The replay ROUTER socket (--kv-replay, default the events
-port + 1) is always bound.`,
+port + 1) is always bound.
+
+--role prefill|decode|both speaks vLLM's prefill/decode disaggregation
+protocol (NixlConnector's kv_transfer_params; docs/pd.md): a request with
+{"do_remote_decode": true} is a prefill leg, answered with the params the
+decode leg needs (this engine's --engine-id, host, port, the prompt's
+blocks); a request with {"do_remote_prefill": true, "remote_engine_id": ...}
+is a decode leg, which pulls the prompt blocks it does not cache over a
+modelled link of --kv-link-gbps plus --kv-link-latency per pull, shared by
+the pulls in flight, then decodes. A prefill engine takes only prefill legs;
+a decode engine needs a profile with a KV size (the roofline ones).`,
 		Example: `  prefixlb engine --listen 127.0.0.1:8001 --profile llama3.1-8b-h100
   prefixlb engine --listen :8000 --profile mistral-7b-a6000 --time-scale 10 --local lpm
-  prefixlb engine --listen 127.0.0.1:8001 --kv-events 'tcp://*:5557'   # replay on tcp://*:5558`,
+  prefixlb engine --listen 127.0.0.1:8001 --kv-events 'tcp://*:5557'   # replay on tcp://*:5558
+  prefixlb engine --listen 127.0.0.1:8100 --role prefill --profile qwen3-32b-h100x2
+  prefixlb engine --listen 127.0.0.1:8200 --role decode --profile qwen3-32b-h100x2 --kv-link-gbps 200`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -57,6 +70,9 @@ port + 1) is always bound.`,
 				level = slog.LevelDebug
 			}
 			log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
+			if cfg.KVLinkLatency == 0 {
+				cfg.KVLinkLatency = -1 // --kv-link-latency 0: none (Config's zero is the default)
+			}
 			return engine.Serve(ctx, sc, log)
 		},
 	}
@@ -81,6 +97,10 @@ port + 1) is always bound.`,
 	fs.StringVar(&sc.KV.Topic, "kv-topic", "", "KV-event topic (default kv@<listen>@<model>, as vLLM)")
 	fs.StringVar(&sc.Tokenizer, "tokenizer", "", "real tokenizer: qwen3 (bundled), a tokenizer.json or a model directory (default: one token per word)")
 	fs.DurationVar(&sc.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long to let requests in flight finish on SIGINT/SIGTERM")
+	fs.StringVar(&cfg.Replica.Role, "role", replica.RoleBoth, "role in prefill/decode disaggregation: prefill (one-token prefill legs only), decode (pulls the prefill's KV) or both")
+	fs.StringVar(&cfg.EngineID, "engine-id", "", "engine id named in prefill legs' kv_transfer_params, vLLM's remote_engine_id (default: a random UUID)")
+	fs.Float64Var(&cfg.KVLinkGbps, "kv-link-gbps", engine.DefaultKVLinkGbps, "bandwidth of the modelled link decode legs pull KV over, Gb/s, shared by the pulls in flight")
+	fs.DurationVar(&cfg.KVLinkLatency, "kv-link-latency", engine.DefaultKVLinkLatency, "latency each pull pays once on the modelled link")
 	fs.BoolVarP(&verbose, "verbose", "v", false, "debug logging")
 	return cmd
 }

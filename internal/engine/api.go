@@ -43,6 +43,8 @@ type genRequest struct {
 	stream          bool
 	includeUsage    bool // stream_options.include_usage
 	continuousUsage bool // stream_options.continuous_usage_stats
+
+	kv kvTransfer // kv_transfer_params: a P/D leg (pd.go)
 }
 
 // streamOptions is OpenAI's stream_options, with vLLM's extension.
@@ -65,6 +67,9 @@ type samplingFields struct {
 	TopP          *float64       `json:"top_p"`
 	Seed          *int64         `json:"seed"`
 	User          *string        `json:"user"`
+	// KVTransferParams is vLLM's kv_transfer_params (pd.go), decoded by
+	// decodeKVTransfer.
+	KVTransferParams json.RawMessage `json:"kv_transfer_params"`
 }
 
 // rawCompletion is the body of POST /v1/completions.
@@ -182,6 +187,11 @@ func decodeSampling(f *samplingFields, maxTokens *int, g *genRequest) error {
 		g.includeUsage = o.IncludeUsage != nil && *o.IncludeUsage
 		g.continuousUsage = o.ContinuousUsageStats != nil && *o.ContinuousUsageStats
 	}
+	kv, err := decodeKVTransfer(f.KVTransferParams)
+	if err != nil {
+		return err
+	}
+	g.kv = kv
 	return nil
 }
 

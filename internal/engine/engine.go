@@ -32,6 +32,7 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/replica"
 )
 
@@ -48,6 +49,13 @@ const (
 	// DefaultMaxTokens is the output length of a request that gives no
 	// max_tokens (vLLM's default for completions).
 	DefaultMaxTokens = 16
+	// DefaultKVLinkGbps is the bandwidth of the link pulled KV comes in
+	// over: one 400 Gb/s ConnectX-7 port, as `prefixlb sim --kv-link-gbps`
+	// assumes.
+	DefaultKVLinkGbps = 400
+	// DefaultKVLinkLatency is what each pull pays once on top of its bytes
+	// (an assumption, as `prefixlb sim --kv-link-latency`).
+	DefaultKVLinkLatency = time.Millisecond
 )
 
 // Errors of the engine.
@@ -146,6 +154,22 @@ type Config struct {
 	KVPublisher KVPublisher
 	// Logger receives the engine's rare log lines. Default slog.Default().
 	Logger *slog.Logger
+
+	// EngineID names the engine in the kv_transfer_params of its prefill
+	// legs (vLLM's remote_engine_id, --kv-transfer-config's engine_id).
+	// Default a random UUID.
+	EngineID string
+	// KVLinkGbps is the bandwidth of the link a decode leg's KV is pulled
+	// over, in Gb/s (pd.go). Default DefaultKVLinkGbps.
+	KVLinkGbps float64
+	// KVLinkLatency is paid once by every pull, after its last byte.
+	// Default DefaultKVLinkLatency; negative means none.
+	KVLinkLatency time.Duration
+	// KVAdvertise is the "host:port" a prefill leg's kv_transfer_params
+	// name as remote_host and remote_port. Default "": the local address
+	// the request came in on (the address the engine listens on, as a
+	// client reaches it).
+	KVAdvertise string
 }
 
 // DefaultConfig returns a Config with every default filled in and no
@@ -186,6 +210,15 @@ func (c *Config) Default() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.EngineID == "" {
+		c.EngineID = newEngineID()
+	}
+	if c.KVLinkGbps == 0 {
+		c.KVLinkGbps = DefaultKVLinkGbps
+	}
+	if c.KVLinkLatency == 0 {
+		c.KVLinkLatency = DefaultKVLinkLatency
+	}
 }
 
 // Validate reports the first rule the config breaks, as an error wrapping
@@ -214,9 +247,22 @@ func (c Config) Validate() error {
 		return bad("Clock is nil")
 	case c.Logger == nil:
 		return bad("Logger is nil")
+	case c.EngineID == "":
+		return bad("EngineID is empty")
+	case !(c.KVLinkGbps > 0) || math.IsInf(c.KVLinkGbps, 0):
+		return bad("KVLinkGbps must be positive and finite, got %v", c.KVLinkGbps)
+	}
+	if c.KVAdvertise != "" {
+		if _, _, err := splitHostPort(c.KVAdvertise); err != nil {
+			return bad("KVAdvertise: %v", err)
+		}
 	}
 	if err := c.Replica.Validate(); err != nil {
 		return fmt.Errorf("%w: Replica: %w", ErrInvalidConfig, err)
+	}
+	if c.Replica.Role == replica.RoleDecode && costmodel.KVBytesOf(c.Replica.Profile) <= 0 {
+		return bad("Replica.Role %q needs the profile's KV bytes per token to model the pull of the prefill's KV, and profile %q gives none (a roofline profile does; costmodel.KVBytesOf)",
+			replica.RoleDecode, c.Replica.Profile.Name())
 	}
 	return nil
 }
@@ -229,10 +275,13 @@ type Engine struct {
 	cfg         Config
 	rep         *replica.Replica // owned by Run's goroutine
 	totalBlocks int
-	created     time.Time
-	handler     http.Handler
-	met         metrics
-	ids         atomic.Uint64 // last request ID handed out
+	// kvBytesPerToken prices a pull (costmodel.KVBytesOf); 0: the engine
+	// cannot pull and computes decode legs' prompts itself.
+	kvBytesPerToken float64
+	created         time.Time
+	handler         http.Handler
+	met             metrics
+	ids             atomic.Uint64 // last request ID handed out
 
 	mu      sync.Mutex // guards ops, started and stopped
 	ops     []op       // work queued for Run, in arrival order
@@ -266,6 +315,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e.stats = rep.Stats()
 	e.totalBlocks = e.stats.TotalBlocks
+	if cfg.Replica.Slots == 0 { // llama.cpp's slots receive no KV
+		e.kvBytesPerToken = costmodel.KVBytesOf(cfg.Replica.Profile)
+	}
 	e.met.init()
 	e.handler = e.routes()
 	return e, nil
@@ -450,6 +502,9 @@ func (e *Engine) Run(ctx context.Context) error {
 		live:  make(map[uint64]*stream),
 	}
 	d.base = d.clock.Now()
+	if e.kvBytesPerToken > 0 {
+		d.link = newKVLink(e.cfg.KVLinkGbps, e.cfg.KVLinkLatency)
+	}
 	if e.cfg.KVPublisher != nil {
 		d.kv = newKVAdapter(e, e.cfg.KVPublisher)
 	}
@@ -495,6 +550,10 @@ type driver struct {
 	ops   []op
 	kv    *kvAdapter // nil without a KVPublisher
 	ended []*stream  // scratch: requests finished in one deliver
+	// link carries decode legs' pulled KV (pd.go); nil when the engine
+	// cannot pull (Engine.kvBytesPerToken 0).
+	link   *kvLink
+	landed []*pull // scratch: the pulls one land hands over
 }
 
 // modelled maps real time to the replica's modelled time, which runs
@@ -517,15 +576,20 @@ func (d *driver) real(dur time.Duration) time.Duration {
 func (d *driver) loop(ctx context.Context) {
 	for ctx.Err() == nil {
 		d.applyOps()
+		d.land()
 		start := d.clock.Now()
 		mStart := d.modelled(start)
 		mEnd, evs, busy := d.rep.Step(mStart, d.evbuf[:0])
+		d.startPulls(evs)
 		if !busy {
+			// Nothing to compute, though Step may have admitted decode
+			// legs that now await their KV (Admitted, KVPull, and the
+			// evictions that made room for them).
+			d.deliver(evs, start)
+			clear(evs)
+			d.evbuf = evs[:0]
 			d.e.publish(d.rep.Stats())
-			select {
-			case <-ctx.Done():
-			case <-d.e.wake:
-			}
+			d.idle(ctx)
 			continue
 		}
 		// Events dated at the start (admissions, preemptions, evictions)
@@ -560,6 +624,59 @@ func (d *driver) loop(ctx context.Context) {
 	}
 }
 
+// idle waits, with nothing to compute, for new work, for the next pull to
+// arrive, or for ctx to end.
+func (d *driver) idle(ctx context.Context) {
+	var arrival <-chan time.Time
+	if d.link != nil {
+		if at, ok := d.link.next(); ok {
+			// Rounded up, and a nanosecond more, so that the modelled
+			// time has reached the arrival when the wait ends.
+			wait := at.Sub(d.modelled(d.clock.Now()))
+			arrival = d.clock.After(max(time.Duration(math.Ceil(float64(wait)/d.scale))+1, 0))
+		}
+	}
+	select {
+	case <-ctx.Done():
+	case <-d.e.wake:
+	case <-arrival:
+	}
+}
+
+// startPulls puts on the link the pulls that Step's KVPull events ask for:
+// N blocks of the block size, at the profile's KV bytes per token, from the
+// event's (modelled) time.
+func (d *driver) startPulls(evs []replica.Event) {
+	for _, ev := range evs {
+		if ev.Kind != replica.KVPull {
+			continue
+		}
+		bytes := float64(ev.N*d.e.cfg.Replica.BlockSize) * d.e.kvBytesPerToken
+		d.link.start(ev.RequestID, ev.N, bytes, ev.At)
+	}
+}
+
+// land hands the replica the pulls that have arrived by now (KVArrived),
+// delivering the BlocksStored events of the blocks they brought.
+func (d *driver) land() {
+	if d.link == nil || d.link.inFlight() == 0 {
+		return
+	}
+	now := d.clock.Now()
+	mNow := d.modelled(now)
+	d.landed = d.link.arrived(mNow, d.landed[:0])
+	for i, p := range d.landed {
+		d.landed[i] = nil
+		evs, err := d.rep.KVArrived(p.id, mNow)
+		if err != nil { // cannot happen: a cancelled request's pull is dropped
+			d.e.cfg.Logger.Error("engine: kv pull arrived", "err", err)
+			continue
+		}
+		d.e.met.pulled(d.real(p.done.Sub(p.start)), p.blocks, p.bytes)
+		d.deliver(evs, now)
+	}
+}
+
 // applyOps runs the work handlers queued since the last iteration.
 func (d *driver) applyOps() {
 	d.e.mu.Lock()
@@ -584,6 +701,9 @@ func (d *driver) applyOps() {
 		case opCancel:
 			if s := d.live[o.id]; s != nil {
 				d.rep.Cancel(o.id, mNow)
+				if s.req.RemoteKV && d.link != nil {
+					d.link.cancel(o.id, mNow)
+				}
 				delete(d.live, o.id)
 				if d.kv != nil {
 					d.kv.release(s)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -187,9 +188,43 @@ func (e *Engine) check(g *genRequest, prompt int) error {
 	return nil
 }
 
+// checkRole applies the engine's P/D role to a request (pd.go): a prefill
+// engine serves only prefill legs, one output token with
+// kv_transfer_params.do_remote_decode, as the replica model's prefill role
+// takes only one-token requests. It reports whether the request is a
+// decode leg whose KV the engine pulls (replica.Request.RemoteKV).
+func (e *Engine) checkRole(g *genRequest) (pull bool, err error) {
+	if e.cfg.Replica.Role == replica.RolePrefill {
+		switch {
+		case g.kv.remotePrefill:
+			return false, badRequest("this engine has role prefill: it does not take decode legs (kv_transfer_params.do_remote_prefill true); send them to a decode engine")
+		case !g.kv.remoteDecode:
+			return false, badRequest("this engine has role prefill: it serves only prefill legs, with kv_transfer_params {\"do_remote_decode\": true} and max_tokens 1")
+		case g.maxTokens != 1:
+			return false, badRequest("this engine has role prefill: a prefill leg has max_tokens 1, got %d", g.maxTokens)
+		}
+	}
+	if !g.kv.remotePrefill {
+		return false, nil
+	}
+	if !g.kv.usablePull() || e.kvBytesPerToken <= 0 {
+		// vLLM computes the prompt itself when the params name no blocks
+		// to pull; an engine whose profile has no KV size cannot price
+		// the pull and does the same.
+		e.met.pullRecomputed()
+		return false, nil
+	}
+	return true, nil
+}
+
 // generate submits a request and answers it, streamed or not.
 func (e *Engine) generate(w http.ResponseWriter, r *http.Request, g *genRequest, tokens []uint32) {
 	if err := e.check(g, len(tokens)); err != nil {
+		writeError(w, statusOf(err), err.Error())
+		return
+	}
+	pull, err := e.checkRole(g)
+	if err != nil {
 		writeError(w, statusOf(err), err.Error())
 		return
 	}
@@ -200,6 +235,7 @@ func (e *Engine) generate(w http.ResponseWriter, r *http.Request, g *genRequest,
 		Keys:         blocks.Keys(nil, tokens, e.cfg.Replica.BlockSize),
 		PromptTokens: len(tokens),
 		OutputTokens: g.maxTokens,
+		RemoteKV:     pull,
 	}, now)
 	s.tokens = tokens
 	if err := e.enqueue(op{kind: opSubmit, st: s}); err != nil {
@@ -225,7 +261,13 @@ func (e *Engine) generate(w http.ResponseWriter, r *http.Request, g *genRequest,
 		prompt:  len(tokens),
 		hash:    promptHash(tokens),
 	}
-	var err error
+	if g.kv.remoteDecode && !g.stream {
+		// NixlConnectorScheduler.request_finished: the params the decode
+		// leg needs. A streamed prefill leg has no place for them, as in
+		// vLLM, whose streamed chunks carry none.
+		local, _ := r.Context().Value(http.LocalAddrContextKey).(net.Addr)
+		rs.kv = e.prefillParams(s.req.Keys, rs.id, local)
+	}
 	if g.stream {
 		err = rs.stream(r.Context(), w, s)
 	} else {
@@ -245,6 +287,7 @@ type response struct {
 	g       *genRequest
 	prompt  int    // prompt tokens
 	hash    uint64 // promptHash of the prompt
+	kv      *kvTransferOut
 }
 
 // usage is the OpenAI usage object with vLLM's cached_tokens.
@@ -277,6 +320,8 @@ type chunk struct {
 	Model   string   `json:"model"`
 	Choices []choice `json:"choices"`
 	Usage   *usage   `json:"usage,omitempty"`
+	// KVTransferParams answers a prefill leg (pd.go); absent otherwise.
+	KVTransferParams *kvTransferOut `json:"kv_transfer_params,omitempty"`
 }
 
 // choice is one choice: Text for completions, Delta (streamed) or Message
@@ -341,7 +386,7 @@ func (rs *response) whole(ctx context.Context, w http.ResponseWriter, s *stream)
 		return err
 	}
 	out := text.String()
-	c := chunk{ID: rs.id, Object: "text_completion", Created: rs.created, Model: rs.model, Usage: rs.usage(p)}
+	c := chunk{ID: rs.id, Object: "text_completion", Created: rs.created, Model: rs.model, Usage: rs.usage(p), KVTransferParams: rs.kv}
 	ch := choice{FinishReason: &finishLength}
 	if rs.g.chat {
 		c.Object = "chat.completion"

@@ -28,6 +28,13 @@ var (
 		0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0}
 	e2eBuckets = []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
 		30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
+	// pullBuckets span a one-block pull over an idle 400 Gb/s link (1 ms
+	// latency, tens of µs of bytes) to a 128k-token prompt of a 70B model
+	// (40 GB, ~1 s) shared with a few others. They are prefixlb's, not
+	// vLLM's (its NixlConnector reports transfer durations in
+	// vllm:nixl_xfer_time_seconds, per NIXL transfer).
+	pullBuckets = []float64{0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
+		0.5, 1.0, 2.0, 5.0, 10.0, 30.0}
 )
 
 // histogram is a Prometheus histogram: counts per bucket (not cumulative).
@@ -63,12 +70,52 @@ type metrics struct {
 	itl          histogram
 	e2e          histogram
 	promptTokens int64
+	// The P/D decode legs' pulls (pd.go).
+	pullSeconds  histogram
+	pulls        int64
+	pulledBlocks int64
+	pulledBytes  float64
+	recomputed   int64 // decode legs whose params allowed no pull
 }
 
 func (m *metrics) init() {
 	m.ttft = newHistogram(ttftBuckets)
 	m.itl = newHistogram(itlBuckets)
 	m.e2e = newHistogram(e2eBuckets)
+	m.pullSeconds = newHistogram(pullBuckets)
+}
+
+// pulled records a pull that has arrived.
+func (m *metrics) pulled(d time.Duration, nBlocks int, bytes float64) {
+	m.mu.Lock()
+	m.pullSeconds.observe(d.Seconds())
+	m.pulls++
+	m.pulledBlocks += int64(nBlocks)
+	m.pulledBytes += bytes
+	m.mu.Unlock()
+}
+
+// pullRecomputed records a decode leg served without a pull.
+func (m *metrics) pullRecomputed() {
+	m.mu.Lock()
+	m.recomputed++
+	m.mu.Unlock()
+}
+
+// pullSnapshot is a copy of the pull metrics.
+type pullSnapshot struct {
+	seconds    histogram
+	n, blocks  int64
+	bytes      float64
+	recomputed int64
+}
+
+func (m *metrics) pullSnapshot() pullSnapshot {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	h := m.pullSeconds
+	h.counts = append([]uint64(nil), h.counts...)
+	return pullSnapshot{seconds: h, n: m.pulls, blocks: m.pulledBlocks, bytes: m.pulledBytes, recomputed: m.recomputed}
 }
 
 func (m *metrics) firstToken(ttft time.Duration, prompt int) {
@@ -149,6 +196,19 @@ func (e *Engine) writeMetrics(w io.Writer) {
 	p.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", model, &ttft)
 	p.histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", model, &itl)
 	p.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", model, &e2e)
+
+	// P/D (pd.go): what this engine pulled as a decode engine, in real
+	// (scaled) time like the latencies above.
+	ps := e.met.pullSnapshot()
+	p.family("prefixlb_engine_kv_pull_total", "counter", "Pulls of a prefill engine's KV completed by decode legs.")
+	p.sample("prefixlb_engine_kv_pull_total", model, float64(ps.n))
+	p.family("prefixlb_engine_kv_pull_blocks_total", "counter", "KV blocks pulled: those of the prompt this engine did not cache.")
+	p.sample("prefixlb_engine_kv_pull_blocks_total", model, float64(ps.blocks))
+	p.family("prefixlb_engine_kv_pull_bytes_total", "counter", "KV bytes pulled: blocks x block size x the profile's KV bytes per token.")
+	p.sample("prefixlb_engine_kv_pull_bytes_total", model, ps.bytes)
+	p.family("prefixlb_engine_kv_pull_recomputed_total", "counter", "Decode legs (do_remote_prefill) served without a pull: no remote_engine_id or remote blocks, or no KV size in the profile.")
+	p.sample("prefixlb_engine_kv_pull_recomputed_total", model, float64(ps.recomputed))
+	p.histogram("prefixlb_engine_kv_pull_seconds", "Histogram of a pull's modelled duration over the engine's link (latency plus bytes at its share of the bandwidth), in seconds.", model, &ps.seconds)
 }
 
 // expo writes the text exposition format.

@@ -152,7 +152,8 @@ func Serve(ctx context.Context, sc ServeConfig, log *slog.Logger) error {
 	c := eng.Config()
 	log.Info("engine serving", "addr", ln.Addr().String(), "model", c.Model, "profile", prof.Name(),
 		"time_scale", c.TimeScale, "kv_blocks", st.TotalBlocks, "block_size", c.Replica.BlockSize,
-		"local", c.Replica.Local, "max_model_len", c.MaxModelLen, "tokenizer", cmp.Or(sc.Tokenizer, "words"))
+		"local", c.Replica.Local, "max_model_len", c.MaxModelLen, "tokenizer", cmp.Or(sc.Tokenizer, "words"),
+		"role", cmp.Or(c.Replica.Role, "both"), "engine_id", c.EngineID)
 	return serve(ctx, eng, ln, sc.ShutdownTimeout, log)
 }
 
