@@ -50,17 +50,27 @@ type clusterOpts struct {
 	// routerFlags are appended to the router's command line (later flags
 	// win over routerFlags' defaults).
 	routerFlags []string
+	// pd makes engine 2 a prefill replica and engines 0 and 1 decode
+	// replicas, under a disaggregating policy (docs/pd.md).
+	pd bool
 }
 
 func newCluster(t *testing.T, o clusterOpts) *cluster {
 	t.Helper()
 	c := &cluster{dir: t.TempDir()}
 	for i := range 3 {
-		c.engines = append(c.engines, newEngine(t, c.dir, fmt.Sprintf("engine%d", i)))
+		role := ""
+		if o.pd {
+			role = "decode"
+			if i == 2 {
+				role = "prefill"
+			}
+		}
+		c.engines = append(c.engines, newEngineRole(t, c.dir, fmt.Sprintf("engine%d", i), role))
 	}
 	var bs []backend
 	for i, e := range c.engines {
-		b := backend{URL: e.url(), KVEvents: e.kvEndpoint(), KVReplay: e.replayEndpoint()}
+		b := backend{URL: e.url(), KVEvents: e.kvEndpoint(), KVReplay: e.replayEndpoint(), Role: e.role}
 		if i == 0 {
 			kvTarget := fmt.Sprintf("127.0.0.1:%d", e.kvPort)
 			if o.kvRelay {
@@ -184,6 +194,15 @@ func scenarios() []scenario {
 			heal:     func(_ *testing.T, c *cluster) { c.kvRelay.setGap(0) },
 			caughtUp: kvGapFilled,
 			check:    checkKVGapped,
+		},
+		{
+			// The prefill replica dies mid-run: every prefill leg fails and
+			// the decode replicas prefill themselves until it is back.
+			name:  "prefill replica kill -9",
+			opts:  clusterOpts{pd: true, routerFlags: []string{"--policy", "round-robin-pd"}},
+			fault: func(t *testing.T, c *cluster) { c.engines[2].kill9(t) },
+			heal:  func(t *testing.T, c *cluster) { c.engines[2].start(t) },
+			check: checkPrefillKilled,
 		},
 		{
 			name:        "router restart",
@@ -387,6 +406,21 @@ func kvGapFilled(c *cluster) (bool, error) {
 
 // checkKVGapped: the relay made gaps on the live stream, the router saw
 // them, and replay filled every one (no batch lost).
+// checkPrefillKilled: requests were disaggregated before the fault and
+// after the heal, and the prefill legs that failed meanwhile left the
+// decode replicas to prefill (counted, none lost: runScenario checks that).
+func checkPrefillKilled(t *testing.T, c *cluster, _ row, _ map[string]float64) {
+	for outcome, want := range map[string]string{"disaggregated": "requests prefilled on the prefill replica", "prefill_failed": "prefill legs failed while it was down"} {
+		m, err := scrapeWhere(c.router.url()+"/metrics", "outcome", outcome)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v := m["prefixlb_pd_requests_total"]; v == 0 {
+			t.Errorf("prefill replica kill -9: prefixlb_pd_requests_total{outcome=%q} = 0, want > 0 (%s)", outcome, want)
+		}
+	}
+}
+
 func checkKVGapped(t *testing.T, c *cluster, _ row, m map[string]float64) {
 	st := c.kvRelay.stats()
 	c.note("relay dropped %d of %d msgs in %d gaps", st.Dropped, st.Dropped+st.Sent, st.Gaps)

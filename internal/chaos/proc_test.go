@@ -136,6 +136,7 @@ type engine struct {
 	dir                  string
 	http, kvPort, replay int
 	timeScale            float64
+	role                 string // --role ("": both)
 	p                    *proc
 }
 
@@ -143,8 +144,12 @@ type engine struct {
 const engineTimeScale = 4
 
 // newEngine starts an engine on fresh ports and waits until it is healthy.
-func newEngine(t testing.TB, dir, name string) *engine {
-	e := &engine{name: name, dir: dir, http: freePort(t), kvPort: freePort(t), replay: freePort(t), timeScale: engineTimeScale}
+func newEngine(t testing.TB, dir, name string) *engine { return newEngineRole(t, dir, name, "") }
+
+// newEngineRole is newEngine with a role in a disaggregated cluster ("":
+// both).
+func newEngineRole(t testing.TB, dir, name, role string) *engine {
+	e := &engine{name: name, dir: dir, http: freePort(t), kvPort: freePort(t), replay: freePort(t), timeScale: engineTimeScale, role: role}
 	e.start(t)
 	return e
 }
@@ -162,14 +167,17 @@ func (e *engine) replayEndpoint() string { return "tcp://127.0.0.1:" + strconv.I
 func (e *engine) start(t testing.TB) {
 	t.Helper()
 	// Every socket binds loopback only (--kv-bind: bind without '*').
-	e.p = startProc(t, e.dir, e.name, "engine",
-		"--listen", "127.0.0.1:"+strconv.Itoa(e.http),
+	args := []string{"--listen", "127.0.0.1:" + strconv.Itoa(e.http),
 		"--profile", "llama3.1-8b-h100",
 		"--time-scale", strconv.FormatFloat(e.timeScale, 'f', -1, 64),
 		"--kv-events", e.kvEndpoint(), "--kv-bind",
 		"--kv-replay", e.replayEndpoint(),
 		"--model", modelName,
-		"--shutdown-timeout", "1s")
+		"--shutdown-timeout", "1s"}
+	if e.role != "" {
+		args = append(args, "--role", e.role)
+	}
+	e.p = startProc(t, e.dir, e.name, append([]string{"engine"}, args...)...)
 	waitHealthy(t, e.p, e.url()+"/health", 15*time.Second)
 }
 

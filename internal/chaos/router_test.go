@@ -19,6 +19,8 @@ import (
 // sockets (possibly a fault proxy's in front of the engine's).
 type backend struct {
 	URL, KVEvents, KVReplay string
+	// Role is the replica's role in a disaggregated cluster ("": both).
+	Role string
 }
 
 // router is one `prefixlb serve` process on a fixed loopback port, so that
@@ -58,6 +60,9 @@ func newRouter(t testing.TB, dir string, backends []backend, extra ...string) *r
 		fmt.Fprintf(&cfg, "- url: %q\n", b.URL)
 		if b.KVEvents != "" {
 			fmt.Fprintf(&cfg, "  kv_events: %q\n  kv_replay: %q\n", b.KVEvents, b.KVReplay)
+		}
+		if b.Role != "" {
+			fmt.Fprintf(&cfg, "  role: %q\n", b.Role)
 		}
 	}
 	path := filepath.Join(dir, "router.yaml")
