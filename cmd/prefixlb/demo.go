@@ -45,6 +45,14 @@ the default sends token ids.`,
 				c.Workload.Spec.Replicas = c.Replicas
 			}
 			c.Changed = cmd.Flags().Changed
+			if c.PrefillReplicas > 0 && !cmd.Flags().Changed("policies") {
+				c.Policies = "e2-pd,round-robin-pd,llmd-pd,dynamo-pd"
+			}
+			if c.PrefillReplicas > 0 && !cmd.Flags().Changed("profile") {
+				// A pull is priced by the KV bytes a token takes, which a
+				// roofline profile knows and the default fitted one does not.
+				c.Profile = "llama3.1-8b-h100"
+			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt)
 			defer stop()
 			return demo.Run(ctx, *c, cmd.OutOrStdout(), cmd.ErrOrStderr())
@@ -53,6 +61,7 @@ the default sends token ids.`,
 	fs := cmd.Flags()
 	c.Workload.AddFlags(fs)
 	fs.IntVar(&c.Replicas, "replicas", 4, "number of replicas")
+	fs.IntVar(&c.PrefillReplicas, "prefill-replicas", 0, "make the first K replicas prefill replicas and the rest decode replicas (P/D disaggregation; --policies default to e2-pd,round-robin-pd,llmd-pd,dynamo-pd and --profile to llama3.1-8b-h100, whose KV size prices the pulls)")
 	fs.StringVar(&c.Profile, "profile", "mistral-7b-a6000", "replicas' cost profile (name or YAML file)")
 	fs.StringVar(&c.Policies, "policies", "round-robin,e2", "comma-separated policies to compare")
 	fs.Float64Var(&c.Speedup, "speedup", 1, "run the modelled GPUs this many times faster (the arrival rate is scaled to match)")

@@ -33,6 +33,12 @@ type Config struct {
 	Workload workload.Flags
 	// Replicas is the number of replicas.
 	Replicas int
+	// PrefillReplicas makes the first PrefillReplicas of them prefill
+	// replicas and the rest decode replicas (prefill/decode
+	// disaggregation over vLLM's protocol, docs/pd.md); Policies must then
+	// disaggregate (e2-pd, llmd-pd, dynamo-pd, round-robin-pd). 0: all
+	// aggregated. The modelled engines only.
+	PrefillReplicas int
 	// Profile is the replicas' cost profile (name or YAML file); with
 	// EngineLlamaCpp, the profile the router is told.
 	Profile string

@@ -75,6 +75,7 @@ func TestRunErrors(t *testing.T) {
 		{func(c *Config) { c.Speedup = 0 }, "--speedup must be > 0, got 0"},
 		{func(c *Config) { c.Mode = "grpc" }, `--mode must be completions, text or chat, got "grpc"`},
 		{func(c *Config) { c.Profile = "nope" }, "costmodel: unknown profile"},
+		{func(c *Config) { c.PrefillReplicas = 1 }, "--prefill-replicas must be in [0, --replicas), got 1 of 1"},
 		{func(c *Config) { c.Engine = EngineLlamaCpp }, "--engine llamacpp needs llama.cpp's llama-server"},
 		{func(c *Config) { c.Engine, c.LlamaCpp.Server, c.LlamaCpp.Rounds = EngineLlamaCpp, "/x/llama-server", 0 }, "--rounds must be ≥ 1, got 0"},
 		{func(c *Config) { c.Engine, c.LlamaCpp.Server = EngineLlamaCpp, "/nonexistent/llama-server" }, "--engine llamacpp needs a model"},
@@ -129,5 +130,37 @@ func TestRunModel(t *testing.T) {
 	}
 	if _, err := os.Stat("-"); err == nil {
 		t.Error(`--json - wrote a file named "-"`)
+	}
+}
+
+// TestRunModelPD runs the demo on a disaggregated cluster: one prefill and
+// two decode replicas under round-robin-pd, every request answered.
+func TestRunModelPD(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts engines and routers on loopback")
+	}
+	c := Config{Workload: workload.DefaultFlags(), Replicas: 3, PrefillReplicas: 1, Profile: "llama3.1-8b-h100",
+		Policies: "round-robin-pd", Speedup: 20, JSONPath: "-", Tokenizer: "none", Mode: "completions", Engine: EngineModel}
+	c.Workload.Spec = workload.DefaultSpec("toolbench")
+	c.Workload.Spec.Requests = 12
+	c.Workload.Spec.OutputTokens = 4
+	c.Workload.Arrival.Rate = 10
+	var stdout, stderr bytes.Buffer
+	if err := Run(context.Background(), c, &stdout, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	if !strings.Contains(stderr.String(), "1 prefill + 2 decode replicas") {
+		t.Errorf("stderr does not say the split:\n%s", stderr.String())
+	}
+	i := strings.Index(stdout.String(), "{\n")
+	if i < 0 {
+		t.Fatalf("no JSON in stdout:\n%s", stdout.String())
+	}
+	var f report.File
+	if err := json.Unmarshal([]byte(stdout.String()[i:]), &f); err != nil {
+		t.Fatal(err)
+	}
+	if len(f.Results) != 1 || f.Results[0].Errors != 0 || f.Results[0].Requests != 12 {
+		t.Errorf("results %+v", f.Results)
 	}
 }

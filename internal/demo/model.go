@@ -32,6 +32,9 @@ func runModel(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	if c.Speedup <= 0 {
 		return fmt.Errorf("--speedup must be > 0, got %v", c.Speedup)
 	}
+	if c.PrefillReplicas < 0 || c.PrefillReplicas >= c.Replicas {
+		return fmt.Errorf("--prefill-replicas must be in [0, --replicas), got %d of %d", c.PrefillReplicas, c.Replicas)
+	}
 	prof, err := costmodel.Resolve(c.Profile)
 	if err != nil {
 		return err
@@ -58,6 +61,10 @@ func runModel(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	logger := newLogger(c.Verbose, stderr)
 	fmt.Fprintf(stderr, "prefixlb demo: %d replicas of %s on loopback, %s, %d requests at %g req/s; %s\n",
 		c.Replicas, prof.Name(), c.Workload.Describe(), len(reqs), c.Workload.Arrival.Rate, speedNote(c.Speedup))
+	if c.PrefillReplicas > 0 {
+		fmt.Fprintf(stderr, "prefixlb demo: %d prefill + %d decode replicas: disaggregated requests prefill on one and pull their KV to the other (vLLM's P/D protocol)\n",
+			c.PrefillReplicas, c.Replicas-c.PrefillReplicas)
+	}
 	if c.NoKVEvents {
 		fmt.Fprintln(stderr, "prefixlb demo: KV events off: the router mirrors the replicas' caches from its own decisions")
 	} else {
@@ -119,6 +126,14 @@ func modelRun(ctx context.Context, c Config, profile, pol string, reqs []workloa
 		ec.Replica.Profile = prof
 		ec.TimeScale = c.Speedup
 		ec.Logger = logger
+		role := ""
+		if c.PrefillReplicas > 0 {
+			role = "decode"
+			if i < c.PrefillReplicas {
+				role = "prefill"
+			}
+		}
+		ec.Replica.Role = role
 		if tok != nil {
 			ec.SetTokenizer(tok)
 		}
@@ -146,7 +161,7 @@ func modelRun(ctx context.Context, c Config, profile, pol string, reqs []workloa
 			runErr <- err
 			return nil
 		})
-		b := proxy.Backend{Name: fmt.Sprintf("replica-%d", i)}
+		b := proxy.Backend{Name: fmt.Sprintf("replica-%d", i), Role: role}
 		if pub != nil {
 			select {
 			case <-pub.Ready():
