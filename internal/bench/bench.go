@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -169,6 +170,9 @@ func ParseHeaders(hs []string) (http.Header, error) {
 // Write prints the results table to stdout (or the JSON, for jsonPath "-")
 // and writes the files asked for: jsonPath, and outDir's results.json,
 // requests.csv, chart.svg and report.html.
+// fmtMs formats milliseconds for the P/D line.
+func fmtMs(v float64) string { return strconv.FormatFloat(v, 'f', 1, 64) }
+
 func Write(stdout io.Writer, out loadgen.Output, jsonPath, outDir string) error {
 	results := []report.Result{out.Result}
 	if jsonPath == "-" {
@@ -180,6 +184,11 @@ func Write(stdout io.Writer, out loadgen.Output, jsonPath, outDir string) error 
 			out.Model, out.Elapsed.Round(time.Millisecond), out.Result.Delayed)
 		if err := report.WriteTable(stdout, results); err != nil {
 			return fmt.Errorf("bench: %w", err)
+		}
+		if pd := out.Result.PD; pd != nil {
+			fmt.Fprintf(stdout, "P/D: %d disaggregated (prefill replicas %v), %d local; TTFT p50/p99 ms %s/%s disaggregated, %s/%s local\n",
+				pd.Disaggregated, pd.ByPrefill, pd.Local, fmtMs(pd.TTFTDisaggregated.P50), fmtMs(pd.TTFTDisaggregated.P99),
+				fmtMs(pd.TTFTLocal.P50), fmtMs(pd.TTFTLocal.P99))
 		}
 		if jsonPath != "" {
 			if err := report.WriteJSONFile(jsonPath, results); err != nil {

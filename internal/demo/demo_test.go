@@ -161,6 +161,10 @@ func TestRunModelPD(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(f.Results) != 1 || f.Results[0].Errors != 0 || f.Results[0].Requests != 12 {
-		t.Errorf("results %+v", f.Results)
+		t.Fatalf("results %+v", f.Results)
+	}
+	// The load generator read x-prefixlb-prefill-replica on every answer.
+	if pd := f.Results[0].PD; pd == nil || pd.Disaggregated != 12 || pd.ByPrefill["replica-0"] != 12 {
+		t.Errorf("P/D split %+v: want all 12 prefilled on replica-0", pd)
 	}
 }

@@ -60,7 +60,11 @@ func scaleResult(r *report.Result, x float64) {
 	if x == 1 {
 		return
 	}
-	for _, s := range []*report.Summary{&r.TTFT, &r.Latency, &r.TPOT} {
+	sums := []*report.Summary{&r.TTFT, &r.Latency, &r.TPOT}
+	if r.PD != nil {
+		sums = append(sums, &r.PD.TTFTDisaggregated, &r.PD.TTFTLocal)
+	}
+	for _, s := range sums {
 		s.Mean, s.P50, s.P90, s.P99 = s.Mean*x, s.P50*x, s.P90*x, s.P99*x
 	}
 	if r.ITL != nil {

@@ -287,17 +287,18 @@ send:
 func record(cfg Config, r workload.Request, start time.Time, sentAt time.Duration, o outcome) report.RequestRecord {
 	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 	rec := report.RequestRecord{
-		ID:           r.ID,
-		Policy:       cfg.Policy,
-		Rate:         cfg.Rate,
-		Replica:      o.replica,
-		Session:      r.Session,
-		Group:        r.Group,
-		ArrivalS:     r.Arrival.Seconds(),
-		SentS:        sentAt.Seconds(),
-		PromptTokens: o.promptTokens,
-		CachedTokens: o.cachedTokens,
-		OutputTokens: o.outputTokens,
+		ID:             r.ID,
+		Policy:         cfg.Policy,
+		Rate:           cfg.Rate,
+		Replica:        o.replica,
+		PrefillReplica: o.prefill,
+		Session:        r.Session,
+		Group:          r.Group,
+		ArrivalS:       r.Arrival.Seconds(),
+		SentS:          sentAt.Seconds(),
+		PromptTokens:   o.promptTokens,
+		CachedTokens:   o.cachedTokens,
+		OutputTokens:   o.outputTokens,
 	}
 	if rec.PromptTokens == 0 {
 		// No usage from the server: the workload's length (exact in

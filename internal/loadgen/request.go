@@ -21,6 +21,10 @@ import (
 // replica that served a request.
 const ReplicaHeader = "x-prefixlb-replica"
 
+// PrefillReplicaHeader is the response header in which `prefixlb serve`
+// names the replica that ran a disaggregated request's prefill leg.
+const PrefillReplicaHeader = "x-prefixlb-prefill-replica"
+
 // maxErrorBody bounds how much of an error response is read.
 const maxErrorBody = 64 << 10
 
@@ -204,6 +208,7 @@ func (m Mode) path() string {
 // outcome is what one request measured, before it becomes a record.
 type outcome struct {
 	replica      string
+	prefill      string // PrefillReplicaHeader
 	ttft         time.Duration // 0 if no content arrived
 	latency      time.Duration
 	itl          []float64 // ms between successive content chunks
@@ -240,6 +245,7 @@ func do(ctx context.Context, client *http.Client, url string, header http.Header
 	}
 	defer resp.Body.Close()
 	o.replica = resp.Header.Get(ReplicaHeader)
+	o.prefill = resp.Header.Get(PrefillReplicaHeader)
 	if resp.StatusCode != http.StatusOK {
 		o.err = statusError(resp)
 		return o

@@ -506,3 +506,25 @@ func TestWriteFiles(t *testing.T) {
 		t.Error("WriteJSONFile into a missing directory: want an error")
 	}
 }
+
+// TestBuildPD: a run whose responses named prefill replicas is split into
+// disaggregated and local requests; one that named none has no PD.
+func TestBuildPD(t *testing.T) {
+	recs := []RequestRecord{
+		{ID: 0, Replica: "d0", PrefillReplica: "p0", TTFTMs: 30, LatencyMs: 40, OutputTokens: 2},
+		{ID: 1, Replica: "d1", PrefillReplica: "p0", TTFTMs: 50, LatencyMs: 60, OutputTokens: 2},
+		{ID: 2, Replica: "d0", TTFTMs: 10, LatencyMs: 20, OutputTokens: 2},
+		{ID: 3, Replica: "d1", PrefillReplica: "p1", Error: "boom"},
+	}
+	pd := Build("e2-pd", 1, recs, time.Second).PD
+	if pd == nil || pd.Disaggregated != 2 || pd.Local != 1 || pd.ByPrefill["p0"] != 2 || pd.ByPrefill["p1"] != 0 ||
+		pd.TTFTLocal.P50 != 10 || pd.TTFTDisaggregated.P50 < 30 || pd.TTFTDisaggregated.P50 > 50 {
+		t.Errorf("PD %+v", pd)
+	}
+	for i := range recs {
+		recs[i].PrefillReplica = ""
+	}
+	if pd := Build("e2", 1, recs, time.Second).PD; pd != nil {
+		t.Errorf("no prefill replica named, PD %+v", pd)
+	}
+}

@@ -81,6 +81,10 @@ type Result struct {
 	// PerReplica breaks the successful requests down by the replica that
 	// served them, sorted by replica name, when replicas are known.
 	PerReplica []ReplicaResult `json:"per_replica,omitempty"`
+	// PD splits a run through prefill/decode disaggregation (bench
+	// against serve with prefill replicas): nil when no request named a
+	// prefill replica.
+	PD *PDResult `json:"pd,omitempty"`
 	// Utilization is the share of the run the replicas spent computing,
 	// Σ busy / (replicas · span), when known (sim).
 	Utilization float64 `json:"utilization,omitempty"`
@@ -128,6 +132,44 @@ type CalibrationFit struct {
 	// the fitted profile.
 	PrefillCoefficients [4]float64 `json:"prefill_coefficients"`
 	DecodeCoefficients  [4]float64 `json:"decode_coefficients"`
+}
+
+// PDResult is a run's prefill/decode disaggregation as the client saw it.
+type PDResult struct {
+	// Disaggregated counts the successful requests prefilled on a prefill
+	// replica; Local the others (kept on one replica, or whose prefill leg
+	// failed).
+	Disaggregated int `json:"disaggregated"`
+	Local         int `json:"local"`
+	// ByPrefill counts the disaggregated requests by prefill replica.
+	ByPrefill map[string]int `json:"by_prefill_replica"`
+	// TTFTDisaggregated and TTFTLocal are the TTFTs of each, in ms.
+	TTFTDisaggregated Summary `json:"ttft_disaggregated_ms"`
+	TTFTLocal         Summary `json:"ttft_local_ms"`
+}
+
+// pdResult splits recs by their prefill replica; nil when none names one.
+func pdResult(recs []RequestRecord) *PDResult {
+	if !slices.ContainsFunc(recs, func(r RequestRecord) bool { return r.PrefillReplica != "" }) {
+		return nil
+	}
+	pd := &PDResult{ByPrefill: map[string]int{}}
+	var dis, loc Samples
+	for _, r := range recs {
+		if r.Failed() {
+			continue
+		}
+		if r.PrefillReplica != "" {
+			pd.Disaggregated++
+			pd.ByPrefill[r.PrefillReplica]++
+			dis.Add(r.TTFTMs)
+		} else {
+			pd.Local++
+			loc.Add(r.TTFTMs)
+		}
+	}
+	pd.TTFTDisaggregated, pd.TTFTLocal = dis.Summary(), loc.Summary()
+	return pd
 }
 
 // ReplicaResult is the share of a run served by one replica.
@@ -214,6 +256,9 @@ type RequestRecord struct {
 	Rate float64 `json:"rate"`
 	// Replica names the replica that served it ("" if unknown).
 	Replica string `json:"replica"`
+	// PrefillReplica names the replica that ran its prefill leg when it
+	// was disaggregated (serve's x-prefixlb-prefill-replica; "" when not).
+	PrefillReplica string `json:"prefill_replica,omitempty"`
 	// Session is the conversation or agent run the request belongs to.
 	Session string `json:"session"`
 	// Group names the shared prefix the request was built on.
@@ -315,6 +360,7 @@ func Build(policy string, rate float64, recs []RequestRecord, duration time.Dura
 		res.OutputTokensPerS = float64(output) / span
 	}
 	res.PerReplica = perReplica(recs)
+	res.PD = pdResult(recs)
 	return res
 }
 
