@@ -101,6 +101,7 @@ a decode engine needs a profile with a KV size (the roofline ones).`,
 	fs.StringVar(&cfg.EngineID, "engine-id", "", "engine id named in prefill legs' kv_transfer_params, vLLM's remote_engine_id (default: a random UUID)")
 	fs.Float64Var(&cfg.KVLinkGbps, "kv-link-gbps", engine.DefaultKVLinkGbps, "bandwidth of the modelled link decode legs pull KV over, Gb/s, shared by the pulls in flight")
 	fs.DurationVar(&cfg.KVLinkLatency, "kv-link-latency", engine.DefaultKVLinkLatency, "latency each pull pays once on the modelled link")
+	fs.StringVar(&cfg.KVAdvertise, "kv-advertise", "", "host:port a prefill leg's kv_transfer_params name as remote_host and remote_port (default: the address the request came in on)")
 	fs.BoolVarP(&verbose, "verbose", "v", false, "debug logging")
 	return cmd
 }
