@@ -105,7 +105,7 @@ func TestStateJSONSchema(t *testing.T) {
 	check("replicas[0]", doc["replicas"].([]any)[0], want{"name": "string", "up": "bool", "in_flight": "number",
 		"waiting": "number", "running": "number", "kv_usage": "number", "hit_ratio": "number", "load_seconds": "number",
 		"pending_prefill_s": "number", "cached_blocks": "number", "kind": "string", "slots": "number",
-		"prediction_error_tokens": "number", "capacity_tokens": "number", "corrections": "number",
+		"role": "string", "transfers": "number", "prediction_error_tokens": "number", "capacity_tokens": "number", "corrections": "number",
 		"profile": "string", "calibrated": "bool", "prefill_s_per_1k": "number", "profile_prefill_s_per_1k": "number",
 		"decode_step_s": "number", "profile_decode_step_s": "number", "prefill_error": "number", "decode_error": "number",
 		"calibration_samples": "number"})
