@@ -239,6 +239,9 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		cfg.AdminToken = os.Getenv("PREFIXLB_ADMIN_TOKEN")
 	}
 	cfg.Logger = log
+	if len(cfg.Pools) > 0 {
+		return servePools(ctx, cmd, f, cfg, log)
+	}
 	if len(cfg.Backends) == 0 && cfg.Discovery == "" {
 		return errors.New("serve: no replicas: give --backend URL[,URL..], --discovery TARGET, or backends in --config")
 	}
@@ -268,6 +271,41 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		"backends", strings.Join(names, ","), "discovery", cfg.Discovery, "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
 
 	if err := p.RunAndServe(ctx, ln); err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	log.Info("drained")
+	return nil
+}
+
+// servePools serves the config file's model pools; flags given apply to
+// every pool, as they apply to the file's top level.
+func servePools(ctx context.Context, cmd *cobra.Command, f *serveFlags, cfg proxy.Config, log *slog.Logger) error {
+	for _, name := range []string{"backend", "prefill-backend", "kv-events", "discovery"} {
+		if cmd.Flags().Changed(name) {
+			return fmt.Errorf("serve: --%s: with pools in --config, each pool names its own replicas", name)
+		}
+	}
+	var names []string
+	for i := range cfg.Pools {
+		pc := &cfg.Pools[i].Config
+		f.overrides(cmd.Flags(), pc)
+		if pc.AdminToken == "" {
+			pc.AdminToken = cfg.AdminToken
+		}
+		names = append(names, fmt.Sprintf("%s (%d backends, models %s, policy %s)", cfg.Pools[i].Name, len(pc.Backends),
+			strings.Join(cfg.Pools[i].Models, "|"), pc.Policy))
+	}
+	ps, err := proxy.NewPools(cfg.Pools, log)
+	if err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	defer ps.Close()
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("serve: listen: %w", err)
+	}
+	log.Info("prefixlb serve", "listen", ln.Addr().String(), "pools", strings.Join(names, "; "))
+	if err := ps.RunAndServe(ctx, ln); err != nil {
 		return fmt.Errorf("serve: %w", err)
 	}
 	log.Info("drained")

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -121,6 +122,17 @@ func (p *Proxy) serveHealth(w http.ResponseWriter, r *http.Request) {
 // serveModels answers the union of the up replicas' /v1/models lists (each
 // model once, by id, in replica order).
 func (p *Proxy) serveModels(w http.ResponseWriter, r *http.Request) {
+	data, err := p.models(r.Context())
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+}
+
+// models is the union of the up replicas' /v1/models lists, each model
+// once by id, in replica order; an error when no replica answered.
+func (p *Proxy) models(ctx context.Context) ([]json.RawMessage, error) {
 	type answer struct {
 		models []json.RawMessage
 		err    error
@@ -139,7 +151,7 @@ func (p *Proxy) serveModels(w http.ResponseWriter, r *http.Request) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			answers[i].err = p.get(r.Context(), b, "/v1/models", func(body io.Reader) error {
+			answers[i].err = p.get(ctx, b, "/v1/models", func(body io.Reader) error {
 				var list struct {
 					Data []json.RawMessage `json:"data"`
 				}
@@ -178,10 +190,9 @@ func (p *Proxy) serveModels(w http.ResponseWriter, r *http.Request) {
 		if len(errs) > 0 {
 			err = fmt.Errorf("proxy: list models: %w: %w", ErrUpstream, errors.Join(errs...))
 		}
-		writeError(w, err)
-		return
+		return nil, err
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+	return data, nil
 }
 
 // RouteExplanation is POST /debug/route's answer: the decision the policy

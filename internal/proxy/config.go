@@ -66,6 +66,10 @@ type Config struct {
 	Listen string
 	// Backends are the static replicas, in ID order.
 	Backends []Backend
+	// Pools, when set, are model pools behind one serve (NewPools): each
+	// its own Config, from this one's settings with its own overrides;
+	// Backends and Discovery are then each pool's, not this one's.
+	Pools []PoolConfig
 	// Discovery, when set, is a Kubernetes target, "service:NS/NAME" or
 	// "inferencepool:NS/NAME", whose ready endpoints join the replicas as
 	// they come, leave as they go and follow their readiness
@@ -490,43 +494,44 @@ func (d *duration) UnmarshalJSON(b []byte) error {
 // fileConfig is the YAML form of Config: snake_case names, durations as
 // strings, every field optional (absent fields keep their base value).
 type fileConfig struct {
-	Listen                *string          `json:"listen"`
-	Backends              *[]Backend       `json:"backends"`
-	Policy                *string          `json:"policy"`
-	Profile               *string          `json:"profile"`
-	Calibrate             *bool            `json:"calibrate"`
-	Calibration           *json.RawMessage `json:"calibration"`
-	BlockTokens           *int             `json:"block_tokens"`
-	Seed                  *uint64          `json:"seed"`
-	BackendKind           *string          `json:"backend_kind"`
-	ConnectTimeout        *duration        `json:"connect_timeout"`
-	ResponseHeaderTimeout *duration        `json:"response_header_timeout"`
-	IdleTimeout           *duration        `json:"idle_timeout"`
-	RequestTimeout        *duration        `json:"request_timeout"`
-	ReadHeaderTimeout     *duration        `json:"read_header_timeout"`
-	BodyReadTimeout       *duration        `json:"body_read_timeout"`
-	ClientIdleTimeout     *duration        `json:"client_idle_timeout"`
-	MaxHeaderBytes        *int             `json:"max_header_bytes"`
-	MaxConcurrent         *int             `json:"max_concurrent"`
-	MaxPromptTokens       *int             `json:"max_prompt_tokens"`
-	HealthPath            *string          `json:"health_path"`
-	HealthInterval        *duration        `json:"health_interval"`
-	HealthTimeout         *duration        `json:"health_timeout"`
-	EjectAfter            *int             `json:"eject_after"`
-	ReadmitAfter          *int             `json:"readmit_after"`
-	MetricsPath           *string          `json:"metrics_path"`
-	ScrapeInterval        *duration        `json:"scrape_interval"`
-	MaxBodyBytes          *int64           `json:"max_body_bytes"`
-	MaxResponseBytes      *int64           `json:"max_response_bytes"`
-	MaxRetries            *int             `json:"max_retries"`
-	AdminToken            *string          `json:"admin_token"`
-	DrainTimeout          *duration        `json:"drain_timeout"`
-	SpeculativeTTL        *duration        `json:"speculative_ttl"`
-	TreeMaxBlocks         *int             `json:"tree_max_blocks"`
-	Tokenizer             *string          `json:"tokenizer"`
-	Discovery             *fileDiscovery   `json:"discovery"`
-	KVLinkGbps            *float64         `json:"kv_link_gbps"`
-	KVLinkLatency         *duration        `json:"kv_link_latency"`
+	Listen                *string           `json:"listen"`
+	Backends              *[]Backend        `json:"backends"`
+	Policy                *string           `json:"policy"`
+	Profile               *string           `json:"profile"`
+	Calibrate             *bool             `json:"calibrate"`
+	Calibration           *json.RawMessage  `json:"calibration"`
+	BlockTokens           *int              `json:"block_tokens"`
+	Seed                  *uint64           `json:"seed"`
+	BackendKind           *string           `json:"backend_kind"`
+	ConnectTimeout        *duration         `json:"connect_timeout"`
+	ResponseHeaderTimeout *duration         `json:"response_header_timeout"`
+	IdleTimeout           *duration         `json:"idle_timeout"`
+	RequestTimeout        *duration         `json:"request_timeout"`
+	ReadHeaderTimeout     *duration         `json:"read_header_timeout"`
+	BodyReadTimeout       *duration         `json:"body_read_timeout"`
+	ClientIdleTimeout     *duration         `json:"client_idle_timeout"`
+	MaxHeaderBytes        *int              `json:"max_header_bytes"`
+	MaxConcurrent         *int              `json:"max_concurrent"`
+	MaxPromptTokens       *int              `json:"max_prompt_tokens"`
+	HealthPath            *string           `json:"health_path"`
+	HealthInterval        *duration         `json:"health_interval"`
+	HealthTimeout         *duration         `json:"health_timeout"`
+	EjectAfter            *int              `json:"eject_after"`
+	ReadmitAfter          *int              `json:"readmit_after"`
+	MetricsPath           *string           `json:"metrics_path"`
+	ScrapeInterval        *duration         `json:"scrape_interval"`
+	MaxBodyBytes          *int64            `json:"max_body_bytes"`
+	MaxResponseBytes      *int64            `json:"max_response_bytes"`
+	MaxRetries            *int              `json:"max_retries"`
+	AdminToken            *string           `json:"admin_token"`
+	DrainTimeout          *duration         `json:"drain_timeout"`
+	SpeculativeTTL        *duration         `json:"speculative_ttl"`
+	TreeMaxBlocks         *int              `json:"tree_max_blocks"`
+	Tokenizer             *string           `json:"tokenizer"`
+	Discovery             *fileDiscovery    `json:"discovery"`
+	KVLinkGbps            *float64          `json:"kv_link_gbps"`
+	Pools                 []json.RawMessage `json:"pools"`
+	KVLinkLatency         *duration         `json:"kv_link_latency"`
 }
 
 // fileDiscovery is the YAML form of Config's discovery fields.
@@ -629,12 +634,54 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 		c.KVLinkGbps = *f.KVLinkGbps
 	}
 	setD(&c.KVLinkLatency, f.KVLinkLatency)
+	if f.Pools != nil {
+		if f.Backends != nil || f.Discovery != nil {
+			return base, errors.New("proxy: parse config: pools: backends and discovery belong to each pool, not beside pools")
+		}
+		c.Pools = nil
+		for i, raw := range f.Pools {
+			pc, err := parsePool(raw, c)
+			if err != nil {
+				return base, fmt.Errorf("proxy: parse config: pools[%d]: %w", i, err)
+			}
+			c.Pools = append(c.Pools, pc)
+		}
+	}
 	if d := f.Discovery; d != nil {
 		c.Discovery, c.Kubeconfig = d.Target, d.Kubeconfig
 		c.DiscoveryPorts = discovery.Ports{HTTP: d.HTTPPort, HTTPName: d.HTTPPortName, Metrics: d.MetricsPort,
 			KVEvents: d.KVEventsPort, KVReplay: d.KVReplayPort, KVTopic: d.KVTopic}
 	}
 	return c, nil
+}
+
+// parsePool reads one item of pools: name, models and default, and every
+// other key a Config takes, over the top level's settings base.
+func parsePool(raw json.RawMessage, base Config) (PoolConfig, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &m); err != nil || m == nil {
+		return PoolConfig{}, fmt.Errorf("want a mapping: %v", err)
+	}
+	var pc PoolConfig
+	for key, dst := range map[string]any{"name": &pc.Name, "models": &pc.Models, "default": &pc.Default} {
+		if v, ok := m[key]; ok {
+			if err := json.Unmarshal(v, dst); err != nil {
+				return pc, fmt.Errorf("%s: %w", key, err)
+			}
+			delete(m, key)
+		}
+	}
+	if _, ok := m["pools"]; ok {
+		return pc, errors.New("pools inside a pool")
+	}
+	rest, _ := json.Marshal(m)
+	base.Pools = nil
+	cfg, err := ParseConfig(rest, base)
+	if err != nil {
+		return pc, err
+	}
+	pc.Config = cfg
+	return pc, nil
 }
 
 // LoadConfig reads the YAML file at path over base (ParseConfig).

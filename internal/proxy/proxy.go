@@ -302,10 +302,16 @@ func (p *Proxy) Run(ctx context.Context) error {
 // before closing what is left. It returns nil after a complete drain.
 // Serve does not run the health loops: call Run too.
 func (p *Proxy) Serve(ctx context.Context, ln net.Listener) error {
+	return p.serveHandler(ctx, ln, p.Handler())
+}
+
+// serveHandler is Serve with handler h (Pools serves its own with the
+// first pool's server settings).
+func (p *Proxy) serveHandler(ctx context.Context, ln net.Listener, h http.Handler) error {
 	// No ReadTimeout or WriteTimeout: they would bound streams too. Bodies
 	// are bounded per request (BodyReadTimeout, in limited).
 	srv := &http.Server{
-		Handler:           p.Handler(),
+		Handler:           h,
 		ReadHeaderTimeout: p.cfg.ReadHeaderTimeout,
 		IdleTimeout:       p.cfg.ClientIdleTimeout,
 		MaxHeaderBytes:    p.cfg.MaxHeaderBytes,
