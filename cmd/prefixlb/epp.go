@@ -34,6 +34,7 @@ type eppFlags struct {
 	fallbacks, maxQueue      int
 	maxPromptTokens          int
 	kvLinkGbps               float64
+	loraAdapters             []string
 	kvLinkLatency            time.Duration
 	state, routerID, pool    string
 	stateTTL                 time.Duration
@@ -95,6 +96,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.Uint64Var(&f.seed, "seed", 0, "random seed of the router")
 	fs.IntVar(&f.fallbacks, "fallbacks", 2, "fallback endpoints after the primary (-1: none)")
 	fs.IntVar(&f.maxQueue, "max-queue", 0, "answer 429 when every replica's queue is at least this (0: never)")
+	fs.StringSliceVar(&f.loraAdapters, "lora-adapters", nil, "model names that are LoRA adapters (vLLM's --lora-modules), comma-separated: keyed apart from the base model's and each other's")
 	fs.Float64Var(&f.kvLinkGbps, "kv-link-gbps", 400, "with a P/D policy and pods labelled llm-d.ai/role=prefill: each pod's KV-transfer link, Gbit/s, as the policy prices a transfer")
 	fs.DurationVar(&f.kvLinkLatency, "kv-link-latency", time.Millisecond, "with a P/D policy: one KV transfer's fixed latency")
 	fs.IntVar(&f.maxPromptTokens, "max-prompt-tokens", 1<<20, "longest prompt accepted, in tokens (estimated from bytes without --tokenizer); longer ones get 400, as serve's")
@@ -131,7 +133,8 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	}
 	cfg := epp.Config{Policy: f.policy, Profile: f.profile, NoCalibrate: !f.calibrate, BlockTokens: f.blockTokens, Seed: f.seed,
 		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, MaxPromptTokens: f.maxPromptTokens, ScrapeInterval: f.scrape,
-		KVLink: policy.KVLink{BytesPerSecond: f.kvLinkGbps * 1e9 / 8, Latency: f.kvLinkLatency}, Tokenizer: f.tokenizer,
+		KVLink:       policy.KVLink{BytesPerSecond: f.kvLinkGbps * 1e9 / 8, Latency: f.kvLinkLatency},
+		LoRAAdapters: f.loraAdapters, Tokenizer: f.tokenizer,
 		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind}
 	if f.fallbacks == 0 {
 		cfg.Fallbacks = -1

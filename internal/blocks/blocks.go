@@ -11,6 +11,13 @@
 // The hash is xxHash64 (github.com/cespare/xxhash/v2) over the parent key and the
 // block's token ids, both little-endian. It is prefixlb's own key, not vLLM's
 // block hash: KV events are mapped onto these keys from the token ids they carry.
+//
+// A chain starts from a Seed: the base model's, or a LoRA adapter's. vLLM folds
+// the adapter into every block's hash (the extra keys of
+// vllm/v1/core/kv_cache_utils.py's generate_block_hash_extra_keys: the request's
+// lora_name), so the same tokens under two adapters, or under an adapter and the
+// base model, are different blocks that never share KV; chains from different
+// seeds never share a key either.
 package blocks
 
 import (
@@ -33,10 +40,39 @@ const DefaultChunkBytes = 64
 // rootSeed starts every chain so that an empty parent differs from a key of 0.
 const rootSeed uint64 = 0x9e3779b97f4a7c15
 
+// Seed is where a chain of keys starts: the base model's (BaseSeed) or a
+// LoRA adapter's (AdapterSeed).
+type Seed uint64
+
+// BaseSeed starts the chains of the base model's requests.
+const BaseSeed = Seed(rootSeed)
+
+// AdapterSeed is the seed of LoRA adapter's chains (BaseSeed for "", the
+// base model): a hash of its name, as vLLM hashes the lora_name into each
+// block. The same function seeds a request's keys and the keys of the KV
+// events the adapter's blocks produce.
+func AdapterSeed(adapter string) Seed {
+	if adapter == "" {
+		return BaseSeed
+	}
+	s := Seed(xxhash.Sum64String("prefixlb/lora\x00" + adapter))
+	if s == BaseSeed {
+		s++
+	}
+	return s
+}
+
 // Keys appends to dst one key per full block of blockSize tokens and returns the
-// extended slice. The trailing partial block is not keyed. It panics if
-// blockSize < 1, a programming error rather than bad input.
+// extended slice, the chain starting from BaseSeed when dst is empty. The
+// trailing partial block is not keyed. It panics if blockSize < 1, a
+// programming error rather than bad input.
 func Keys(dst []Key, tokens []uint32, blockSize int) []Key {
+	return SeededKeys(dst, BaseSeed, tokens, blockSize)
+}
+
+// SeededKeys is Keys for a chain that starts from seed (when dst is empty;
+// otherwise from dst's last key, which carries its own seed).
+func SeededKeys(dst []Key, seed Seed, tokens []uint32, blockSize int) []Key {
 	if blockSize < 1 {
 		panic("blocks: block size must be positive")
 	}
@@ -46,7 +82,7 @@ func Keys(dst []Key, tokens []uint32, blockSize int) []Key {
 		copy(grown, dst)
 		dst = grown
 	}
-	parent := rootSeed
+	parent := uint64(seed)
 	if len(dst) > 0 {
 		parent = uint64(dst[len(dst)-1])
 	}
@@ -89,10 +125,16 @@ func Chain(parent Key, hasParent bool, block []uint32) Key {
 // router cannot tokenize exactly (the trailing partial chunk is not keyed, like a
 // partial block). TokensPerChunk estimates the tokens each key stands for.
 func TextKeys(dst []Key, text string, chunkBytes int) []Key {
+	return SeededTextKeys(dst, BaseSeed, text, chunkBytes)
+}
+
+// SeededTextKeys is TextKeys for a chain that starts from seed (when dst is
+// empty).
+func SeededTextKeys(dst []Key, seed Seed, text string, chunkBytes int) []Key {
 	if chunkBytes < 1 {
 		panic("blocks: chunk size must be positive")
 	}
-	parent := rootSeed
+	parent := uint64(seed)
 	if len(dst) > 0 {
 		parent = uint64(dst[len(dst)-1])
 	}

@@ -2,6 +2,7 @@ package blocks
 
 import (
 	"encoding/binary"
+	"slices"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -233,5 +234,37 @@ func TestTokensPerChunk(t *testing.T) {
 		if got := TokensPerChunk(tt.in); got != tt.want {
 			t.Errorf("TokensPerChunk(%d) = %d, want %d", tt.in, got, tt.want)
 		}
+	}
+}
+
+// TestAdapterSeeds: the base model's chains are Keys'; an adapter's share no
+// key with the base model's or another adapter's over the same tokens, and
+// continue from their own parent as any chain does.
+func TestAdapterSeeds(t *testing.T) {
+	tokens := seq(64, 7)
+	base := Keys(nil, tokens, 16)
+	if got := SeededKeys(nil, AdapterSeed(""), tokens, 16); !slices.Equal(got, base) {
+		t.Fatalf("the base model's seeded keys %v differ from Keys %v", got, base)
+	}
+	a := SeededKeys(nil, AdapterSeed("sql-lora"), tokens, 16)
+	b := SeededKeys(nil, AdapterSeed("chat-lora"), tokens, 16)
+	for i := range base {
+		if a[i] == base[i] || b[i] == base[i] || a[i] == b[i] {
+			t.Errorf("block %d: keys meet across adapters: base %x, a %x, b %x", i, base[i], a[i], b[i])
+		}
+	}
+	if again := SeededKeys(nil, AdapterSeed("sql-lora"), tokens, 16); !slices.Equal(again, a) {
+		t.Error("an adapter's keys are not deterministic")
+	}
+	// A chain continued from its own keys ignores the seed: the parent
+	// carries it.
+	half := SeededKeys(nil, AdapterSeed("sql-lora"), tokens[:32], 16)
+	if rest := SeededKeys(half, BaseSeed, tokens[32:], 16); !slices.Equal(rest, a) {
+		t.Errorf("continued chain %v, want %v", rest, a)
+	}
+	ta := SeededTextKeys(nil, AdapterSeed("sql-lora"), strings.Repeat("x", 256), 64)
+	tb := TextKeys(nil, strings.Repeat("x", 256), 64)
+	if ta[0] == tb[0] {
+		t.Error("text keys meet across an adapter and the base model")
 	}
 }

@@ -58,6 +58,11 @@ type Settings struct {
 	// KVLink is the network between prefill and decode replicas that
 	// disaggregating policies price a KV transfer on (router.Config).
 	KVLink policy.KVLink
+	// Adapters are the model names that are LoRA adapters (vLLM's
+	// --lora-modules names): a request for one is keyed from the
+	// adapter's seed (blocks.AdapterSeed), as vLLM hashes the adapter into
+	// its blocks and its KV events name it (lora_name).
+	Adapters []string
 }
 
 // ErrPromptTooLong is returned by Key for a prompt over
@@ -90,6 +95,7 @@ type Core struct {
 	Keyer keying.Keyer
 
 	maxPrompt int
+	adapters  map[string]bool
 }
 
 // New resolves s (profile, policy, keyer) and builds the router. Errors
@@ -123,13 +129,27 @@ func New(s Settings) (*Core, error) {
 	if err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
-	return &Core{Router: rt, Profile: prof, Policy: pol.Name(), Keyer: keyer, maxPrompt: s.MaxPromptTokens}, nil
+	c := &Core{Router: rt, Profile: prof, Policy: pol.Name(), Keyer: keyer, maxPrompt: s.MaxPromptTokens}
+	for _, a := range s.Adapters {
+		if a == "" {
+			return nil, errors.New("adapters: an empty adapter name")
+		}
+		if c.adapters == nil {
+			c.adapters = map[string]bool{}
+		}
+		c.adapters[a] = true
+	}
+	return c, nil
 }
 
 // Key keys req's prompt and admits it: its keys and prompt tokens, or an
-// error wrapping ErrPromptTooLong for a prompt over the bound. It takes no
-// lock.
+// error wrapping ErrPromptTooLong for a prompt over the bound. A request
+// whose model is one of Settings.Adapters is keyed as that adapter's
+// (req.Adapter). It takes no lock.
 func (c *Core) Key(req *openai.Request) ([]blocks.Key, int, error) {
+	if c.adapters[req.Model] {
+		req.Adapter = req.Model
+	}
 	keys, tokens, err := c.Keyer.Keys(req)
 	if err != nil {
 		return nil, 0, fmt.Errorf("key prompt: %w", err)

@@ -138,6 +138,9 @@ type Config struct {
 	// llm-d's routing sidecar (PrefillerHeader). Calibration does not learn
 	// from disaggregated requests: in a P/D pool turn it off (NoCalibrate).
 	KVLink policy.KVLink
+	// LoRAAdapters are the model names that are LoRA adapters: their
+	// requests are keyed from the adapter's seed (cluster.Settings.Adapters).
+	LoRAAdapters []string
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -247,7 +250,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
 		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
 		TreeMaxBlocks: cfg.TreeMaxBlocks, DefaultOutputTokens: cfg.DefaultOutputTokens, Calibrate: cal,
-		MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink})
+		MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink, Adapters: cfg.LoRAAdapters})
 	if err != nil {
 		return nil, fmt.Errorf("epp: %w", err)
 	}

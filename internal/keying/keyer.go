@@ -31,19 +31,21 @@ var _ Keyer = ChunkKeyer{}
 func (k ChunkKeyer) ChunkBytes() int { return 4 * k.BlockTokens }
 
 // Keys implements Keyer. A batch is keyed by its first prompt (the one the
-// engine schedules first); its prompt tokens count every prompt.
+// engine schedules first); its prompt tokens count every prompt. A LoRA
+// adapter's request (Request.Adapter) is keyed from the adapter's seed.
 func (k ChunkKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	var keys []blocks.Key
 	total := 0
+	seed := blocks.AdapterSeed(r.Adapter)
 	for i, text := range r.Texts {
 		if i == 0 {
-			keys = blocks.TextKeys(nil, text, k.ChunkBytes())
+			keys = blocks.SeededTextKeys(nil, seed, text, k.ChunkBytes())
 		}
 		total += (len(text) + 3) / 4
 	}
 	for i, ids := range r.TokenIDs {
 		if i == 0 && len(keys) == 0 {
-			keys = blocks.Keys(nil, ids, k.BlockTokens)
+			keys = blocks.SeededKeys(nil, seed, ids, k.BlockTokens)
 		}
 		total += len(ids)
 	}

@@ -59,7 +59,7 @@ func TestKeyMemo(t *testing.T) {
 			ids = append(ids, rng.Uint32()%1000)
 		}
 		prompts = append(prompts, ids)
-		got, want := m.keys(ids), blocks.Keys(nil, ids, 16)
+		got, want := m.keys(blocks.BaseSeed, ids), blocks.Keys(nil, ids, 16)
 		if !slices.Equal(got, want) {
 			t.Fatalf("prompt %d (%d ids): keys differ from blocks.Keys", i, len(ids))
 		}
@@ -70,7 +70,7 @@ func TestKeyMemo(t *testing.T) {
 	// Eviction keeps the bound and the map consistent.
 	for i := range 2*memoMaxKeys/(len(base)/16) + 4 {
 		ids := append([]uint32{uint32(i) + 5000}, base...)
-		if got := m.keys(ids); !slices.Equal(got, blocks.Keys(nil, ids, 16)) {
+		if got := m.keys(blocks.BaseSeed, ids); !slices.Equal(got, blocks.Keys(nil, ids, 16)) {
 			t.Fatal("keys differ after eviction")
 		}
 	}
@@ -98,7 +98,7 @@ func TestKeyMemoConcurrent(t *testing.T) {
 		wg.Go(func() {
 			for i := range 30 {
 				ids := append(base[:len(base)-i*100:len(base)-i*100], uint32(g), uint32(i))
-				if !slices.Equal(m.keys(ids), blocks.Keys(nil, ids, 16)) {
+				if !slices.Equal(m.keys(blocks.BaseSeed, ids), blocks.Keys(nil, ids, 16)) {
 					errs <- "keys differ from blocks.Keys"
 					return
 				}
@@ -139,4 +139,31 @@ func FuzzChunkKeys(f *testing.F) {
 			t.Fatalf("%d prompt tokens for %d keys", n, len(keys))
 		}
 	})
+}
+
+// TestAdapterKeys: a LoRA adapter's request is keyed from the adapter's
+// seed by both keyers — never the base model's or another adapter's keys —
+// and the memo never hands one seed's keys to another.
+func TestAdapterKeys(t *testing.T) {
+	ids := make([]uint32, 64*16*3)
+	for i := range ids {
+		ids[i] = uint32(i % 997)
+	}
+	m := newKeyMemo(16)
+	base := m.keys(blocks.BaseSeed, ids)
+	a := m.keys(blocks.AdapterSeed("a"), ids)
+	if !slices.Equal(a, blocks.SeededKeys(nil, blocks.AdapterSeed("a"), ids, 16)) || a[0] == base[0] || a[len(a)-1] == base[len(base)-1] {
+		t.Error("the memo gave adapter a the base model's keys")
+	}
+	ck := ChunkKeyer{BlockTokens: 16}
+	kb, _, _ := ck.Keys(&openai.Request{TokenIDs: [][]uint32{ids}})
+	ka, _, _ := ck.Keys(&openai.Request{TokenIDs: [][]uint32{ids}, Adapter: "a"})
+	if !slices.Equal(kb, base) || !slices.Equal(ka, a) {
+		t.Error("ChunkKeyer: adapter keys differ from the seeded chain")
+	}
+	tb, _, _ := ck.Keys(&openai.Request{Texts: []string{strings.Repeat("hello ", 100)}})
+	ta, _, _ := ck.Keys(&openai.Request{Texts: []string{strings.Repeat("hello ", 100)}, Adapter: "a"})
+	if tb[0] == ta[0] {
+		t.Error("ChunkKeyer: text keys meet across an adapter and the base model")
+	}
 }

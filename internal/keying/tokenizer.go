@@ -94,6 +94,7 @@ func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	}
 	var keys []blocks.Key
 	total := 0
+	seed := blocks.AdapterSeed(r.Adapter)
 	switch {
 	case r.Chat != nil:
 		buf := idsPool.Get().(*[]uint32)
@@ -102,7 +103,7 @@ func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 			idsPool.Put(buf)
 			return chunk.Keys(r)
 		}
-		keys = k.memo.keys(ids)
+		keys = k.memo.keys(seed, ids)
 		total = len(ids)
 		if cap(ids) <= maxPooledIDs {
 			*buf = ids[:0]
@@ -112,14 +113,14 @@ func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 		for i, text := range r.Texts {
 			ids := k.cache.Encode(text)
 			if i == 0 {
-				keys = k.memo.keys(ids)
+				keys = k.memo.keys(seed, ids)
 			}
 			total += len(ids)
 		}
 	}
 	for i, ids := range r.TokenIDs {
 		if i == 0 && len(keys) == 0 {
-			keys = k.memo.keys(ids)
+			keys = k.memo.keys(seed, ids)
 		}
 		total += len(ids)
 	}
@@ -174,17 +175,18 @@ func newKeyMemo(blockTokens int) *keyMemo {
 	return m
 }
 
-// keys returns blocks.Keys(nil, ids, blockTokens), reusing the keys of
-// a recent prompt that shares a prefix with ids.
-func (m *keyMemo) keys(ids []uint32) []blocks.Key {
+// keys returns blocks.SeededKeys(nil, seed, ids, blockTokens), reusing
+// the keys of a recent prompt that shares a prefix with ids under the same
+// seed (the fingerprints start from it).
+func (m *keyMemo) keys(seed blocks.Seed, ids []uint32) []blocks.Key {
 	bs := m.blockTokens
 	n := len(ids) / bs
 	checks := n / memoStride
 	if checks == 0 {
-		return blocks.Keys(nil, ids, bs)
+		return blocks.SeededKeys(nil, seed, ids, bs)
 	}
 	prints := make([]uint64, checks)
-	prev := uint64(0x9E3779B97F4A7C15)
+	prev := uint64(seed) // BaseSeed: 0x9E3779B97F4A7C15, as ever
 	step := memoStride * bs
 	for c := range prints {
 		seg := ids[c*step : (c+1)*step]
@@ -207,7 +209,7 @@ func (m *keyMemo) keys(ids []uint32) []blocks.Key {
 		}
 	}
 	m.mu.Unlock()
-	out = blocks.Keys(out, ids[len(out)*bs:], bs)
+	out = blocks.SeededKeys(out, seed, ids[len(out)*bs:], bs)
 	if found == checks-1 {
 		return out // every checkpoint is known already
 	}

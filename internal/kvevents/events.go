@@ -55,7 +55,10 @@ type BlockStored struct {
 	// LoRAID is deprecated in vLLM but still sent; nil when nil or absent.
 	LoRAID *int64
 	// Medium is "GPU" or "CPU"; "" when nil or absent (read as GPU).
-	Medium   string
+	Medium string
+	// LoRAName is the adapter the blocks were computed under (nil: the
+	// base model): their router keys start from its seed
+	// (blocks.AdapterSeed), as a request for that model's do.
 	LoRAName *string
 	// ExtraKeys is the raw msgpack value of extra_keys (multimodal hashes,
 	// cache salt, LoRA name per block); nil when absent. prefixlb does not use

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strconv"
 	"sync"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -220,11 +221,12 @@ func (r *replicaIndex) stored(replica string, ev *BlockStored, sink Sink, st *Ap
 			st.UnknownParent++
 			return
 		}
-		// blocks.Keys chains after the last key already in dst.
+		// blocks.Keys chains after the last key already in dst (the
+		// parent's key carries the chain's seed).
 		r.keys = blocks.Keys(append(r.keys[:0], parent), ev.TokenIDs, bs)
 		keys = r.keys[1:]
 	} else {
-		r.keys = blocks.Keys(r.keys[:0], ev.TokenIDs, bs)
+		r.keys = blocks.SeededKeys(r.keys[:0], seedOf(ev), ev.TokenIDs, bs)
 		keys = r.keys
 	}
 	refs := r.refs[medium]
@@ -363,4 +365,19 @@ func (ix *Index) Keys(replica, medium string) []blocks.Key {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
 	return out
+}
+
+// seedOf is the seed of a chain a BlockStored starts: its LoRA adapter's
+// (lora_name, which vLLM folds into the block hashes) or the base model's.
+// An event with only the deprecated lora_id names its adapter "#ID", which
+// no request's model matches: its blocks are kept, under their own chain,
+// and never predicted as another adapter's or the base model's.
+func seedOf(ev *BlockStored) blocks.Seed {
+	switch {
+	case ev.LoRAName != nil && *ev.LoRAName != "":
+		return blocks.AdapterSeed(*ev.LoRAName)
+	case ev.LoRAID != nil && *ev.LoRAID != 0:
+		return blocks.AdapterSeed("#" + strconv.FormatInt(*ev.LoRAID, 10))
+	}
+	return blocks.BaseSeed
 }

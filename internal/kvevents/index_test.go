@@ -270,3 +270,31 @@ func mustApply(t *testing.T, ix *Index, replica string, sink Sink, evs ...Event)
 		t.Fatal(err)
 	}
 }
+
+// TestIndexLoRASeeds: blocks stored under a LoRA adapter get the adapter's
+// chain (blocks.AdapterSeed of lora_name, as a request for it is keyed),
+// never the base model's keys for the same tokens; a chain continued from
+// an adapter's block stays the adapter's; lora_id alone is its own chain.
+func TestIndexLoRASeeds(t *testing.T) {
+	ix := NewIndex()
+	sink := newRecSink()
+	prompt := toks(100, 12)
+	name := "sql-lora"
+	id := int64(3)
+	mustApply(t, ix, "r", sink,
+		BlockStored{BlockHashes: []uint64{1, 2}, TokenIDs: prompt[:8], BlockSize: 4},
+		BlockStored{BlockHashes: []uint64{11, 12}, TokenIDs: prompt[:8], BlockSize: 4, LoRAName: &name, LoRAID: &id},
+		BlockStored{BlockHashes: []uint64{13}, ParentHash: 12, HasParent: true, TokenIDs: prompt[8:], BlockSize: 4, LoRAName: &name},
+		BlockStored{BlockHashes: []uint64{21}, TokenIDs: prompt[:4], BlockSize: 4, LoRAID: &id},
+	)
+	base := blocks.Keys(nil, prompt, 4)
+	lora := blocks.SeededKeys(nil, blocks.AdapterSeed(name), prompt, 4)
+	for h, want := range map[uint64]blocks.Key{1: base[0], 2: base[1], 11: lora[0], 12: lora[1], 13: lora[2]} {
+		if got, ok := ix.Lookup("r", "", h); !ok || got != want {
+			t.Errorf("Lookup(%d) = %v, %v; want %v", h, got, ok, want)
+		}
+	}
+	if got, _ := ix.Lookup("r", "", 21); got == base[0] || got == lora[0] {
+		t.Errorf("a lora_id-only block took another chain's key %v", got)
+	}
+}

@@ -53,6 +53,11 @@ type Request struct {
 	Kind Kind
 	// Model is the body's "model".
 	Model string
+	// Adapter is the LoRA adapter Model names ("": the base model); the
+	// parser leaves it empty, and the routing core sets it from the
+	// adapters it is told of (cluster.Settings.Adapters) before keying:
+	// keys then start from the adapter's seed (blocks.AdapterSeed).
+	Adapter string
 	// Stream is the body's "stream".
 	Stream bool
 	// MaxTokens is max_completion_tokens, else max_tokens (0 if absent),

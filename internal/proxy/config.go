@@ -179,6 +179,13 @@ type Config struct {
 	// Memory) grows until it reaches the bound.
 	TreeMaxBlocks int
 
+	// LoRAAdapters are the model names that are LoRA adapters (vLLM's
+	// --lora-modules): their requests are keyed from the adapter's seed,
+	// so that the router never predicts the base model's or another
+	// adapter's cached blocks for them (vLLM hashes the adapter into each
+	// block; its KV events name it in lora_name).
+	LoRAAdapters []string
+
 	// KVLinkGbps and KVLinkLatency are the network between prefill and
 	// decode replicas that disaggregating policies price a KV transfer on:
 	// each replica's link bandwidth in Gbit/s and one transfer's fixed
@@ -531,6 +538,7 @@ type fileConfig struct {
 	Discovery             *fileDiscovery    `json:"discovery"`
 	KVLinkGbps            *float64          `json:"kv_link_gbps"`
 	Pools                 []json.RawMessage `json:"pools"`
+	LoRAAdapters          *[]string         `json:"lora_adapters"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
 }
 
@@ -630,6 +638,9 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
 	setI(&c.TreeMaxBlocks, f.TreeMaxBlocks)
 	setS(&c.Tokenizer, f.Tokenizer)
+	if f.LoRAAdapters != nil {
+		c.LoRAAdapters = append([]string(nil), *f.LoRAAdapters...)
+	}
 	if f.KVLinkGbps != nil {
 		c.KVLinkGbps = *f.KVLinkGbps
 	}

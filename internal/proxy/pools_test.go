@@ -164,3 +164,37 @@ pools:
 		}
 	}
 }
+
+// TestLoRAKeys: a LoRA adapter's request never matches the base model's
+// cached prompt (vLLM folds the adapter into each block's hash), nor
+// another adapter's; the same adapter's does.
+func TestLoRAKeys(t *testing.T) {
+	a, b := newFakeReplica(t, "a"), newFakeReplica(t, "b")
+	cfg := testConfig(a, b)
+	cfg.LoRAAdapters = []string{"sql-lora", "chat-lora"}
+	_, srv := startProxy(t, cfg)
+	prompt := strings.Repeat("a long system prompt shared by every request of the service ", 20)
+	matched := func(model string) int {
+		t.Helper()
+		var ex RouteExplanation
+		resp := post(t, srv.URL, "/debug/route", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, model, prompt+"q"))
+		if err := json.Unmarshal(readAll(t, resp), &ex); err != nil {
+			t.Fatal(err)
+		}
+		return ex.MatchedTokens
+	}
+	readAll(t, post(t, srv.URL, "/v1/completions", fmt.Sprintf(`{"model":"base","prompt":%q,"max_tokens":2}`, prompt)))
+	if n := matched("base"); n == 0 {
+		t.Fatal("the base model's prompt is not cached after it was served")
+	}
+	if n := matched("sql-lora"); n != 0 {
+		t.Errorf("an adapter's request matched %d tokens of the base model's prompt", n)
+	}
+	readAll(t, post(t, srv.URL, "/v1/completions", fmt.Sprintf(`{"model":"sql-lora","prompt":%q,"max_tokens":2}`, prompt)))
+	if n := matched("sql-lora"); n == 0 {
+		t.Error("the adapter's own prompt is not matched after it was served")
+	}
+	if n := matched("chat-lora"); n != 0 {
+		t.Errorf("adapter chat-lora matched %d tokens of sql-lora's prompt", n)
+	}
+}
