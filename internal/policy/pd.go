@@ -329,9 +329,7 @@ func DefaultE2PDConfig() E2Config {
 //     own prefill net of P's cache, P's eviction — plus the decode leg on
 //     the decode replica D that costs least:
 //
-//     decode_leg(D) = pending_D + self_decode_D + prefill_slowdown_D(pending_D)
-//
-//   - eviction_D(PullTokens_D) + TransferSeconds(P, D)
+//     decode_leg(D) = pending_D + self_decode_D + prefill_slowdown_D(pending_D) + eviction_D(PullTokens_D) + crowding_D + TransferSeconds(P, D)
 //
 // with E2's weights (DefaultE2Config) on each term: the batch the request
 // joins (self_decode), the memory its KV takes (eviction of what D must
@@ -342,6 +340,12 @@ func DefaultE2PDConfig() E2Config {
 // prefill locally and never crosses the network, while a long uncached
 // prompt on a D with many decodes pays E2's interference term locally and
 // goes to P. Without prefill replicas up E2PD is E2 over the others.
+//
+// While a prefill replica is up, both the local cost and the decode leg add
+// crowding_D (E2PD.crowding), what this request's decode does to the
+// streams already on D: the two placements differ in where the prompt's
+// prefill stalls D's streams (E2's interference term, local only), and both
+// slow D's steps by this request's context.
 //
 // The prefill leg's windowed history is recorded on P (where the prefill
 // ran), a local request's on D, so that D's prefill rate ρ (self_decode's
