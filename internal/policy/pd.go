@@ -329,9 +329,7 @@ func DefaultE2PDConfig() E2Config {
 //     own prefill net of P's cache, P's eviction — plus the decode leg on
 //     the decode replica D that costs least:
 //
-//     decode_leg(D) = pending_D + self_decode_D + prefill_slowdown_D(pending_D)
-//
-//   - eviction_D(PullTokens_D) + TransferSeconds(P, D)
+//     decode_leg(D) = pending_D + self_decode_D + prefill_slowdown_D(pending_D) + eviction_D(PullTokens_D) + crowding_D + TransferSeconds(P, D)
 //
 // with E2's weights (DefaultE2Config) on each term: the batch the request
 // joins (self_decode), the memory its KV takes (eviction of what D must
@@ -342,6 +340,12 @@ func DefaultE2PDConfig() E2Config {
 // prefill locally and never crosses the network, while a long uncached
 // prompt on a D with many decodes pays E2's interference term locally and
 // goes to P. Without prefill replicas up E2PD is E2 over the others.
+//
+// While a prefill replica is up, both the local cost and the decode leg add
+// crowding_D (E2PD.crowding), what this request's decode does to the
+// streams already on D: the two placements differ in where the prompt's
+// prefill stalls D's streams (E2's interference term, local only), and both
+// slow D's steps by this request's context.
 //
 // The prefill leg's windowed history is recorded on P (where the prefill
 // ran), a local request's on D, so that D's prefill rate ρ (self_decode's
@@ -386,19 +390,42 @@ func (p *E2PD) Route(req *Request, v *View, now time.Time) (Decision, error) {
 	e.expire(now.UnixNano())
 	e.cands, e.terms = e.cands[:0], e.terms[:0]
 
-	// Local: E2 over the decode pool.
-	dv := v.pool(&p.buf, false)
 	d := Decision{Replica: -1, Branch: "local"}
-	e.pick(req, &dv, nil, &d)
-	if d.Replica < 0 {
-		return Decision{}, ErrNoReplica
+	if !v.anyPrefill() {
+		// No prefill replica up: E2 over the others.
+		dv := v.pool(&p.buf, false)
+		e.pick(req, &dv, nil, &d)
+		if d.Replica < 0 {
+			return Decision{}, ErrNoReplica
+		}
+		d.Candidates = append(d.Candidates, e.cands...)
+		d.Candidates = p.explain(req, d.Candidates)
+		return d, nil
 	}
-	local := math.Inf(1)
-	for _, c := range e.cands {
-		if c.Replica == d.Replica {
-			local = c.Score
+
+	// Local: E2's cost on each decode replica, plus what its decode does to
+	// the streams already there (crowding).
+	bestL := -1
+	for r := range v.Replicas {
+		if rp := &v.Replicas[r]; !rp.Up || !rp.Role.Decodes() {
+			continue
+		}
+		c := e.price(r, req, v)
+		x := p.crowding(r, req, v)
+		c.Load += x
+		c.Score += x
+		if !finite(c.Score) {
+			c.Score = math.MaxFloat64
+		}
+		if bestL < 0 || better(c, &e.cands[bestL], v) {
+			bestL = len(e.cands) - 1
 		}
 	}
+	if bestL < 0 {
+		return Decision{}, ErrNoReplica
+	}
+	local := e.cands[bestL].Score
+	d.Replica, d.MatchedTokens = e.cands[bestL].Replica, e.cands[bestL].MatchedTokens
 	d.Candidates = append(d.Candidates, e.cands...)
 
 	// Disaggregated: the cheapest prefill leg, then the cheapest decode leg.
@@ -482,12 +509,63 @@ func (p *E2PD) decodeLeg(c *Candidate, t *E2Terms, pr, r int, req *Request, v *V
 	t[E2Eviction] = e.evictionTerm(w[E2Eviction], r, pull, v)
 	c.Replica, c.MatchedTokens, c.Leg = r, v.MatchedTokens(r, req), "decode"
 	c.Load, c.Score = t.sum()
+	x := p.crowding(r, req, v)
+	c.Load += x
+	c.Score += x
 	c.Eviction = t[E2Eviction]
 	c.Transfer = v.TransferSeconds(pr, r, req)
 	c.Score += c.Transfer
 	if !finite(c.Score) {
 		c.Score = math.MaxFloat64
 	}
+}
+
+// crowding is what req's decode on replica r costs the requests already in
+// flight there, in E2's currency (seconds of their latency): one more
+// sequence of req's context makes each of r's decode iterations ΔT longer
+// (the profile's step with it against without it: a decode step reads every
+// sequence's KV, so a long context slows the whole batch), and every token
+// they still owe during req's decode waits that much longer:
+//
+//	crowding = ΔT_r · min(DecodeTokens_r, InFlight_r·(out−1))
+//	ΔT_r = T_step(n+1, C_r + prompt) − T_step(n, C_r)   n = decoding_r, C_r their context
+//
+// It is the decode side of E2's interference term (a local prefill delays
+// r's streams by its prefill time; this request's decode delays them by ΔT
+// a token), and the benefit a disaggregated decision buys by decoding on a
+// less crowded replica than the one holding the prompt. E2 leaves it out
+// (prefixlb's extension for P/D; docs/pd.md).
+func (p *E2PD) crowding(r int, req *Request, v *View) float64 {
+	rp := &v.Replicas[r]
+	if rp.InFlight <= 0 || rp.DecodeTokens <= 0 || req.OutputTokens <= 1 {
+		return 0
+	}
+	// The batch now; while nothing decodes yet, the requests in flight as
+	// they will decode, each with a context like req's.
+	n, ctx := rp.Decoding, rp.DecodeContextTokens
+	if n <= 0 {
+		n, ctx = rp.InFlight, rp.InFlight*req.PromptTokens
+	}
+	before := p.step(v, r, n, ctx)
+	after := p.step(v, r, n+1, ctx+req.PromptTokens)
+	owed := min(rp.DecodeTokens, rp.InFlight*(req.OutputTokens-1))
+	return max(after-before, 0) * float64(owed)
+}
+
+// step is the seconds of a decode-only iteration on r of seqs sequences
+// holding ctx tokens of context in all.
+func (p *E2PD) step(v *View, r, seqs, ctx int) float64 {
+	return secs(v.ProfileOf(r).Iteration(costmodel.Batch{DecodeSeqs: seqs, DecodeContext: ctx}))
+}
+
+// anyPrefill reports whether a prefill replica is up.
+func (v *View) anyPrefill() bool {
+	for i := range v.Replicas {
+		if rp := &v.Replicas[i]; rp.Up && rp.Role == RolePrefill {
+			return true
+		}
+	}
+	return false
 }
 
 // explain attaches E2's terms to the candidates when the request asks

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 )
 
@@ -187,5 +188,59 @@ func TestDynamoPD(t *testing.T) {
 	d, _ := c.route(p, prompt, at(1))
 	if !d.Disaggregated || d.PrefillReplica != 1 || d.Replica != 3 {
 		t.Errorf("prefill %d decode %d disaggregated %v, want 1, 3 (the idle one, though 2 caches the prompt), true", d.PrefillReplica, d.Replica, d.Disaggregated)
+	}
+}
+
+// ctxProfile is kvProfile whose decode step reads every sequence's context
+// (1 ms per 1,000 tokens of it), as an engine's attention does.
+type ctxProfile struct{ kvProfile }
+
+func (p ctxProfile) Iteration(b costmodel.Batch) time.Duration {
+	return p.kvProfile.Iteration(b) + time.Duration(b.DecodeContext)*time.Microsecond
+}
+
+// TestE2PDCrowding: a long prompt that decode replica 2 holds stays there
+// while 2 is idle, and is disaggregated (prefilled on 0, which holds it too,
+// decoded on an idle replica) when 2 runs streams that its 40k tokens of
+// context would slow at every step; E2's terms alone keep it on 2 (its
+// prefill there is one block, and its own decode, priced at the batch's
+// short context, looks cheap).
+func TestE2PDCrowding(t *testing.T) {
+	prompt := toks(11, 40000)
+	for _, tc := range []struct {
+		name     string
+		decoding int // short-context streams decoding on replica 2
+		wantPD   bool
+	}{
+		{"holder idle", 0, false},
+		{"holder crowded", 10, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := pdCluster(t, 4, 1)
+			c.prof = ctxProfile{kvProfile{linearProfile{kv: bigKV}, 1000}}
+			c.cache(prompt, 0, at(0))
+			c.cache(prompt, 2, at(0))
+			c.reps[0].PendingPrefill = time.Second // the prefill leg is not free
+			rp := &c.reps[2]
+			rp.Decoding, rp.InFlight = tc.decoding, tc.decoding
+			rp.DecodeContextTokens, rp.DecodeTokens = tc.decoding*1000, tc.decoding*1000
+			p := newPolicy(t, "e2-pd")
+			req, v := c.request(prompt, at(1))
+			req.OutputTokens = 200
+			v.KVLink = policy.KVLink{BytesPerSecond: 50e9 / 8, Latency: time.Millisecond}
+			d, err := p.Route(req, v, at(1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Disaggregated != tc.wantPD {
+				t.Fatalf("Disaggregated = %v (decode on %d), want %v\n%s", d.Disaggregated, d.Replica, tc.wantPD, d.Explain())
+			}
+			if tc.wantPD && (d.Replica == 2 || d.PrefillReplica != 0) {
+				t.Errorf("prefill %d decode %d, want prefill 0, decode off 2", d.PrefillReplica, d.Replica)
+			}
+			if !tc.wantPD && d.Replica != 2 {
+				t.Errorf("decode on %d, want 2 (it holds the prompt)", d.Replica)
+			}
+		})
 	}
 }
