@@ -132,17 +132,24 @@ func TestSink(t *testing.T) {
 	if got := c.Router.Tree().CachedBlocks(id); got != 0 {
 		t.Errorf("after clear: %d blocks", got)
 	}
-	want := []string{"r0:stored", "r0:stored", "r0:unknown_parent", "r0:cpu_ignored", "r0:removed", "r0:cpu_ignored", "r0:cleared"}
+	want := []string{"r0:stored", "r0:stored", "r0:unknown_parent", "r0:tier_stored", "r0:removed", "r0:tier_removed", "r0:cleared"}
 	if strings.Join(seen, " ") != strings.Join(want, " ") {
 		t.Errorf("outcomes %v, want %v", seen, want)
 	}
-	for outcome, n := range map[string]float64{"stored": 2, "unknown_parent": 1, "cpu_ignored": 2, "removed": 1, "cleared": 1} {
+	for outcome, n := range map[string]float64{"stored": 2, "unknown_parent": 1, "tier_stored": 1, "tier_removed": 1, "removed": 1, "cleared": 1} {
 		if got := testutil.ToFloat64(kv.Applied.WithLabelValues("r0", outcome)); got != n {
 			t.Errorf("prefixlb_kvevents_router_total{outcome=%q} = %v, want %v", outcome, got, n)
 		}
 	}
-	if n := testutil.CollectAndCount(kv.Applied); n != 5 {
-		t.Errorf("%d series, want 5 (nothing for the unknown replica)", n)
+	if n := testutil.CollectAndCount(kv.Applied); n != 6 {
+		t.Errorf("%d series, want 6 (nothing for the unknown replica)", n)
+	}
+	// Tiers off: a slower tier's blocks are ignored, and counted so.
+	seen = nil
+	s.IgnoreTiers = true
+	s.Stored("r0", 0, false, keys, "CPU")
+	if c.Router.TierBlocks(id) != 0 || strings.Join(seen, " ") != "r0:cpu_ignored" {
+		t.Errorf("tiers off: %d tier blocks, outcomes %v", c.Router.TierBlocks(id), seen)
 	}
 }
 

@@ -58,6 +58,9 @@ type Settings struct {
 	// KVLink is the network between prefill and decode replicas that
 	// disaggregating policies price a KV transfer on (router.Config).
 	KVLink policy.KVLink
+	// IgnoreTiers drops the KV events of slower cache tiers (CPU, disk)
+	// instead of pricing their blocks at their load time (Sink).
+	IgnoreTiers bool
 	// Adapters are the model names that are LoRA adapters (vLLM's
 	// --lora-modules names): a request for one is keyed from the
 	// adapter's seed (blocks.AdapterSeed), as vLLM hashes the adapter into
@@ -94,8 +97,9 @@ type Core struct {
 	// Keyer keys prompts; safe for concurrent use.
 	Keyer keying.Keyer
 
-	maxPrompt int
-	adapters  map[string]bool
+	maxPrompt   int
+	adapters    map[string]bool
+	ignoreTiers bool
 }
 
 // New resolves s (profile, policy, keyer) and builds the router. Errors
@@ -129,7 +133,7 @@ func New(s Settings) (*Core, error) {
 	if err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
-	c := &Core{Router: rt, Profile: prof, Policy: pol.Name(), Keyer: keyer, maxPrompt: s.MaxPromptTokens}
+	c := &Core{Router: rt, Profile: prof, Policy: pol.Name(), Keyer: keyer, maxPrompt: s.MaxPromptTokens, ignoreTiers: s.IgnoreTiers}
 	for _, a := range s.Adapters {
 		if a == "" {
 			return nil, errors.New("adapters: an empty adapter name")

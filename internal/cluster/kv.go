@@ -20,10 +20,13 @@ const (
 	OutcomeCleared       = "cleared"
 	OutcomeCPUIgnored    = "cpu_ignored"
 	OutcomeUnknownParent = "unknown_parent"
+	OutcomeTierStored    = "tier_stored"
+	OutcomeTierRemoved   = "tier_removed"
 )
 
 // Outcomes lists every outcome label, for metrics that start at zero.
-var Outcomes = []string{OutcomeStored, OutcomeRemoved, OutcomeCleared, OutcomeCPUIgnored, OutcomeUnknownParent}
+var Outcomes = []string{OutcomeStored, OutcomeRemoved, OutcomeCleared, OutcomeCPUIgnored, OutcomeUnknownParent,
+	OutcomeTierStored, OutcomeTierRemoved}
 
 // KV is a front door's side of the replicas' KV-event streams: one index
 // for all replicas (kvevents.Index, each replica with its own lock), the
@@ -42,7 +45,7 @@ func NewKV(reg prometheus.Registerer) (*KV, error) {
 		Metrics: kvevents.NewMetrics(),
 		Applied: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "prefixlb_kvevents_router_total",
-			Help: "KV events applied to the router by replica and outcome: stored, removed, cleared, cpu_ignored (offloaded blocks, not routed on), unknown_parent (a stored chain the router could not place).",
+			Help: "KV events applied to the router by replica and outcome: stored, removed, cleared (GPU blocks), tier_stored and tier_removed (blocks of a slower tier, CPU or disk, priced at their load time), cpu_ignored (a slower tier's blocks with tiers off), unknown_parent (a stored chain the router could not place).",
 		}, []string{"replica", "outcome"}),
 	}
 	if err := k.Metrics.Register(reg); err != nil {
@@ -55,12 +58,17 @@ func NewKV(reg prometheus.Registerer) (*KV, error) {
 }
 
 // Sink applies the router-key changes of the replicas' KV events to a
-// Core, under its lock. Only GPU blocks count: a block offloaded to CPU
-// memory is not a prefix-cache hit for routing (it is counted). Events of
-// a replica ID does not know are dropped.
+// Core, under its lock. GPU blocks go to the prefix tree; blocks of a
+// slower tier (another medium: CPU, disk) to the replica's tier set
+// (router.CacheStoredTier), where a policy prices them at their load time,
+// or, with IgnoreTiers, nowhere (counted cpu_ignored). Events of a replica
+// ID does not know are dropped.
 type Sink struct {
 	Core *Core
 	KV   *KV
+	// IgnoreTiers drops the blocks of slower tiers, as prefixlb did before
+	// it priced them (the tier-blind baseline).
+	IgnoreTiers bool
 	// ID returns the router ID of the replica called name, or -1; it is
 	// called with Core.Mu held.
 	ID func(name string) int
@@ -81,6 +89,13 @@ func (s *Sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blo
 	defer s.Core.Mu.Unlock()
 	id, ok := s.onGPU(name, medium)
 	if !ok {
+		if id >= 0 && medium != kvevents.MediumGPU && !s.IgnoreTiers {
+			if err := s.Core.Router.CacheStoredTier(id, medium, keys); err != nil {
+				s.log().Warn("kv events: router tier stored", "replica", name, "err", err)
+				return
+			}
+			s.applied(name, OutcomeTierStored)
+		}
 		return
 	}
 	err := s.Core.Router.CacheStored(id, parent, hasParent, keys, now)
@@ -102,6 +117,13 @@ func (s *Sink) Removed(name string, keys []blocks.Key, medium string) {
 	defer s.Core.Mu.Unlock()
 	id, ok := s.onGPU(name, medium)
 	if !ok {
+		if id >= 0 && medium != kvevents.MediumGPU && !s.IgnoreTiers {
+			if err := s.Core.Router.CacheRemovedTier(id, medium, keys); err != nil {
+				s.log().Warn("kv events: router tier removed", "replica", name, "err", err)
+				return
+			}
+			s.applied(name, OutcomeTierRemoved)
+		}
 		return
 	}
 	if err := s.Core.Router.CacheRemoved(id, keys); err != nil {
@@ -127,14 +149,17 @@ func (s *Sink) Cleared(name string) {
 }
 
 // onGPU returns replica name's router ID for an event on medium (Core.Mu
-// held); ok is false when there is nothing to apply: a replica ID does
-// not know, or blocks off the GPU (counted as cpu_ignored).
+// held); ok is false when it is not for the tree: a replica ID does not
+// know (id -1), or blocks off the GPU (counted as cpu_ignored when tiers
+// are ignored).
 func (s *Sink) onGPU(name, medium string) (id int, ok bool) {
 	if id = s.ID(name); id < 0 {
 		return id, false
 	}
 	if medium != kvevents.MediumGPU {
-		s.applied(name, OutcomeCPUIgnored)
+		if s.IgnoreTiers {
+			s.applied(name, OutcomeCPUIgnored)
+		}
 		return id, false
 	}
 	return id, true

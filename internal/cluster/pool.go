@@ -101,7 +101,7 @@ type Member struct {
 
 // kvCounts count what one replica's events did to the router.
 type kvCounts struct {
-	stored, removed, cleared, cpu, unknownParent atomic.Uint64
+	stored, removed, cleared, cpu, unknownParent, tierStored, tierRemoved atomic.Uint64
 }
 
 // Up reports whether the replica is in routing: ready and healthy (Mu
@@ -217,7 +217,7 @@ func NewPool(core *Core, m *Metrics, cfg PoolConfig) (*Pool, error) {
 		p.check = keying.NewTokenizerCheck(tk.Tokenizer())
 		p.check.Timeout = cfg.Timeout
 	}
-	p.sink = &Sink{Core: core, KV: m.KV, Log: cfg.Logger,
+	p.sink = &Sink{Core: core, KV: m.KV, Log: cfg.Logger, IgnoreTiers: core.ignoreTiers,
 		ID: func(name string) int {
 			if r, ok := p.byName[name]; ok && r.sub != nil {
 				return r.ID
@@ -823,6 +823,10 @@ type KVState struct {
 	// Stored .. UnknownParent count the events applied to the router by
 	// outcome.
 	Stored, Removed, Cleared, CPUIgnored, UnknownParent uint64
+	// TierStored and TierRemoved count the slower tiers' events.
+	TierStored, TierRemoved uint64
+	// TierBlocks is the blocks the router holds in its slower tiers.
+	TierBlocks int
 }
 
 // KVStateOf returns m's KV-event state; ok is false for a replica without
@@ -832,7 +836,8 @@ func (p *Pool) KVStateOf(m *Member) (KVState, bool) {
 		return KVState{}, false
 	}
 	return KVState{Stream: m.sub.Stats(), Stored: m.kv.stored.Load(), Removed: m.kv.removed.Load(),
-		Cleared: m.kv.cleared.Load(), CPUIgnored: m.kv.cpu.Load(), UnknownParent: m.kv.unknownParent.Load()}, true
+		Cleared: m.kv.cleared.Load(), CPUIgnored: m.kv.cpu.Load(), UnknownParent: m.kv.unknownParent.Load(),
+		TierStored: m.kv.tierStored.Load(), TierRemoved: m.kv.tierRemoved.Load()}, true
 }
 
 func (k *kvCounts) add(outcome string) {
@@ -847,6 +852,10 @@ func (k *kvCounts) add(outcome string) {
 		k.cpu.Add(1)
 	case OutcomeUnknownParent:
 		k.unknownParent.Add(1)
+	case OutcomeTierStored:
+		k.tierStored.Add(1)
+	case OutcomeTierRemoved:
+		k.tierRemoved.Add(1)
 	}
 }
 

@@ -143,7 +143,10 @@ func (c *E2Config) termWeights() [NumE2Terms]float64 {
 // the weighted pending and prefill terms, so it is priced after them.
 func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	m := v.MatchedTokens(r, req)
-	missed := req.PromptTokens - m
+	// Blocks r holds in a slower tier are loaded, not recomputed: their
+	// load time joins P (View.TierHit; 0 without tiers).
+	tier, load := v.TierHitOf(r, req, m)
+	missed := req.PromptTokens - m - tier
 	rp := &v.Replicas[r]
 	w := &p.weights
 	pf := 0.0 // P_r before its weight, when a term reads it
@@ -157,6 +160,9 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	t[E2SelfDecode] = p.selfDecodeTerm(w[E2SelfDecode], r, req, v)
 	t[E2Eviction] = p.evictionTerm(w[E2Eviction], r, missed, v)
 	t[E2Prefill] = prefillTerm(w[E2Prefill], pf)
+	if load > 0 {
+		t[E2Prefill] += prefillTerm(w[E2Prefill], load)
+	}
 	t[E2PrefillSlowdown] = p.prefillSlowdownTerm(w[E2PrefillSlowdown], v, r, t[E2Pending]+t[E2Prefill])
 	t[E2SlotWait] = p.slotWaitTerm(w[E2SlotWait], r, req, v)
 	c.Replica, c.MatchedTokens = r, m

@@ -146,6 +146,19 @@ type View struct {
 	// KVLink is the network a disaggregated request's KV crosses from its
 	// prefill replica to its decode replica (zero: unknown, not priced).
 	KVLink KVLink
+	// TierHit, when set, is how many of req's prompt tokens after the gpu
+	// tokens replica r caches on its GPU it holds in slower cache tiers
+	// (CPU, disk: KV events of another medium), block after block, and the
+	// seconds loading them to the GPU takes. nil: no tiers known.
+	TierHit func(r int, req *Request, gpu int) (tokens int, loadSeconds float64)
+}
+
+// TierHitOf is v.TierHit, or nothing without one.
+func (v *View) TierHitOf(r int, req *Request, gpu int) (int, float64) {
+	if v.TierHit == nil {
+		return 0, 0
+	}
+	return v.TierHit(r, req, gpu)
 }
 
 // BlockTokens is the number of tokens per block key.

@@ -179,6 +179,10 @@ type Config struct {
 	// Memory) grows until it reaches the bound.
 	TreeMaxBlocks int
 
+	// IgnoreCacheTiers drops the replicas' KV events of slower cache tiers
+	// (CPU offloading, LMCache's disk) instead of pricing those blocks at
+	// their load time (docs/kv-events.md, cache tiers).
+	IgnoreCacheTiers bool
 	// LoRAAdapters are the model names that are LoRA adapters (vLLM's
 	// --lora-modules): their requests are keyed from the adapter's seed,
 	// so that the router never predicts the base model's or another
@@ -539,6 +543,7 @@ type fileConfig struct {
 	KVLinkGbps            *float64          `json:"kv_link_gbps"`
 	Pools                 []json.RawMessage `json:"pools"`
 	LoRAAdapters          *[]string         `json:"lora_adapters"`
+	IgnoreCacheTiers      *bool             `json:"ignore_cache_tiers"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
 }
 
@@ -638,6 +643,9 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
 	setI(&c.TreeMaxBlocks, f.TreeMaxBlocks)
 	setS(&c.Tokenizer, f.Tokenizer)
+	if f.IgnoreCacheTiers != nil {
+		c.IgnoreCacheTiers = *f.IgnoreCacheTiers
+	}
 	if f.LoRAAdapters != nil {
 		c.LoRAAdapters = append([]string(nil), *f.LoRAAdapters...)
 	}

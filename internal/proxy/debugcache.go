@@ -18,6 +18,9 @@ type CacheReplica struct {
 	// RouterCachedBlocks is the blocks the router's tree holds as cached on
 	// the replica (speculative entries included).
 	RouterCachedBlocks int `json:"router_cached_blocks"`
+	// RouterTierBlocks is the blocks the router holds as cached in the
+	// replica's slower tiers (CPU, disk).
+	RouterTierBlocks int `json:"router_tier_blocks"`
 	// Stream is the subscriber's state: blocks held by medium (the
 	// index), last seq, replays, gaps, restarts, events applied and
 	// dropped. Absent without KV events.
@@ -28,10 +31,14 @@ type CacheReplica struct {
 
 // CacheRouterCounts count what a replica's events did to the router.
 type CacheRouterCounts struct {
-	Stored        uint64 `json:"stored"`
-	Removed       uint64 `json:"removed"`
-	Cleared       uint64 `json:"cleared"`
-	CPUIgnored    uint64 `json:"cpu_ignored"`
+	Stored     uint64 `json:"stored"`
+	Removed    uint64 `json:"removed"`
+	Cleared    uint64 `json:"cleared"`
+	CPUIgnored uint64 `json:"cpu_ignored"`
+	// TierStored and TierRemoved count events of slower cache tiers (CPU,
+	// disk), which the router prices at their load time.
+	TierStored    uint64 `json:"tier_stored"`
+	TierRemoved   uint64 `json:"tier_removed"`
 	UnknownParent uint64 `json:"unknown_parent"`
 }
 
@@ -53,7 +60,7 @@ func (p *Proxy) CacheView() CacheView {
 	for _, b := range members {
 		v.Replicas = append(v.Replicas, CacheReplica{
 			Replica: b.Name, ID: b.ID, KVEvents: b.KVEvents != "", Endpoint: b.KVEvents,
-			RouterCachedBlocks: p.rt.Tree().CachedBlocks(b.ID),
+			RouterCachedBlocks: p.rt.Tree().CachedBlocks(b.ID), RouterTierBlocks: p.rt.TierBlocks(b.ID),
 		})
 	}
 	p.mu.Unlock()
@@ -64,7 +71,7 @@ func (p *Proxy) CacheView() CacheView {
 		}
 		v.Replicas[i].Stream = &st.Stream
 		v.Replicas[i].Router = &CacheRouterCounts{Stored: st.Stored, Removed: st.Removed, Cleared: st.Cleared,
-			CPUIgnored: st.CPUIgnored, UnknownParent: st.UnknownParent}
+			CPUIgnored: st.CPUIgnored, UnknownParent: st.UnknownParent, TierStored: st.TierStored, TierRemoved: st.TierRemoved}
 	}
 	return v
 }

@@ -178,6 +178,10 @@ type Router struct {
 	// policies never see.
 	disagg       bool
 	prefillRoles int
+	// tiers holds each replica's blocks in slower cache tiers (tiers.go),
+	// tierNames the tiers' media by index.
+	tiers     []tierSet
+	tierNames []string
 }
 
 // Stats counts what the router has done, for metrics and reports.
@@ -230,6 +234,7 @@ func New(cfg Config) (*Router, error) {
 		r.speculative = sp.Speculative()
 	}
 	r.view = policy.View{Tree: t, Match: &r.match, Profile: cfg.Profile, Rand: r.rng, KVLink: cfg.KVLink}
+	r.view.TierHit = r.tierHit
 	return r, nil
 }
 
@@ -966,6 +971,7 @@ func (r *Router) CacheCleared(id int) error {
 	if id < len(r.cache) {
 		r.cache[id].slots.clear()
 	}
+	r.clearTiers(id)
 	return nil
 }
 
