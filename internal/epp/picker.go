@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"sync"
@@ -232,6 +233,7 @@ type Picker struct {
 	decoders []int // scratch: those of allowed that decode, the answer's candidates
 	flights  map[uint64]*flight
 	others   map[string]router.ExternalLoad // last good Shared.Others
+	rw       rewriter                       // the pool's model rewrites (rewrite.go)
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
 }
@@ -259,6 +261,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 		cfg: cfg, log: cfg.Logger, mu: &core.Mu, policy: core.Policy, rt: core.Router,
 		flights: make(map[uint64]*flight),
 	}
+	p.rw.rng = rand.New(rand.NewPCG(cfg.Seed, 0x6d6f64656c))
 	p.m = newMetrics(p)
 	p.pool, err = cluster.NewPool(core, p.m.Metrics, cluster.PoolConfig{Kind: cfg.BackendKind,
 		ScrapeInterval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout, Logger: cfg.Logger})
@@ -268,6 +271,11 @@ func NewPicker(cfg Config) (*Picker, error) {
 	p.pool.Hooks.Removed = func(m *cluster.Member) { p.m.replicaRemoved(m.Name) }
 	return p, nil
 }
+
+// SetModelRewrites installs the pool's InferenceModelRewrites (a request's
+// model is rewritten before it is routed; rewrite.go), replacing any
+// installed before.
+func (p *Picker) SetModelRewrites(rs []ModelRewrite) { p.rw.set(rs) }
 
 // Pool is the picker's replicas: discovery registers them there (Add,
 // Remove, SetReady).
@@ -316,6 +324,11 @@ type Pick struct {
 	Endpoints []string
 	// Replica is the primary's name.
 	Replica string
+	// Body is the request body with its model rewritten (an
+	// InferenceModelRewrite applied; Model the new model), nil when the
+	// body goes on as it came.
+	Body  []byte
+	Model string
 	// Prefill is, for a disaggregated decision, the prefill replica's
 	// "ip:port" (llm-d's x-prefiller-host-port), PrefillReplica its name;
 	// "" otherwise.
@@ -332,6 +345,13 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	pr, err := openai.ParseRequest(in.Kind, in.Body)
 	if err != nil {
 		return Pick{}, err
+	}
+	var rewritten []byte
+	if m := p.rw.rewrite(pr.Model); m != pr.Model {
+		if rewritten, err = withModel(in.Body, m); err != nil {
+			return Pick{}, fmt.Errorf("%w: rewrite the model: %v", openai.ErrBadRequest, err)
+		}
+		pr.Model = m
 	}
 	keys, promptTokens, err := p.pool.Key(pr)
 	if err != nil {
@@ -366,6 +386,9 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 			p.m.errors.WithLabelValues(errSharedWrite).Inc()
 			p.log.Warn("epp: shared state: publishing load", "replica", f.replica.Name, "err", err)
 		}
+	}
+	if rewritten != nil {
+		pick.Body, pick.Model = rewritten, pr.Model
 	}
 	p.m.decided(p.policy, &pick, req.PromptTokens, time.Since(start))
 	return pick, nil

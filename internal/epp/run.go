@@ -37,6 +37,10 @@ type RunConfig struct {
 	// else in-cluster). Ports place each replica's metrics and KV events.
 	Backends, Discovery, Kubeconfig string
 	Ports                           discovery.Ports
+	// ModelRewrites is a file of InferenceModelRewrite manifests ("":
+	// none): those whose poolRef names the --discovery target's pool (every
+	// one with static backends) rewrite a request's model (rewrite.go).
+	ModelRewrites string
 	// State is the Redis URL of the shared in-flight state ("": none);
 	// StateTTL how long a dead router's counts outlive it; RouterID this
 	// router's id in it ("": $POD_NAME, else hostname-pid); Pool its key
@@ -85,6 +89,22 @@ func Run(ctx context.Context, rc RunConfig) error {
 	p, err := NewPicker(rc.Picker)
 	if err != nil {
 		return err
+	}
+	if rc.ModelRewrites != "" {
+		data, err := os.ReadFile(rc.ModelRewrites)
+		if err != nil {
+			return fmt.Errorf("epp: --model-rewrites: %w", err)
+		}
+		pool := ""
+		if rc.Discovery != "" {
+			_, _, pool, _ = discovery.ParseTarget(rc.Discovery)
+		}
+		rs, err := ParseModelRewrites(data, pool)
+		if err != nil {
+			return fmt.Errorf("epp: --model-rewrites %s: %w", rc.ModelRewrites, err)
+		}
+		p.SetModelRewrites(rs)
+		log.Info("epp: model rewrites", "file", rc.ModelRewrites, "rewrites", len(rs), "pool", pool)
 	}
 	runners = append(runners, p.Run)
 	srv := NewServer(p, ServerConfig{Explain: rc.Explain, Logger: log})

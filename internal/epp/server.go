@@ -301,6 +301,11 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	} else {
 		remove = append(remove, PrefillerHeader)
 	}
+	if pick.Body != nil {
+		// The model was rewritten (InferenceModelRewrite): the body the
+		// replica gets has another length.
+		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: "content-length", RawValue: []byte(strconv.Itoa(len(pick.Body)))}})
+	}
 	if x.s.cfg.Explain {
 		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: RouteHeader, RawValue: []byte(pick.Decision.Explain())}})
 		if terms := pick.Decision.ExplainTerms(); terms != "" {
@@ -319,7 +324,11 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 		return false, err
 	}
 	if haveBody {
-		err = x.sendBody(x.body, eos)
+		body := x.body
+		if pick.Body != nil {
+			body = pick.Body
+		}
+		err = x.sendBody(body, eos)
 	}
 	x.body = nil
 	return false, err
