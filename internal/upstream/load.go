@@ -3,9 +3,11 @@ package upstream
 import (
 	"context"
 	"fmt"
+	dto "github.com/prometheus/client_model/go"
 	"io"
 	"math"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"github.com/prometheus/common/expfmt"
@@ -34,6 +36,19 @@ type Load struct {
 	// Kind is the engine the page's metric names belong to (their prefix:
 	// llamacpp:, vllm:, sglang:), "" when none is recognised.
 	Kind Kind
+	// LoRA is vLLM's vllm:lora_requests_info (nil: the page has none): the
+	// adapters running and waiting on the replica, and its max_loras.
+	LoRA *LoRAInfo
+}
+
+// LoRAInfo is a replica's LoRA adapters as vLLM reports them: the series of
+// vllm:lora_requests_info with the latest value (vLLM sets a series per
+// label set to the time it was seen; GIE's picker reads the newest the
+// same way), its labels running_lora_adapters and waiting_lora_adapters
+// (comma-separated) and max_lora.
+type LoRAInfo struct {
+	Running, Waiting []string
+	MaxLoRAs         int
 }
 
 // maxLoadCount caps the request counts read from a replica's metrics.
@@ -115,6 +130,7 @@ func ParseLoad(r io.Reader) (Load, error) {
 		l.KVTokens = int(math.Round(min(v, maxLoadCount)))
 	}
 	l.Kind = pageKind(fams)
+	l.LoRA = loraInfo(fams)
 	return l, nil
 }
 
@@ -167,4 +183,48 @@ func FetchLoad(ctx context.Context, client *http.Client, url string) (Load, erro
 		return UnknownLoad, fmt.Errorf("upstream: scrape %s: %w", url, err)
 	}
 	return l, nil
+}
+
+// loraInfo reads vllm:lora_requests_info's newest series (nil: none).
+func loraInfo(fams map[string]*dto.MetricFamily) *LoRAInfo {
+	f, ok := fams["vllm:lora_requests_info"]
+	if !ok {
+		return nil
+	}
+	var best *dto.Metric
+	for _, m := range f.GetMetric() {
+		v := m.GetGauge().GetValue()
+		if m.Gauge == nil || math.IsNaN(v) {
+			continue
+		}
+		if best == nil || v > best.GetGauge().GetValue() {
+			best = m
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	info := &LoRAInfo{}
+	split := func(s string) []string {
+		var out []string
+		for a := range strings.SplitSeq(s, ",") {
+			if a = strings.TrimSpace(a); a != "" {
+				out = append(out, a)
+			}
+		}
+		return out
+	}
+	for _, lp := range best.GetLabel() {
+		switch lp.GetName() {
+		case "running_lora_adapters":
+			info.Running = split(lp.GetValue())
+		case "waiting_lora_adapters":
+			info.Waiting = split(lp.GetValue())
+		case "max_lora":
+			if n, err := strconv.Atoi(lp.GetValue()); err == nil && n >= 0 {
+				info.MaxLoRAs = min(n, maxLoadCount)
+			}
+		}
+	}
+	return info
 }
