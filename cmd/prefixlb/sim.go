@@ -99,6 +99,7 @@ there; the profile must give KV bytes per token (a roofline does).`,
 	fs.BoolVarP(&c.Quiet, "quiet", "q", false, "no progress output")
 	fs.StringVar(&c.Engine, "engine", sweep.EngineVLLM, "replica engine to model: vllm (block prefix cache) or llamacpp (llama-server's slot cache; changes the defaults of --chunk-budget, --kv-events and --profile, see above)")
 	fs.IntVar(&c.Slots, "slots", sweep.DefaultSlots, "--engine llamacpp: slots per replica (llama-server -np), splitting the profile's KV capacity")
+	fs.IntVar(&c.MaxLoras, "max-loras", 0, "LoRA adapters each replica holds in GPU slots (vLLM's --max-loras): a request for another waits for a slot and its load (the profile's adapter_load); 0: adapters not modelled as slots (caches still keep adapters apart)")
 	fs.IntVar(&c.PrefillReplicas, "prefill-replicas", 0, "prefill/decode disaggregation: the first N of --replicas are prefill replicas, the rest decode replicas (policies round-robin-pd, llmd-pd, dynamo-pd, e2-pd pick both; the others only decode replicas); 0: none")
 	fs.Float64Var(&c.KVLinkGbps, "kv-link-gbps", 400, "--prefill-replicas: each replica's link for KV transfers, Gbit/s, shared by the transfers using it (400: one ConnectX-7 port)")
 	fs.DurationVar(&c.KVLinkLatency, "kv-link-latency", time.Millisecond, "--prefill-replicas: fixed time of one KV transfer beyond its bytes")

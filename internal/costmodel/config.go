@@ -63,6 +63,10 @@ type Config struct {
 	// (Profile's Batching). Nil means the default: VLLMBatching(*GPU) for a
 	// roofline, DefaultBatching for the other kinds.
 	Batching *Batching `json:"batching,omitempty"`
+
+	// AdapterLoad, for every kind, prices loading a LoRA adapter into a GPU
+	// slot (Profile's AdapterLoad). Nil means DefaultAdapterLoad.
+	AdapterLoad *AdapterLoad `json:"adapter_load,omitempty"`
 }
 
 // Validate checks c and returns the first rule it breaks, as an error that
@@ -110,8 +114,16 @@ func (c Config) Validate() error {
 	default: // KindRoofline
 		err = c.validateRoofline(bad)
 	}
-	if err != nil || c.Batching == nil {
+	if err != nil {
 		return err
+	}
+	if c.AdapterLoad != nil {
+		if err := validateAdapterLoad(bad, *c.AdapterLoad); err != nil {
+			return err
+		}
+	}
+	if c.Batching == nil {
+		return nil
 	}
 	return validateBatching(bad, *c.Batching)
 }
@@ -275,14 +287,16 @@ func New(c Config) (Profile, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
-	b := c.batching()
+	b, a := c.batching(), c.adapterLoad()
 	switch c.Kind {
 	case KindPrebleMistral:
-		return &prebleMistral{name: c.Name, kv: c.KVCapacityTokens, batching: b}, nil
+		return &prebleMistral{name: c.Name, kv: c.KVCapacityTokens, batching: b, adapter: a}, nil
 	case KindLinear:
-		return &linear{name: c.Name, prefill: *c.PrefillMS, decode: *c.DecodeMS, kv: c.KVCapacityTokens, batching: b}, nil
+		return &linear{name: c.Name, prefill: *c.PrefillMS, decode: *c.DecodeMS, kv: c.KVCapacityTokens, batching: b, adapter: a}, nil
 	default: // KindRoofline; Validate rejected the rest
-		return newRoofline(c.Name, *c.Model, *c.GPU, *c.Assume, b), nil
+		r := newRoofline(c.Name, *c.Model, *c.GPU, *c.Assume, b)
+		r.adapter = a
+		return r, nil
 	}
 }
 

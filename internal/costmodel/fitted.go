@@ -50,6 +50,7 @@ type prebleMistral struct {
 	name     string
 	kv       int
 	batching Batching
+	adapter  AdapterLoad
 }
 
 var (
@@ -155,6 +156,7 @@ type linear struct {
 	decode   DecodeFit
 	kv       int
 	batching Batching
+	adapter  AdapterLoad
 }
 
 var (

@@ -118,6 +118,7 @@ type roofline struct {
 	weightBytes   float64
 	kvPerToken    float64
 	byteRate      float64 // Count·HBMBandwidth·MBU
+	adapter       AdapterLoad
 }
 
 var (

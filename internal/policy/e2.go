@@ -94,6 +94,13 @@ type E2Config struct {
 	// EvictionWeight weighs M, the eviction cost (1 in the paper; term
 	// eviction).
 	EvictionWeight float64 `json:"eviction_weight"`
+	// AdapterLoadWeight weighs the time to load a request's LoRA adapter on
+	// a replica that does not hold it (term adapter_load, part of P), and
+	// AdapterEvictionWeight the reload of the adapter that load evicts when
+	// the replica's slots are full (term adapter_eviction, part of M). Both
+	// are 0 for the base model.
+	AdapterLoadWeight     float64 `json:"adapter_load_weight"`
+	AdapterEvictionWeight float64 `json:"adapter_eviction_weight"`
 	// Mixing enables the prefill/decode mixing rule.
 	Mixing bool `json:"mixing"`
 	// Rebalance enables migration of prefixes off a heavy replica, and
@@ -136,6 +143,8 @@ type E2Config struct {
 //	slot_wait         0
 //	eviction          1       (missRate·count·T_prefill: eviction_recompute false)
 //	prefill           0       (include_prefill false)
+//	adapter_eviction  1       (prefixlb's: LoRA adapters, e2cost.go)
+//	adapter_load      1       (prefixlb's: LoRA adapters, e2cost.go)
 func PrebleE2Config() E2Config {
 	return E2Config{
 		Name:                "e2-preble",
@@ -156,8 +165,13 @@ func PrebleE2Config() E2Config {
 		PrefillWeight:       1,
 		EvictionWeight:      1,
 		Mixing:              true,
-		Rebalance:           true,
-		Replicate:           true,
+		// Preble prices no adapters; these are prefixlb's (e2cost.go),
+		// at the weight of the terms they extend (M and P, 1 in the
+		// paper), so that e2-preble on adapters sees their loads.
+		AdapterLoadWeight:     1,
+		AdapterEvictionWeight: 1,
+		Rebalance:             true,
+		Replicate:             true,
 	}
 }
 
@@ -171,8 +185,8 @@ func PrebleE2Config() E2Config {
 //
 //	cost(r) = L + M + P
 //	L = decode + history + pending + interference + self_decode + prefill_slowdown + slot_wait
-//	M = eviction
-//	P = prefill
+//	M = eviction + adapter_eviction
+//	P = prefill + adapter_load
 //
 //	term              weight  on replica r, w the weight                         from
 //	decode            0       w·(decode tokens owed)·T_marginal(inflight_r)      Preble's L
@@ -184,6 +198,8 @@ func PrebleE2Config() E2Config {
 //	slot_wait         1       w·(wait for a free slot of a slot cache)           prefixlb
 //	eviction          1       w·M_r, the paper's eviction cost                   Preble's M
 //	prefill           3       w·P_r, P_r = T_prefill(missed on r, prompt)        Preble's P
+//	adapter_eviction  1       w·T_load(r) if r lacks the adapter, slots full     prefixlb
+//	adapter_load      1       w·T_load(r) if r lacks the adapter                 prefixlb
 //
 // ρ_r is r's windowed prefill rate (prefill that arrives meanwhile shares
 // this request's decode) and s_r the share of each chunked-prefill iteration
@@ -260,6 +276,10 @@ func (c E2Config) Validate() error {
 		return fmt.Errorf("policy: e2 %s: interference_weight must be ≥ 0, got %v", c.Name, c.InterferenceWeight)
 	case !finite(c.EvictionWeight) || c.EvictionWeight < 0:
 		return fmt.Errorf("policy: e2 %s: eviction_weight must be ≥ 0, got %v", c.Name, c.EvictionWeight)
+	case !finite(c.AdapterLoadWeight) || c.AdapterLoadWeight < 0:
+		return fmt.Errorf("policy: e2 %s: adapter_load_weight must be ≥ 0, got %v", c.Name, c.AdapterLoadWeight)
+	case !finite(c.AdapterEvictionWeight) || c.AdapterEvictionWeight < 0:
+		return fmt.Errorf("policy: e2 %s: adapter_eviction_weight must be ≥ 0, got %v", c.Name, c.AdapterEvictionWeight)
 	case c.RebalanceInterval < 0:
 		return fmt.Errorf("policy: e2 %s: rebalance_interval must be ≥ 0, got %v", c.Name, c.RebalanceInterval)
 	case c.MoveCooldown < 0:

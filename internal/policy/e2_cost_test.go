@@ -147,11 +147,15 @@ func checkTerms(t *testing.T, spec string, cd policy.Candidate) (nonzero uint) {
 		}
 	}
 	score := load + cd.Terms[policy.E2Eviction] + cd.Terms[policy.E2Prefill]
+	ae, al := cd.Terms[policy.E2AdapterEviction], cd.Terms[policy.E2AdapterLoad]
+	if ae != 0 || al != 0 {
+		score += ae + al
+	}
 	if cd.Score == math.MaxFloat64 && (math.IsInf(score, 0) || math.IsNaN(score)) {
 		score = math.MaxFloat64
 	}
 	if math.Float64bits(load) != math.Float64bits(cd.Load) || math.Float64bits(score) != math.Float64bits(cd.Score) ||
-		cd.Eviction != cd.Terms[policy.E2Eviction] || cd.Prefill != cd.Terms[policy.E2Prefill] {
+		cd.Eviction != cd.Terms[policy.E2Eviction]+ae || cd.Prefill != cd.Terms[policy.E2Prefill]+al {
 		t.Errorf("%s: r%d: terms %v sum to L=%v, score %v; the candidate says L=%v M=%v P=%v score %v",
 			spec, cd.Replica, *cd.Terms, load, score, cd.Load, cd.Eviction, cd.Prefill, cd.Score)
 	}
@@ -187,6 +191,9 @@ func TestE2CostUnchanged(t *testing.T) {
 		}
 	}
 	for term := range policy.NumE2Terms {
+		if term == policy.E2AdapterEviction || term == policy.E2AdapterLoad {
+			continue // base-model requests only here: TestE2AdapterTerms
+		}
 		if nonzero&(1<<term) == 0 {
 			t.Errorf("term %v is 0 in every decision: the checksums do not cover it", term)
 		}

@@ -79,9 +79,9 @@ func checkE2Doc(doc string, cfg E2Config) []string {
 	for t := range NumE2Terms {
 		p := "L"
 		switch t {
-		case E2Eviction:
+		case E2Eviction, E2AdapterEviction:
 			p = "M"
-		case E2Prefill:
+		case E2Prefill, E2AdapterLoad:
 			p = "P"
 		}
 		parts[p] = append(parts[p], t.String())

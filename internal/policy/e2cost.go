@@ -15,7 +15,9 @@ import (
 // Efficient Distributed Prompt Scheduling for LLM Serving", ICLR 2025, §3.2)
 // prices a replica as L + M + P: its load, the eviction the request causes
 // and the request's own prefill. Here L is the sum of the terms from
-// E2Decode to E2SlotWait, M is E2Eviction and P is E2Prefill; each term is
+// E2Decode to E2SlotWait, M is E2Eviction plus E2AdapterEviction and P is
+// E2Prefill plus E2AdapterLoad (the adapter terms are 0 for the base model
+// and where adapter slots are unknown); each term is
 // one method (…Term) whose doc comment gives its formula, the weights come
 // from the E2Config (termWeights) and cost adds them up.
 
@@ -34,6 +36,8 @@ const (
 	E2SlotWait                      // L: wait for a free slot (prefixlb)
 	E2Eviction                      // M: eviction (Preble)
 	E2Prefill                       // P: this request's prefill (Preble)
+	E2AdapterEviction               // M: evicting another LoRA adapter (prefixlb)
+	E2AdapterLoad                   // P: loading this request's LoRA adapter (prefixlb)
 	NumE2Terms
 )
 
@@ -49,6 +53,8 @@ var e2TermNames = [NumE2Terms]string{
 	E2SlotWait:        "slot_wait",
 	E2Eviction:        "eviction",
 	E2Prefill:         "prefill",
+	E2AdapterEviction: "adapter_eviction",
+	E2AdapterLoad:     "adapter_load",
 }
 
 // String returns the term's name ("pending", "self_decode", ...).
@@ -103,12 +109,18 @@ func (t *E2Terms) UnmarshalJSON(data []byte) error {
 
 // sum returns L, the sum of the load terms, and the cost, L + M + P. The
 // order of the additions is the cost's since before it had named terms: a
-// different one could move the last bit of a cost, and so a tie.
+// different one could move the last bit of a cost, and so a tie. The
+// adapter terms come last, so that for the base model (both 0) the cost is
+// the same float it was before them.
 func (t *E2Terms) sum() (load, cost float64) {
 	for _, x := range t[:E2Eviction] {
 		load += x
 	}
-	return load, load + t[E2Eviction] + t[E2Prefill]
+	cost = load + t[E2Eviction] + t[E2Prefill]
+	if t[E2AdapterEviction] != 0 || t[E2AdapterLoad] != 0 {
+		cost += t[E2AdapterEviction] + t[E2AdapterLoad]
+	}
+	return load, cost
 }
 
 // termWeights returns the weight of each term under c, the one place where
@@ -135,6 +147,8 @@ func (c *E2Config) termWeights() [NumE2Terms]float64 {
 	if c.IncludePrefill {
 		w[E2Prefill] = c.PrefillWeight
 	}
+	w[E2AdapterEviction] = c.AdapterEvictionWeight
+	w[E2AdapterLoad] = c.AdapterLoadWeight
 	return w
 }
 
@@ -165,9 +179,49 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	}
 	t[E2PrefillSlowdown] = p.prefillSlowdownTerm(w[E2PrefillSlowdown], v, r, t[E2Pending]+t[E2Prefill])
 	t[E2SlotWait] = p.slotWaitTerm(w[E2SlotWait], r, req, v)
+	t[E2AdapterEviction] = adapterEvictionTerm(w[E2AdapterEviction], r, req, v)
+	t[E2AdapterLoad] = adapterLoadTerm(w[E2AdapterLoad], r, req, v)
 	c.Replica, c.MatchedTokens = r, m
 	c.Load, c.Score = t.sum()
 	c.Eviction, c.Prefill = t[E2Eviction], t[E2Prefill]
+	if t[E2AdapterEviction] != 0 || t[E2AdapterLoad] != 0 {
+		c.Eviction += t[E2AdapterEviction]
+		c.Prefill += t[E2AdapterLoad]
+	}
+}
+
+// adapterLoadTerm is the time r takes to load this request's LoRA adapter
+// into a GPU slot when it does not hold it (prefixlb's extension of P): the
+// adapter's bytes over the profile's host-to-device bandwidth plus a fixed
+// cost (costmodel.AdapterLoad; View.AdapterLoadTime). vLLM loads it before
+// the step that admits the request, so the request waits for it. 0 for the
+// base model, on a replica holding the adapter, and where the replica's
+// slots are unknown (Replica.MaxAdapters 0):
+//
+//	adapter_load = w · (bytes / h2d bandwidth + fixed)   if r lacks the adapter
+func adapterLoadTerm(w float64, r int, req *Request, v *View) float64 {
+	if w <= 0 || req.Adapter == "" {
+		return 0
+	}
+	return w * secs(v.AdapterLoadTime(r, req))
+}
+
+// adapterEvictionTerm is the part of M an adapter load causes (prefixlb's
+// extension): when r lacks the adapter and its max_loras slots are all
+// taken, the load evicts another adapter, whose next request on r pays a
+// reload. It prices that one reload, at r's load time, as
+// EvictionRecompute prices an evicted prefix at one recompute; the victim
+// is taken to be still in use (under Zipf popularity nearly every resident
+// adapter is). 0 while r has a free slot, holds the adapter, or for the
+// base model:
+//
+//	adapter_eviction = w · T_load(r)   if r lacks the adapter and its slots are full
+func adapterEvictionTerm(w float64, r int, req *Request, v *View) float64 {
+	rp := &v.Replicas[r]
+	if w <= 0 || req.Adapter == "" || !rp.AdapterSlotsFull() || rp.HoldsAdapter(req.Adapter) {
+		return 0
+	}
+	return w * secs(costmodel.AdapterLoadOf(v.ProfileOf(r)).Time(rp.AdapterBytes))
 }
 
 // decodeTerm is Preble's in-flight decode part of L (§3.2: the decode time

@@ -48,6 +48,12 @@ type Request struct {
 	// candidate its cost term by term (Candidate.Terms), at the price of
 	// one more allocation. Routing ignores it.
 	Explain bool
+	// Adapter names the LoRA adapter the request asks for (vLLM serves an
+	// adapter under its own model name); "" for the base model. Keys are
+	// expected to be the adapter's own (an adapter's blocks never match
+	// another's, as vLLM hashes the adapter into each block); policies that
+	// price adapter residency read it (Replica.Adapters).
+	Adapter string
 }
 
 // Replica is a snapshot of one replica as the router sees it.
@@ -100,6 +106,41 @@ type Replica struct {
 	// as their prefill or decode replica, no token out of the decode yet):
 	// they share its link (View.KVLink).
 	Transfers int
+	// Adapters lists the LoRA adapters the replica holds in its GPU slots
+	// (vLLM's max_loras), most recently used first when the source knows
+	// the order; nil when none, or unknown. The router's caller sets it
+	// (router.SetAdapters): from vLLM's vllm:lora_requests_info gauge
+	// (running_lora_adapters) in serve, from the replica model in sim.
+	Adapters []string
+	// MaxAdapters is the replica's number of adapter slots (vLLM's
+	// max_loras, the gauge's max_lora label); 0 when unknown or when the
+	// replica serves no adapters. Policies price adapter loads only where
+	// it is positive.
+	MaxAdapters int
+	// AdapterBytes is the size of an adapter the replica would load, which
+	// with its profile's costmodel.AdapterLoad gives the load time
+	// (View.AdapterLoadTime); 0 prices only the fixed cost.
+	AdapterBytes int64
+}
+
+// HoldsAdapter reports whether the replica holds adapter a in a GPU slot;
+// true for the base model ("") and when slots are unknown (MaxAdapters 0).
+func (r *Replica) HoldsAdapter(a string) bool {
+	if a == "" || r.MaxAdapters <= 0 {
+		return true
+	}
+	for _, x := range r.Adapters {
+		if x == a {
+			return true
+		}
+	}
+	return false
+}
+
+// AdapterSlotsFull reports whether every adapter slot of the replica is
+// taken (a load would evict another adapter).
+func (r *Replica) AdapterSlotsFull() bool {
+	return r.MaxAdapters > 0 && len(r.Adapters) >= r.MaxAdapters
 }
 
 // Queue is the replica's waiting queue, what GIE's queue scorer and
@@ -181,6 +222,17 @@ func (v *View) ProfileOf(r int) costmodel.Profile {
 		return v.Profiles[r]
 	}
 	return v.Profile
+}
+
+// AdapterLoadTime is the time replica r takes to load req's adapter into a
+// GPU slot: 0 when it holds it (Replica.HoldsAdapter), else its profile's
+// costmodel.AdapterLoad for Replica.AdapterBytes.
+func (v *View) AdapterLoadTime(r int, req *Request) time.Duration {
+	rp := &v.Replicas[r]
+	if rp.HoldsAdapter(req.Adapter) {
+		return 0
+	}
+	return costmodel.AdapterLoadOf(v.ProfileOf(r)).Time(rp.AdapterBytes)
 }
 
 // MatchedTokens is how many prompt tokens replica r caches for this request.
@@ -351,6 +403,8 @@ var constructors = map[string]func(Options) (Policy, error){
 	"llmd-pd":        func(Options) (Policy, error) { return NewLLMDPD(DefaultLLMDPDThreshold), nil },
 	"dynamo-pd":      func(Options) (Policy, error) { return NewDynamoPD(DefaultDynamoConfig()), nil },
 	"e2-pd":          func(o Options) (Policy, error) { return NewE2PD(o.E2PD) },
+	// LoRA adapters (lora.go).
+	"gie-lora": func(Options) (Policy, error) { return NewGIELoRA(DefaultGIELoRAWeight), nil },
 }
 
 // Options configures the policies New builds. DefaultOptions gives the

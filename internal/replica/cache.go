@@ -31,7 +31,8 @@ type prefixCache struct {
 const nilEntry int32 = -1
 
 type entry struct {
-	key        blocks.Key
+	key        blocks.Key // its key in the cache
+	ext        blocks.Key // the key its events report (the request's)
 	refs       int32
 	prev, next int32 // LRU links while refs == 0
 }
@@ -61,8 +62,9 @@ func (c *prefixCache) prefix(keys []blocks.Key) int {
 	return len(keys)
 }
 
-// insert adds k, which must be absent, referenced once.
-func (c *prefixCache) insert(k blocks.Key) int32 {
+// insert adds k, which must be absent, referenced once; its events report
+// it as ext (lora.go: an adapter's cache keys differ from its requests').
+func (c *prefixCache) insert(k, ext blocks.Key) int32 {
 	var i int32
 	if n := len(c.slots); n > 0 {
 		i = c.slots[n-1]
@@ -71,7 +73,7 @@ func (c *prefixCache) insert(k blocks.Key) int32 {
 		i = int32(len(c.ents))
 		c.ents = append(c.ents, entry{})
 	}
-	c.ents[i] = entry{key: k, refs: 1, prev: nilEntry, next: nilEntry}
+	c.ents[i] = entry{key: k, ext: ext, refs: 1, prev: nilEntry, next: nilEntry}
 	c.idx[k] = i
 	return i
 }
@@ -123,12 +125,12 @@ func (c *prefixCache) unlink(i int32) {
 }
 
 // evict removes the least recently released unreferenced block, a leaf, and
-// returns its key. There must be one (nLRU > 0).
+// returns the key its events report. There must be one (nLRU > 0).
 func (c *prefixCache) evict() blocks.Key {
 	i := c.head
 	c.unlink(i)
-	k := c.ents[i].key
-	delete(c.idx, k)
+	e := &c.ents[i]
+	delete(c.idx, e.key)
 	c.slots = append(c.slots, i)
-	return k
+	return e.ext
 }

@@ -135,6 +135,13 @@ type Config struct {
 	// rejects requests of more than one output token and requests with
 	// RemoteKV; RemoteKV needs a block cache (Slots 0).
 	Role string
+	// MaxLoras is vLLM's --max-loras: how many LoRA adapters the replica
+	// holds in GPU slots at once (lora.go). Requests for other adapters
+	// wait for a slot their load can take, and loading one takes the
+	// profile's costmodel.AdapterLoad. 0 (the default) does not model
+	// slots: every adapter is resident and loads cost nothing. A block
+	// cache only.
+	MaxLoras int
 }
 
 // DefaultConfig returns a Config with every default filled in but those that
@@ -202,6 +209,10 @@ func (c Config) Validate() error {
 		return bad("Slots must be 0 (a block cache) or positive, got %d", c.Slots)
 	case c.Role != "" && c.Role != RoleBoth && c.Role != RolePrefill && c.Role != RoleDecode:
 		return bad("Role must be %q, %q or %q, got %q", RoleBoth, RolePrefill, RoleDecode, c.Role)
+	case c.MaxLoras < 0:
+		return bad("MaxLoras must be 0 (adapters not modelled) or positive, got %d", c.MaxLoras)
+	case c.MaxLoras > 0 && c.Slots > 0:
+		return bad("MaxLoras needs a block cache (Slots 0)")
 	case c.Role == RoleDecode && c.Slots > 0:
 		return bad("Role %q needs a block cache (Slots 0): llama.cpp's slots do not receive KV", RoleDecode)
 	}

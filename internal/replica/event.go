@@ -53,19 +53,30 @@ const (
 	// their arrival with KVArrived. At is the start of the iteration; it
 	// follows the request's Admitted event.
 	KVPull
+	// AdapterLoaded: admitting request RequestID loaded LoRA adapter
+	// Adapter into a GPU slot (Config.MaxLoras); the iteration that admits
+	// it takes the load's time longer. At is the start of the iteration;
+	// it precedes the request's Admitted event.
+	AdapterLoaded
+	// AdapterEvicted: Adapter left its GPU slot for another adapter's load
+	// (the least recently used one no running request uses). At is the
+	// start of the iteration; it precedes the AdapterLoaded event.
+	AdapterEvicted
 )
 
 var kindNames = [...]string{
-	Admitted:      "Admitted",
-	FirstToken:    "FirstToken",
-	Token:         "Token",
-	Finished:      "Finished",
-	Preempted:     "Preempted",
-	Cancelled:     "Cancelled",
-	BlocksStored:  "BlocksStored",
-	BlocksRemoved: "BlocksRemoved",
-	AllCleared:    "AllCleared",
-	KVPull:        "KVPull",
+	Admitted:       "Admitted",
+	FirstToken:     "FirstToken",
+	Token:          "Token",
+	Finished:       "Finished",
+	Preempted:      "Preempted",
+	Cancelled:      "Cancelled",
+	BlocksStored:   "BlocksStored",
+	BlocksRemoved:  "BlocksRemoved",
+	AllCleared:     "AllCleared",
+	KVPull:         "KVPull",
+	AdapterLoaded:  "AdapterLoaded",
+	AdapterEvicted: "AdapterEvicted",
 }
 
 // String returns the kind's name.
@@ -115,4 +126,9 @@ type Event struct {
 	Parent blocks.Key
 	// HasParent says whether Parent is set.
 	HasParent bool
+	// Adapter (BlocksStored, AdapterLoaded, AdapterEvicted) is the LoRA
+	// adapter concerned: the adapter of the request whose blocks were
+	// stored ("" for the base model), as vLLM's BlockStored carries
+	// lora_name.
+	Adapter string
 }

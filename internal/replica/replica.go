@@ -87,6 +87,14 @@ type Request struct {
 	// network. It then recomputes only the last prompt token, for its
 	// logits, and decodes. A block cache only; not on a prefill replica.
 	RemoteKV bool
+	// Adapter names the LoRA adapter the request runs with ("" for the
+	// base model): its blocks are cached apart from every other adapter's
+	// and the base model's, and with Config.MaxLoras > 0 it needs the
+	// adapter in a GPU slot (lora.go). A block cache only.
+	Adapter string
+	// AdapterBytes is the size of Adapter's weights, which a load copies
+	// to the GPU (costmodel.AdapterLoad); 0 prices only the fixed cost.
+	AdapterBytes int64
 }
 
 // seq is a request's state on the replica.
@@ -104,8 +112,9 @@ type seq struct {
 	match     int // scratch: cached prefix blocks (lpm)
 	slot      int // slot cache: the slot it runs on, while running
 	done      bool
-	awaitKV   bool // RemoteKV: admitted, its blocks reserved, its KV not yet arrived
-	kvDone    bool // RemoteKV: its KV arrived (a preemption then recomputes it here)
+	awaitKV   bool         // RemoteKV: admitted, its blocks reserved, its KV not yet arrived
+	kvDone    bool         // RemoteKV: its KV arrived (a preemption then recomputes it here)
+	keys      []blocks.Key // its blocks' keys in the prefix cache (cacheKeys)
 }
 
 // Replica is the model of one GPU engine. Create it with New. It is not safe
@@ -139,6 +148,12 @@ type Replica struct {
 	slotCtx  int                  // tokens of context per slot
 	slotRefs map[blocks.Key]int32 // reported chain keys: how many slots hold each
 	nRel     uint64               // slot releases, for LRU
+
+	// LoRA adapters (lora.go): the GPU slots, the clock of their LRU, and
+	// the load time the iteration being scheduled owes.
+	loras     []loraSlot
+	loraClock uint64
+	loadTime  time.Duration
 
 	st Stats
 }
@@ -197,6 +212,10 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 			ErrInvalidRequest, req.ID, len(req.Keys), B, req.PromptTokens)
 	case r.byID[req.ID] != nil:
 		return fmt.Errorf("%w: %d", ErrDuplicateID, req.ID)
+	case req.AdapterBytes < 0:
+		return fmt.Errorf("%w: request %d: AdapterBytes must be >= 0, got %d", ErrInvalidRequest, req.ID, req.AdapterBytes)
+	case req.Adapter != "" && r.slots != nil:
+		return fmt.Errorf("%w: request %d: adapter %q needs a block cache, the replica has slots", ErrInvalidRequest, req.ID, req.Adapter)
 	case req.RemoteKV && r.slots != nil:
 		return fmt.Errorf("%w: request %d: RemoteKV needs a block cache, the replica has slots", ErrInvalidRequest, req.ID)
 	case r.cfg.Role == RolePrefill && (req.RemoteKV || req.OutputTokens > 1):
@@ -219,6 +238,7 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 		s = new(seq)
 	}
 	*s = seq{req: req, arrival: r.nArr, group: -1}
+	s.keys = cacheKeys(nil, req)
 	r.nArr++
 	r.byID[req.ID] = s
 	r.waiting = append(r.waiting, s)
@@ -357,6 +377,12 @@ func (r *Replica) runBatch(now time.Time, decodeCtx int, ev []Event) (end time.T
 	if d < 0 {
 		d = 0
 	}
+	if r.loadTime > 0 {
+		// Adapters loaded for this iteration's admissions (lora.go): the
+		// step waits for their copies.
+		d += r.loadTime
+		r.loadTime = 0
+	}
 	end = now.Add(d)
 	r.st.Iterations++
 	r.st.BusyTime += d
@@ -429,17 +455,17 @@ func (r *Replica) addChunk(s *seq, n int) {
 // the same prefix meanwhile) is shared and s's copy freed, as SGLang's radix
 // cache does on insert.
 func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
-	keys := s.req.Keys
+	keys, ck := s.req.Keys, s.keys
 	full := min(s.computed/r.cfg.BlockSize, len(keys))
 	run := -1 // start of the current run of new keys
-	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end) }
+	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end, s.req.Adapter) }
 	for ; s.pinned < full; s.pinned++ {
-		k := keys[s.pinned]
+		k := ck[s.pinned]
 		if i := r.cache.lookup(k); i != nilEntry {
 			flush(s.pinned)
 			r.cache.pin(i)
 		} else {
-			r.cache.insert(k)
+			r.cache.insert(k, keys[s.pinned])
 			if run < 0 {
 				run = s.pinned
 			}
@@ -451,12 +477,13 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 }
 
 // appendStored appends a BlocksStored event for keys[run:upto] (the chain
-// continuing keys[run-1]) when run ≥ 0, and returns -1: no run open.
-func appendStored(ev *[]Event, keys []blocks.Key, run, upto int, end time.Time) int {
+// continuing keys[run-1]) of an adapter's request when run ≥ 0, and returns
+// -1: no run open.
+func appendStored(ev *[]Event, keys []blocks.Key, run, upto int, end time.Time, adapter string) int {
 	if run < 0 {
 		return -1
 	}
-	e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto]}
+	e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto], Adapter: adapter}
 	if run > 0 {
 		e.Parent, e.HasParent = keys[run-1], true
 	}
@@ -491,7 +518,10 @@ func (r *Replica) release(s *seq) {
 		r.releaseSlot(s)
 		return
 	}
-	keys := s.req.Keys
+	if s.running {
+		r.loraRelease(s)
+	}
+	keys := s.keys
 	for j := s.pinned - 1; j >= 0; j-- {
 		r.cache.unpin(r.cache.lookup(keys[j]))
 	}
@@ -522,10 +552,13 @@ func (r *Replica) preempt(s *seq, now time.Time, ev *[]Event) {
 // least the last token to compute (vLLM v1 KVCacheManager.get_computed_blocks
 // caps the hit at num_tokens-1, block-aligned).
 func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool {
+	if r.loraBlocked(s) {
+		return false // its adapter would exceed MaxLoras (lora.go)
+	}
 	B := r.cfg.BlockSize
 	target := s.req.PromptTokens + s.generated
 	total := ceilDiv(target, B)
-	keys := s.req.Keys
+	keys := s.keys
 	maxHit := min(len(keys), (target-1)/B)
 	avail := r.freeBlocks() + r.cache.nLRU
 	if total-maxHit+1 > avail {
@@ -548,6 +581,7 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 	if priv+1 > avail-unpinned {
 		return false
 	}
+	r.loraAcquire(s, now, ev)
 	for _, i := range r.scratch {
 		r.cache.pin(i)
 	}
@@ -711,6 +745,12 @@ type Stats struct {
 	// KVBlocksPulled counts the blocks of remote requests' prompts that
 	// came from another replica (KVArrived; Request.RemoteKV).
 	KVBlocksPulled int64 `json:",omitempty"`
+	// AdapterLoads counts LoRA adapters loaded into a GPU slot, and
+	// AdapterEvictions those loads that evicted another adapter
+	// (Config.MaxLoras; lora.go).
+	AdapterLoads, AdapterEvictions int64 `json:",omitempty"`
+	// AdapterLoadTime is the iteration time those loads added.
+	AdapterLoadTime time.Duration `json:",omitempty"`
 	// BusyTime is the total duration of the iterations run.
 	BusyTime time.Duration
 }

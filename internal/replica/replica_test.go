@@ -533,9 +533,9 @@ func TestPriorityGroup(t *testing.T) {
 	} {
 		r.cache = newPrefixCache()
 		for _, k := range keys[:tc.cached] {
-			r.cache.unpin(r.cache.insert(k))
+			r.cache.unpin(r.cache.insert(k, k))
 		}
-		s := &seq{req: &Request{Keys: keys, PromptTokens: tc.prompt}}
+		s := &seq{req: &Request{Keys: keys, PromptTokens: tc.prompt}, keys: keys}
 		if got := r.groupOf(s); got != tc.want {
 			t.Errorf("%d cached blocks of a %d-token prompt: group %d, want %d", tc.cached, tc.prompt, got, tc.want)
 		}

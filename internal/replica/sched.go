@@ -18,19 +18,38 @@ const lpmMaxQueue = 128
 // when allocate_slots fails; SGLang's PrefillAdder stops on NO_TOKEN).
 func (r *Replica) admitQueue(now time.Time, ev *[]Event, budget *int) {
 	n := 0
+	skipped := false
 	for _, s := range r.waiting {
 		if len(r.running) >= r.cfg.MaxRunning || *budget == 0 {
 			break
+		}
+		if r.loraBlocked(s) {
+			// vLLM skips a request whose adapter would exceed max_loras
+			// and goes on with the queue (lora.go).
+			skipped = true
+			continue
 		}
 		if !r.tryAdmit(s, now, ev, budget) {
 			break
 		}
 		n++
 	}
-	if n > 0 {
+	if n == 0 {
+		return
+	}
+	if !skipped {
 		clear(r.waiting[:n])
 		r.waiting = r.waiting[n:]
+		return
 	}
+	kept := r.waiting[:0]
+	for _, s := range r.waiting {
+		if !s.running {
+			kept = append(kept, s)
+		}
+	}
+	clear(r.waiting[len(kept):])
+	r.waiting = kept
 }
 
 // sortLPM orders the waiting queue longest cached prefix first, ties in
@@ -42,7 +61,7 @@ func (r *Replica) sortLPM() {
 		return
 	}
 	for _, s := range r.waiting {
-		s.match = r.cache.prefix(s.req.Keys)
+		s.match = r.cache.prefix(s.keys)
 	}
 	slices.SortFunc(r.waiting, func(a, b *seq) int {
 		if c := cmp.Compare(b.match, a.match); c != 0 {
@@ -120,7 +139,7 @@ func (r *Replica) admitPriority(now time.Time, ev *[]Event, budget *int) {
 func (r *Replica) groupOf(s *seq) int {
 	G := len(r.groups)
 	p := s.req.PromptTokens
-	hit := min(r.cache.prefix(s.req.Keys)*r.cfg.BlockSize, p)
+	hit := min(r.cache.prefix(s.keys)*r.cfg.BlockSize, p)
 	g := (G*hit+p-1)/p - 1
 	return max(0, min(g, G-1))
 }

@@ -478,6 +478,36 @@ func (r *Router) ReplicaLoad(id, waiting, running int, kvUsage float64) error {
 	return nil
 }
 
+// SetAdapters records the LoRA adapters replica id holds in its GPU slots
+// (policy.Replica.Adapters; copied) and its number of slots, vLLM's
+// max_loras (policy.Replica.MaxAdapters; 0: unknown, adapters not priced).
+// Callers pass Request.Adapter through Route; policies read both.
+func (r *Router) SetAdapters(id int, loaded []string, max int) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if max < 0 {
+		return fmt.Errorf("%w: max adapters %d for replica %d", ErrBadLoad, max, id)
+	}
+	rp := &r.reps[id]
+	rp.Adapters = append([]string(nil), loaded...) // snapshots (Replicas) keep the old one
+	rp.MaxAdapters = max
+	return nil
+}
+
+// SetAdapterBytes records the size of an adapter replica id would load
+// (policy.Replica.AdapterBytes), which prices its load time.
+func (r *Router) SetAdapterBytes(id int, n int64) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if n < 0 {
+		return fmt.Errorf("%w: adapter bytes %d for replica %d", ErrBadLoad, n, id)
+	}
+	r.reps[id].AdapterBytes = n
+	return nil
+}
+
 // Constraint holds one decision to some replicas without marking the
 // others down in the router (which would tell the policy they left the
 // pool and drop their placements): serve excludes replicas a request

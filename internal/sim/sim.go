@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"math"
 	"slices"
 	"time"
@@ -293,7 +294,11 @@ type runner struct {
 	free     []*event
 	freeGaps [][]time.Duration
 	links    *links // nil unless disaggregated
-	done_    []*transfer
+	// LoRA adapters: each replica's adapter loads when the router last
+	// heard its residency, and a buffer for it.
+	loraLoads []int64
+	loraBuf   []string
+	done_     []*transfer
 	// the disaggregated requests' TTFT split (PDStats)
 	pdPrefill, pdTransfer, pdWait report.Samples
 }
@@ -349,7 +354,16 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		if err := rt.SetRole(id, role); err != nil {
 			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
 		}
+		if rc.MaxLoras > 0 {
+			if err := rt.SetAdapters(id, nil, rc.MaxLoras); err != nil {
+				return nil, fmt.Errorf("sim: replica %d: %w", i, err)
+			}
+			if err := rt.SetAdapterBytes(id, maxAdapterBytes(reqs)); err != nil {
+				return nil, fmt.Errorf("sim: replica %d: %w", i, err)
+			}
+		}
 	}
+	rn.loraLoads = make([]int64, cfg.Replicas)
 	for i := range rn.reps {
 		// The router knows each engine's load from the start, as serve
 		// does from its first scrape (idle: nothing waiting or running).
@@ -406,12 +420,12 @@ func (rn *runner) arrive(i int, now time.Time) {
 	w := &rn.reqs[i]
 	s := &rn.st[i]
 	bt := rn.rt.Tree().BlockTokens()
-	s.keys = blocks.Keys(nil, w.Tokens, bt)
+	s.keys = adapterKeys(blocks.Keys(nil, w.Tokens, bt), w.Adapter)
 	s.arrival = now
 	s.replica = -1
 	out := max(w.OutputTokens, 1)
 	d, err := rn.rt.Route(policy.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens),
-		OutputTokens: out, Session: w.Session}, now)
+		OutputTokens: out, Session: w.Session, Adapter: w.Adapter}, now)
 	if err != nil {
 		s.err = err.Error()
 		rn.done++
@@ -419,7 +433,8 @@ func (rn *runner) arrive(i int, now time.Time) {
 	}
 	rn.res.Branches[d.Branch]++
 	s.replica = d.Replica
-	s.rreq = replica.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens), OutputTokens: out}
+	s.rreq = replica.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens), OutputTokens: out,
+		Adapter: w.Adapter, AdapterBytes: w.AdapterBytes}
 	if pd := rn.res.PD; pd != nil {
 		if !d.Disaggregated {
 			pd.Local++
@@ -427,7 +442,8 @@ func (rn *runner) arrive(i int, now time.Time) {
 			pd.Disaggregated++
 			s.pd, s.prefill = true, d.PrefillReplica
 			s.rreq.RemoteKV = true
-			s.preq = replica.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens), OutputTokens: 1}
+			s.preq = replica.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens), OutputTokens: 1,
+				Adapter: w.Adapter, AdapterBytes: w.AdapterBytes}
 			rn.submit(i, d.PrefillReplica, &s.preq, now)
 			return
 		}
@@ -651,6 +667,63 @@ func (rn *runner) deliverCache(r int, ev replica.Event, now time.Time) {
 func (rn *runner) updateLoad(r int) {
 	st := rn.reps[r].Stats()
 	_ = rn.rt.ReplicaLoad(r, st.Waiting, st.Running, st.KVUsage)
+	if st.AdapterLoads != rn.loraLoads[r] {
+		// Its adapter residency changed (every change is a load): tell the
+		// router, as serve reads vllm:lora_requests_info.
+		rn.loraLoads[r] = st.AdapterLoads
+		rn.loraBuf = rn.reps[r].Adapters(rn.loraBuf[:0])
+		_ = rn.rt.SetAdapters(r, rn.loraBuf, rn.cfg.Replica.MaxLoras)
+	}
+}
+
+// AdapterLoadsPerMinute is the LoRA adapter loads of every replica
+// (replica.Stats.AdapterLoads) per minute of the run's span.
+func (r *Result) AdapterLoadsPerMinute() float64 {
+	if r.Span <= 0 {
+		return 0
+	}
+	var n int64
+	for _, st := range r.Replicas {
+		n += st.AdapterLoads
+	}
+	return float64(n) / r.Span.Minutes()
+}
+
+// maxAdapterBytes is the largest adapter of reqs (the size the router
+// prices a load at).
+func maxAdapterBytes(reqs []workload.Request) int64 {
+	var n int64
+	for i := range reqs {
+		n = max(n, reqs[i].AdapterBytes)
+	}
+	return n
+}
+
+// adapterKeys returns the block keys of an adapter's request: keys, each
+// mixed with the adapter (FNV-1a of its name, through splitmix64's
+// finalizer), so that the router never matches an adapter's blocks with
+// another's or the base model's, as vLLM never reuses them (it hashes the
+// adapter's name into every block; replica/lora.go). keys is rewritten in
+// place; the base model's are returned as they are. It stands in for the
+// router's adapter-seeded keys (issue 17, internal/blocks), which replace
+// it once they land.
+func adapterKeys(keys []blocks.Key, adapter string) []blocks.Key {
+	if adapter == "" {
+		return keys
+	}
+	h := fnv.New64a()
+	h.Write([]byte(adapter))
+	seed := h.Sum64()
+	for i, k := range keys {
+		x := uint64(k) ^ seed
+		x ^= x >> 30
+		x *= 0xbf58476d1ce4e5b9
+		x ^= x >> 27
+		x *= 0x94d049bb133111eb
+		x ^= x >> 31
+		keys[i] = blocks.Key(x)
+	}
+	return keys
 }
 
 func (rn *runner) finish() {

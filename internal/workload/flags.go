@@ -27,6 +27,7 @@ import (
 //	coding-agent:  --repos --repo-min-tokens --repo-max-tokens --coding-sessions
 //	rag:           --rag-system-tokens --rag-chunks --rag-chunk-tokens
 //	shared-prefix: --groups --system-prompt-tokens --questions-per-group --question-tokens --shared-output-tokens
+//	lora:          --lora-adapters --lora-zipf --lora-adapter-mb --lora-system-prompts --lora-system-max-tokens
 //
 // It does not register --replicas: the cluster size belongs to the command
 // (sim's --replicas). Preble's "per 2 replicas" counts scale with
@@ -73,6 +74,12 @@ func (s *Spec) AddFlags(fs *pflag.FlagSet) {
 	fs.IntVar(&s.SharedPrefix.Questions, "questions-per-group", s.SharedPrefix.Questions, "shared-prefix: questions per group U (llm-d: 5)")
 	fs.IntVar(&s.SharedPrefix.QuestionTokens, "question-tokens", s.SharedPrefix.QuestionTokens, "shared-prefix: question tokens Q (llm-d: 1200)")
 	fs.IntVar(&s.SharedPrefix.Output, "shared-output-tokens", s.SharedPrefix.Output, "shared-prefix: output tokens (llm-d: 1000)")
+
+	fs.IntVar(&s.LoRA.Adapters, "lora-adapters", s.LoRA.Adapters, "lora: LoRA adapters N")
+	fs.Float64Var(&s.LoRA.Zipf, "lora-zipf", s.LoRA.Zipf, "lora: adapter popularity Zipf exponent; 0 = even")
+	fs.Float64Var(&s.LoRA.AdapterMB, "lora-adapter-mb", s.LoRA.AdapterMB, "lora: adapter size in MB (84: rank 16, all projections, Llama-3.1-8B, bf16)")
+	fs.IntVar(&s.LoRA.SystemPrompts, "lora-system-prompts", s.LoRA.SystemPrompts, "lora: system prompts per adapter")
+	fs.IntVar(&s.LoRA.SystemMax, "lora-system-max-tokens", s.LoRA.SystemMax, "lora: most system-prompt tokens")
 }
 
 // AddFlags registers the arrival flags on fs, bound to a:

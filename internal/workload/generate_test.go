@@ -49,7 +49,7 @@ func analyze(t *testing.T, reqs []Request, bs int) Stats {
 }
 
 func TestNamesAndUnknown(t *testing.T) {
-	want := []string{"agent", "coding-agent", "loogle", "programming", "rag", "shared-prefix", "toolbench", "videoqa"}
+	want := []string{"agent", "coding-agent", "loogle", "lora", "programming", "rag", "shared-prefix", "toolbench", "videoqa"}
 	if got := Names(); !slices.Equal(got, want) {
 		t.Fatalf("Names() = %v, want %v", got, want)
 	}

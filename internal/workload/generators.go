@@ -377,3 +377,34 @@ func genSharedPrefix(s *Spec) []Request {
 	}
 	return reqs
 }
+
+// genLoRA builds the `lora` workload (LoRAParams): each request picks an
+// adapter by Zipf popularity, one of that adapter's system prompts evenly,
+// and a fresh query. Group names the adapter and system prompt.
+func genLoRA(s *Spec) []Request {
+	p := s.LoRA
+	ts := &tokenSource{newRand(s.Seed, streamTokens)}
+	lr := newRand(s.Seed, streamLengths)
+	sel := newRand(s.Seed, streamSelect)
+	adapters := names("adapter-%d", p.Adapters)
+	bytes := int64(p.AdapterMB * 1e6)
+	system := make([][]uint32, p.Adapters*p.SystemPrompts)
+	groups := make([]string, len(system))
+	picks := selection(sel, s.Requests, p.Adapters, p.Zipf)
+	reqs := make([]Request, s.Requests)
+	for i, a := range picks {
+		k := a*p.SystemPrompts + sel.IntN(p.SystemPrompts)
+		if system[k] == nil {
+			system[k] = ts.tokens(uniformInt(lr, p.SystemMin, p.SystemMax))
+			groups[k] = fmt.Sprintf("%s/system-%d", adapters[a], k%p.SystemPrompts)
+		}
+		reqs[i] = Request{
+			Tokens:       concat(ts, system[k], uniformInt(lr, p.QueryMin, p.QueryMax)),
+			OutputTokens: uniformInt(lr, p.OutputMin, p.OutputMax),
+			Group:        groups[k],
+			Adapter:      adapters[a],
+			AdapterBytes: bytes,
+		}
+	}
+	return reqs
+}

@@ -22,4 +22,10 @@ type Request struct {
 	// Group names the shared prefix the generator built the prompt on (a tool,
 	// a document, a repository, a system prompt), for analysis; "" if none.
 	Group string
+	// Adapter names the LoRA adapter the request asks for (the model name
+	// vLLM serves it under); "" for the base model.
+	Adapter string
+	// AdapterBytes is the size of Adapter's weights (what loading it into a
+	// GPU slot copies); 0 when Adapter is "".
+	AdapterBytes int64
 }

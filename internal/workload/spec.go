@@ -41,6 +41,7 @@ type Spec struct {
 	CodingAgent  CodingAgentParams  `json:"coding_agent"`
 	RAG          RAGParams          `json:"rag"`
 	SharedPrefix SharedPrefixParams `json:"shared_prefix"`
+	LoRA         LoRAParams         `json:"lora"`
 }
 
 // ToolBenchParams shapes the `toolbench` workload (Preble §6, ToolBench): K
@@ -220,6 +221,35 @@ type SharedPrefixParams struct {
 	Output int `json:"output"`
 }
 
+// LoRAParams shapes the `lora` workload: one base model serving N LoRA
+// adapters (vLLM serves each under its own model name), adapter popularity
+// Zipf, each adapter with its own few system prompts, each request one of
+// its adapter's system prompts (chosen evenly) and a fresh user query. Not
+// scaled by Replicas.
+type LoRAParams struct {
+	// Adapters is N.
+	Adapters int `json:"adapters"`
+	// Zipf is the exponent of adapter popularity: P(adapter i) ∝
+	// (i+1)^-Zipf; 0 spreads requests evenly.
+	Zipf float64 `json:"zipf"`
+	// AdapterMB is each adapter's size in MB (10^6 bytes). The default, 84,
+	// is a rank-16 adapter of Llama-3.1-8B on all seven projections in
+	// bf16: 32 layers · 16 · (4096+4096 + 2·(4096+1024) + 4096+4096 +
+	// 3·(4096+14336)) · 2 bytes = 83.9 MB.
+	AdapterMB float64 `json:"adapter_mb"`
+	// SystemPrompts is the number of system prompts per adapter.
+	SystemPrompts int `json:"system_prompts"`
+	// SystemMin and SystemMax bound a system prompt's tokens (uniform).
+	SystemMin int `json:"system_min"`
+	SystemMax int `json:"system_max"`
+	// QueryMin and QueryMax bound the user query (uniform).
+	QueryMin int `json:"query_min"`
+	QueryMax int `json:"query_max"`
+	// OutputMin and OutputMax bound the output (uniform).
+	OutputMin int `json:"output_min"`
+	OutputMax int `json:"output_max"`
+}
+
 // DefaultSpec returns the published settings for the named workload (Preble's
 // prototype, WukLab/preble multi_node/benchmarks, and llm-d's benchmark), with
 // 1,000 requests, seed 1 and 2 replicas. It does not check the name.
@@ -278,6 +308,12 @@ func DefaultSpec(name string) Spec {
 		SharedPrefix: SharedPrefixParams{
 			Groups: 150, SystemTokens: 6000, Questions: 5, QuestionTokens: 1200, Output: 1000,
 		},
+		LoRA: LoRAParams{
+			Adapters: 32, Zipf: 1.1, AdapterMB: 84, SystemPrompts: 4,
+			SystemMin: 500, SystemMax: 3000,
+			QueryMin: 50, QueryMax: 500,
+			OutputMin: 50, OutputMax: 300,
+		},
 	}
 }
 
@@ -293,6 +329,7 @@ var generators = map[string]generator{
 	"coding-agent":  genCodingAgent,
 	"rag":           genRAG,
 	"shared-prefix": genSharedPrefix,
+	"lora":          genLoRA,
 }
 
 // Names returns the workload names Generate knows, sorted.
@@ -392,6 +429,15 @@ func (s *Spec) Validate() error {
 		check(p.Questions >= 1, "shared-prefix questions %d must be >= 1", p.Questions)
 		check(p.QuestionTokens >= 1, "shared-prefix question tokens %d must be >= 1", p.QuestionTokens)
 		check(p.Output >= 1, "shared-prefix output %d must be >= 1", p.Output)
+	case "lora":
+		p := s.LoRA
+		check(p.Adapters >= 1, "lora adapters %d must be >= 1", p.Adapters)
+		check(p.Zipf >= 0, "lora zipf %g must be >= 0", p.Zipf)
+		check(p.AdapterMB >= 0 && p.AdapterMB < 1e6, "lora adapter MB %g must be in [0, 1e6)", p.AdapterMB)
+		check(p.SystemPrompts >= 1, "lora system prompts %d must be >= 1", p.SystemPrompts)
+		rng("lora system prompt", p.SystemMin, p.SystemMax, 0)
+		rng("lora query", p.QueryMin, p.QueryMax, 1)
+		rng("lora output", p.OutputMin, p.OutputMax, 1)
 	}
 	if len(errs) > 0 {
 		return fmt.Errorf("workload %s: %s", s.Name, errs[0])

@@ -87,8 +87,11 @@ type Config struct {
 	// KVLinkGbps and KVLinkLatency are each replica's link for the KV of
 	// disaggregated requests, in gigabits per second and per transfer.
 	PrefillReplicas int
-	KVLinkGbps      float64
-	KVLinkLatency   time.Duration
+	// MaxLoras is each replica's LoRA adapter slots (vLLM's --max-loras;
+	// replica.Config.MaxLoras); 0: adapters not modelled as slots.
+	MaxLoras      int
+	KVLinkGbps    float64
+	KVLinkLatency time.Duration
 	// Changed reports whether the user gave a flag (cobra's
 	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
 	// given take llama-server's defaults (ApplyEngine).
@@ -157,6 +160,7 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	rc.ChunkBudget = c.ChunkBudget
 	rc.MaxRunning = c.MaxSeqs
 	rc.Slots = c.Slots
+	rc.MaxLoras = c.MaxLoras
 	if err := checkPolicies(specs, opts, rc, sp); err != nil {
 		return err
 	}
@@ -180,7 +184,7 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	var results []report.Result
 	var records []report.RequestRecord
-	var pdLines []string
+	var pdLines, loraLines []string
 	for _, rate := range rates {
 		c.Workload.Arrival.Rate = rate
 		reqs, skipped, err := c.Workload.Load()
@@ -241,6 +245,9 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			if pd := res.PD; pd != nil {
 				pdLines = append(pdLines, PDLine(name, label, pd))
 			}
+			if c.MaxLoras > 0 {
+				loraLines = append(loraLines, LoRALine(name, label, res))
+			}
 			if c.OutDir != "" {
 				records = append(records, res.Records...)
 			}
@@ -249,6 +256,12 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	if err := Write(stdout, stderr, c, results, records); err != nil {
 		return err
 	}
+	if len(loraLines) > 0 {
+		fmt.Fprintf(stderr, "\nLoRA adapters (%d slots per replica):\n", c.MaxLoras)
+		for _, l := range loraLines {
+			fmt.Fprintln(stderr, l)
+		}
+	}
 	if len(pdLines) > 0 {
 		fmt.Fprintf(stderr, "\nprefill/decode (%d prefill + %d decode replicas, %g Gb/s links, %v latency):\n", c.PrefillReplicas, c.Replicas-c.PrefillReplicas, c.KVLinkGbps, c.KVLinkLatency)
 		for _, l := range pdLines {
@@ -256,6 +269,18 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 		}
 	}
 	return nil
+}
+
+// LoRALine renders a run's adapter figures: loads per minute over the
+// cluster, the evictions among them, and the iteration time they added.
+func LoRALine(name string, rate float64, res *sim.Result) string {
+	var loads, evictions int64
+	var t time.Duration
+	for _, st := range res.Replicas {
+		loads, evictions, t = loads+st.AdapterLoads, evictions+st.AdapterEvictions, t+st.AdapterLoadTime
+	}
+	return fmt.Sprintf("  %-16s rate %-6.3g adapter loads %6d (%7.1f/min)  evictions %6d  load time %8.1f s",
+		name, rate, loads, res.AdapterLoadsPerMinute(), evictions, t.Seconds())
 }
 
 // PDLine renders a run's disaggregation figures: how many requests were

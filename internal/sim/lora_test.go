@@ -1,0 +1,60 @@
+package sim
+
+import (
+	"context"
+	"testing"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/replica"
+	"github.com/prefixlb/prefixlb/internal/workload"
+)
+
+// TestAdapterKeys: an adapter's keys differ from the base model's and from
+// another adapter's, and are the same for the same adapter.
+func TestAdapterKeys(t *testing.T) {
+	tokens := make([]uint32, 64)
+	base := blocks.Keys(nil, tokens, 16)
+	a1 := adapterKeys(blocks.Keys(nil, tokens, 16), "a")
+	a2 := adapterKeys(blocks.Keys(nil, tokens, 16), "a")
+	b := adapterKeys(blocks.Keys(nil, tokens, 16), "b")
+	for i := range base {
+		if a1[i] == base[i] || a1[i] == b[i] || a1[i] != a2[i] {
+			t.Fatalf("block %d: base %x a %x %x b %x", i, base[i], a1[i], a2[i], b[i])
+		}
+	}
+}
+
+// TestLoRARun: a lora workload on replicas with two adapter slots loads
+// adapters, reports them per minute, and the router hears the residency.
+func TestLoRARun(t *testing.T) {
+	s := workload.DefaultSpec("lora")
+	s.Requests, s.LoRA.Adapters = 300, 8
+	reqs, err := workload.Generate(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	arr := workload.ArrivalSpec{Process: "poisson", Rate: 20}
+	if err := arr.Apply(reqs, 1, false); err != nil {
+		t.Fatal(err)
+	}
+	prof, _ := costmodel.Lookup("llama3.1-8b-h100")
+	rc := replica.DefaultConfig()
+	rc.MaxLoras = 2
+	for _, name := range []string{"e2", "gie-lora"} {
+		pol, _ := policy.New(name, policy.DefaultOptions())
+		res, err := Run(context.Background(), Config{Replicas: 3, Replica: rc, Profile: prof, Policy: pol, KVEvents: true}, reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.AdapterLoadsPerMinute() <= 0 {
+			t.Errorf("%s: no adapter loads", name)
+		}
+		for _, rec := range res.Records {
+			if rec.Error != "" {
+				t.Fatalf("%s: request %d: %s", name, rec.ID, rec.Error)
+			}
+		}
+	}
+}
