@@ -31,7 +31,7 @@ import (
 //     a block's extra keys, and hash_block_tokens hashes (parent, tokens,
 //     extra keys); vllm-project/vllm at 001cabc1be16a59a70d720ed61a13b678c060a18).
 //     The replica keys its cache by the request's keys mixed with the
-//     adapter (adapterKeys), whatever keys the caller gave; its cache events
+//     adapter (a mix of its name into each key), whatever keys the caller gave; its cache events
 //     report the caller's keys, with the adapter (Event.Adapter) on
 //     BlocksStored as vLLM's BlockStored carries lora_name. A caller whose
 //     keys are already adapter-specific therefore sees the events as a

@@ -11,14 +11,15 @@ import (
 	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
-// TestAdapterKeys: an adapter's keys differ from the base model's and from
-// another adapter's, and are the same for the same adapter.
+// TestAdapterKeys: the simulator keys an adapter's request from the
+// adapter's seed — apart from the base model's and another adapter's,
+// the same for the same adapter.
 func TestAdapterKeys(t *testing.T) {
 	tokens := make([]uint32, 64)
 	base := blocks.Keys(nil, tokens, 16)
-	a1 := adapterKeys(blocks.Keys(nil, tokens, 16), "a")
-	a2 := adapterKeys(blocks.Keys(nil, tokens, 16), "a")
-	b := adapterKeys(blocks.Keys(nil, tokens, 16), "b")
+	a1 := blocks.SeededKeys(nil, blocks.AdapterSeed("a"), tokens, 16)
+	a2 := blocks.SeededKeys(nil, blocks.AdapterSeed("a"), tokens, 16)
+	b := blocks.SeededKeys(nil, blocks.AdapterSeed("b"), tokens, 16)
 	for i := range base {
 		if a1[i] == base[i] || a1[i] == b[i] || a1[i] != a2[i] {
 			t.Fatalf("block %d: base %x a %x %x b %x", i, base[i], a1[i], a2[i], b[i])

@@ -10,7 +10,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"math"
 	"slices"
 	"time"
@@ -420,7 +419,9 @@ func (rn *runner) arrive(i int, now time.Time) {
 	w := &rn.reqs[i]
 	s := &rn.st[i]
 	bt := rn.rt.Tree().BlockTokens()
-	s.keys = adapterKeys(blocks.Keys(nil, w.Tokens, bt), w.Adapter)
+	// An adapter's request is keyed from its seed, as serve and epp key it
+	// and as its replica's KV events are keyed (blocks.AdapterSeed).
+	s.keys = blocks.SeededKeys(nil, blocks.AdapterSeed(w.Adapter), w.Tokens, bt)
 	s.arrival = now
 	s.replica = -1
 	out := max(w.OutputTokens, 1)
@@ -697,33 +698,6 @@ func maxAdapterBytes(reqs []workload.Request) int64 {
 		n = max(n, reqs[i].AdapterBytes)
 	}
 	return n
-}
-
-// adapterKeys returns the block keys of an adapter's request: keys, each
-// mixed with the adapter (FNV-1a of its name, through splitmix64's
-// finalizer), so that the router never matches an adapter's blocks with
-// another's or the base model's, as vLLM never reuses them (it hashes the
-// adapter's name into every block; replica/lora.go). keys is rewritten in
-// place; the base model's are returned as they are. It stands in for the
-// router's adapter-seeded keys (issue 17, internal/blocks), which replace
-// it once they land.
-func adapterKeys(keys []blocks.Key, adapter string) []blocks.Key {
-	if adapter == "" {
-		return keys
-	}
-	h := fnv.New64a()
-	h.Write([]byte(adapter))
-	seed := h.Sum64()
-	for i, k := range keys {
-		x := uint64(k) ^ seed
-		x ^= x >> 30
-		x *= 0xbf58476d1ce4e5b9
-		x ^= x >> 27
-		x *= 0x94d049bb133111eb
-		x ^= x >> 31
-		keys[i] = blocks.Key(x)
-	}
-	return keys
 }
 
 func (rn *runner) finish() {
