@@ -208,7 +208,7 @@ func (m Mode) path() string {
 // outcome is what one request measured, before it becomes a record.
 type outcome struct {
 	replica      string
-	prefill      string // PrefillReplicaHeader
+	prefill      string        // PrefillReplicaHeader
 	ttft         time.Duration // 0 if no content arrived
 	latency      time.Duration
 	itl          []float64 // ms between successive content chunks
