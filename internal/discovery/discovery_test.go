@@ -168,7 +168,7 @@ func pool(labels map[string]any, port int64) *unstructured.Unstructured {
 		"spec": map[string]any{
 			"selector":          map[string]any{"matchLabels": labels},
 			"targetPorts":       []any{map[string]any{"number": port}},
-			"endpointPickerRef": map[string]any{"name": "prefixlb-epp", "portNumber": int64(9002)},
+			"endpointPickerRef": map[string]any{"name": "prefixlb-epp", "port": map[string]any{"number": int64(9002)}},
 		},
 	}}
 }

@@ -15,10 +15,12 @@ import (
 	"k8s.io/client-go/tools/cache"
 )
 
-// InferencePoolGVR is the InferencePool resource (Gateway API Inference
-// Extension, inference.networking.k8s.io/v1). It is read as unstructured
-// data: the fields used are spec.selector.matchLabels and
-// spec.targetPorts[0].number.
+// InferencePoolGVR is the InferencePool resource of the Gateway API
+// Inference Extension's released v1 API (inference.networking.k8s.io/v1,
+// v1.0 and later; internal/deploytest/testdata/crds holds its CRD). It is
+// read as unstructured data: the fields used are spec.selector.matchLabels
+// and spec.targetPorts[0].number. The endpoint picker's own reference
+// (spec.endpointPickerRef) is the gateway's business, not the picker's.
 var InferencePoolGVR = schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
 
 // PoolWatcher follows one InferencePool and the pods it selects: each pod
@@ -88,15 +90,19 @@ type poolSpec struct {
 	port     int
 }
 
-// readPool reads the selector and the target port of an InferencePool.
+// readPool reads the selector and the target port of a v1 InferencePool.
+// v1 allows up to 8 target ports, each an endpoint on every pod (a
+// data-parallel server's ranks); the replicas here are the pods at the first
+// one. A pool in a pre-release draft's shape (a flat spec.selector,
+// spec.targetPortNumber) is refused with the v1 field it lacks.
 func readPool(u *unstructured.Unstructured) (poolSpec, error) {
 	ml, found, err := unstructured.NestedStringMap(u.Object, "spec", "selector", "matchLabels")
 	if err != nil || !found || len(ml) == 0 {
-		return poolSpec{}, fmt.Errorf("spec.selector.matchLabels missing or invalid (%v)", err)
+		return poolSpec{}, fmt.Errorf("spec.selector.matchLabels missing or invalid (inference.networking.k8s.io/v1) (%v)", err)
 	}
 	ports, found, err := unstructured.NestedSlice(u.Object, "spec", "targetPorts")
 	if err != nil || !found || len(ports) == 0 {
-		return poolSpec{}, fmt.Errorf("spec.targetPorts missing or invalid (%v)", err)
+		return poolSpec{}, fmt.Errorf("spec.targetPorts missing or invalid (inference.networking.k8s.io/v1) (%v)", err)
 	}
 	p0, _ := ports[0].(map[string]any)
 	n, found, err := unstructured.NestedInt64(p0, "number")
