@@ -105,6 +105,16 @@ type Config struct {
 	// as vLLM does. By default any model name is accepted, so that a client
 	// configured for the real model can talk to the engine unchanged.
 	StrictModel bool
+	// LoRAModules are the LoRA adapters the engine serves under their own
+	// model names (vLLM's --lora-modules): a request naming one runs with
+	// that adapter (replica.Request.Adapter; Replica.MaxLoras models the
+	// slots), its blocks are keyed and published apart (blocks.AdapterSeed;
+	// BlockStored's lora_name), and /v1/models lists it with the base model
+	// as its parent, as vLLM does.
+	LoRAModules []string
+	// LoRAAdapterBytes is each adapter's size, which a load copies to the
+	// GPU (0: only the fixed cost).
+	LoRAAdapterBytes int64
 	// TimeScale divides every modelled duration: at 10 an iteration the
 	// profile prices at 50 ms takes 5 ms of real time. Latencies in metrics
 	// are real (scaled) time. Default 1.

@@ -161,7 +161,7 @@ func (e *Engine) chatTokens(g *genRequest) ([]uint32, error) {
 // check applies the engine's limits to a decoded request of prompt tokens;
 // it fills in the default output length.
 func (e *Engine) check(g *genRequest, prompt int) error {
-	if e.cfg.StrictModel && g.model != "" && g.model != e.cfg.Model {
+	if e.cfg.StrictModel && g.model != "" && g.model != e.cfg.Model && e.adapterOf(g.model) == "" {
 		return fmt.Errorf("%w: the model `%s` does not exist", errModelNotFound, g.model)
 	}
 	if g.maxTokens == 0 {
@@ -230,12 +230,19 @@ func (e *Engine) generate(w http.ResponseWriter, r *http.Request, g *genRequest,
 	}
 	now := e.cfg.Clock.Now()
 	id := e.ids.Add(1)
+	adapter := e.adapterOf(g.model)
+	var adapterBytes int64
+	if adapter != "" {
+		adapterBytes = e.cfg.LoRAAdapterBytes
+	}
 	s := newStream(replica.Request{
 		ID:           id,
-		Keys:         blocks.Keys(nil, tokens, e.cfg.Replica.BlockSize),
+		Keys:         blocks.SeededKeys(nil, blocks.AdapterSeed(adapter), tokens, e.cfg.Replica.BlockSize),
 		PromptTokens: len(tokens),
 		OutputTokens: g.maxTokens,
 		RemoteKV:     pull,
+		Adapter:      adapter,
+		AdapterBytes: adapterBytes,
 	}, now)
 	s.tokens = tokens
 	if err := e.enqueue(op{kind: opSubmit, st: s}); err != nil {
@@ -483,23 +490,44 @@ func (rs *response) stream(ctx context.Context, w http.ResponseWriter, s *stream
 	return nil
 }
 
+// modelCard is one entry of /v1/models, in vLLM's shape.
+type modelCard struct {
+	ID          string `json:"id"`
+	Object      string `json:"object"`
+	Created     int64  `json:"created"`
+	OwnedBy     string `json:"owned_by"`
+	Root        string `json:"root"`
+	Parent      any    `json:"parent"`
+	MaxModelLen int    `json:"max_model_len"`
+}
+
+// handleModels lists the base model, then each LoRA module with the base
+// model as its parent (as vLLM lists an adapter; its root is the adapter's
+// path there, its name here).
 func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
-	type model struct {
-		ID          string `json:"id"`
-		Object      string `json:"object"`
-		Created     int64  `json:"created"`
-		OwnedBy     string `json:"owned_by"`
-		Root        string `json:"root"`
-		Parent      any    `json:"parent"`
-		MaxModelLen int    `json:"max_model_len"`
+	data := []modelCard{{ID: e.cfg.Model, Object: "model", Created: e.created.Unix(), OwnedBy: "prefixlb",
+		Root: e.cfg.Model, MaxModelLen: e.cfg.MaxModelLen}}
+	for _, m := range e.cfg.LoRAModules {
+		if m != e.cfg.Model {
+			data = append(data, modelCard{ID: m, Object: "model", Created: e.created.Unix(), OwnedBy: "prefixlb",
+				Root: m, Parent: e.cfg.Model, MaxModelLen: e.cfg.MaxModelLen})
+		}
 	}
 	writeJSON(w, http.StatusOK, struct {
-		Object string  `json:"object"`
-		Data   []model `json:"data"`
-	}{"list", []model{{
-		ID: e.cfg.Model, Object: "model", Created: e.created.Unix(), OwnedBy: "prefixlb",
-		Root: e.cfg.Model, MaxModelLen: e.cfg.MaxModelLen,
-	}}})
+		Object string      `json:"object"`
+		Data   []modelCard `json:"data"`
+	}{"list", data})
+}
+
+// adapterOf is the LoRA adapter a request for model runs with ("": the
+// base model).
+func (e *Engine) adapterOf(model string) string {
+	for _, m := range e.cfg.LoRAModules {
+		if m == model && m != e.cfg.Model {
+			return m
+		}
+	}
+	return ""
 }
 
 func (e *Engine) handleHealth(w http.ResponseWriter, _ *http.Request) {

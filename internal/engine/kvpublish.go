@@ -110,6 +110,12 @@ func (a *kvAdapter) add(ev replica.Event) {
 			BlockSize:   a.bs,
 			Medium:      kvevents.MediumGPU,
 		}
+		if ev.Adapter != "" {
+			// vLLM's BlockStored names the adapter the blocks were
+			// computed under (lora_name; lora_id, deprecated, is omitted).
+			name := ev.Adapter
+			bs.LoRAName = &name
+		}
 		for i, k := range ev.Keys {
 			t, ok := a.toks[k]
 			if !ok {
