@@ -3,6 +3,11 @@ package cluster
 import (
 	"context"
 	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +21,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
+	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
 func settings() Settings {
@@ -194,5 +200,38 @@ func TestExpireSpeculative(t *testing.T) {
 	case <-done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("the loop did not return when its context ended")
+	}
+}
+
+// TestScrapeLoRA: a replica's vllm:lora_requests_info reaches the router as
+// its adapter residency.
+func TestScrapeLoRA(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "# TYPE vllm:lora_requests_info gauge\n"+
+			`vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 1.8e9`+"\n")
+	}))
+	defer srv.Close()
+	c, err := New(settings())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := NewMetrics("decisions")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := NewPool(c, m, PoolConfig{Kind: upstream.VLLM, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Add(Replica{Name: "r0", URL: srv.URL, MetricsURL: srv.URL + "/metrics", Ready: true})
+	p.Mu.Lock()
+	mem := p.ByName("r0")
+	p.Mu.Unlock()
+	p.Scrape(context.Background(), mem)
+	p.Mu.Lock()
+	defer p.Mu.Unlock()
+	rp, _ := c.Router.Replica(mem.ID)
+	if rp.MaxAdapters != 4 || !slices.Equal(rp.Adapters, []string{"sql", "chat"}) {
+		t.Errorf("router adapters %v of %d, want [sql chat] of 4", rp.Adapters, rp.MaxAdapters)
 	}
 }

@@ -593,6 +593,13 @@ func (p *Pool) Scrape(ctx context.Context, m *Member) {
 		p.cfg.Logger.Warn("router replica load", "replica", m.Name, "err", err)
 	}
 	m.kvTokens = l.KVTokens
+	if l.LoRA != nil {
+		// vLLM's running adapters are those it holds for certain (the
+		// rest of its LRU slots it does not report); max_lora its slots.
+		if err := p.Router.SetAdapters(m.ID, l.LoRA.Running, l.LoRA.MaxLoRAs); err != nil {
+			p.cfg.Logger.Warn("router adapters", "replica", m.Name, "err", err)
+		}
+	}
 	if m.Replica.Kind == upstream.Auto && l.Kind != "" && l.Kind != m.kind && !m.kindDue {
 		p.markKindDue(m) // another engine answers there now
 	}
