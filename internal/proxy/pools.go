@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"time"
 
 	"golang.org/x/sync/errgroup"
 
@@ -51,6 +52,9 @@ type Pools struct {
 	def     *namedProxy // takes requests without a model (nil: none)
 	log     *slog.Logger
 	maxBody int64
+	// bodyTimeout bounds reading a request's body here, before its pool
+	// reads it again (the longest of the pools' BodyReadTimeout; 0: none).
+	bodyTimeout time.Duration
 }
 
 type namedProxy struct {
@@ -106,6 +110,7 @@ func NewPools(pools []PoolConfig, logger *slog.Logger) (*Pools, error) {
 		}
 		ps.pools = append(ps.pools, np)
 		ps.maxBody = max(ps.maxBody, cfg.MaxBodyBytes)
+		ps.bodyTimeout = max(ps.bodyTimeout, cfg.BodyReadTimeout)
 	}
 	if ps.def == nil && len(ps.pools) == 1 {
 		ps.def = ps.pools[0] // the only pool takes what names no model
@@ -144,11 +149,26 @@ func (ps *Pools) Handler() http.Handler {
 
 // serveInference reads the body's model and hands the request to its pool.
 func (ps *Pools) serveInference(w http.ResponseWriter, r *http.Request) {
+	// A client that sends its body too slowly is cut off here as its pool
+	// would cut it off (BodyReadTimeout), not held while the model is read.
+	rc := http.NewResponseController(w)
+	if ps.bodyTimeout > 0 {
+		_ = rc.SetReadDeadline(time.Now().Add(ps.bodyTimeout))
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, ps.maxBody))
+	if ps.bodyTimeout > 0 {
+		_ = rc.SetReadDeadline(time.Time{})
+	}
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			writeErrorStatus(w, http.StatusRequestEntityTooLarge, fmt.Errorf("request body over %d bytes", ps.maxBody))
+			return
+		}
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			w.Header().Set("Connection", "close")
+			writeErrorStatus(w, http.StatusRequestTimeout, fmt.Errorf("request body not read within %v", ps.bodyTimeout))
 			return
 		}
 		writeErrorStatus(w, http.StatusBadRequest, fmt.Errorf("read request body: %w", err))

@@ -1,13 +1,16 @@
 package proxy
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/promtest"
@@ -196,5 +199,33 @@ func TestLoRAKeys(t *testing.T) {
 	}
 	if n := matched("chat-lora"); n != 0 {
 		t.Errorf("adapter chat-lora matched %d tokens of sql-lora's prompt", n)
+	}
+}
+
+// TestPoolsSlowBody: a body sent too slowly is cut off with 408 before a
+// pool is chosen, as a single pool's serve cuts it off.
+func TestPoolsSlowBody(t *testing.T) {
+	cfg := testConfig(newFakeReplica(t, "a"))
+	cfg.BodyReadTimeout = 200 * time.Millisecond
+	ps, err := NewPools([]PoolConfig{{Name: "p", Models: []string{"m"}, Config: cfg}}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(ps.Handler())
+	defer srv.Close()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestTimeout {
+		t.Errorf("status %d, want 408", resp.StatusCode)
 	}
 }
