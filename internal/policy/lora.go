@@ -82,7 +82,7 @@ func (p *GIELoRA) Route(req *Request, v *View, now time.Time) (Decision, error) 
 		return Decision{}, ErrNoReplica
 	}
 	d := Decision{Branch: "gie-lora", Replica: -1, Candidates: make([]Candidate, 0, len(v.Replicas))}
-	best, ties := math.Inf(-1), 0
+	top := newArgmax()
 	for i := range v.Replicas {
 		rp := &v.Replicas[i]
 		if !rp.Up {
@@ -99,16 +99,7 @@ func (p *GIELoRA) Route(req *Request, v *View, now time.Time) (Decision, error) 
 		s := 3*clamp01(p.prefix[i]) + 2*kv + 2*queue + p.LoRAWeight*loraAffinity(rp, req.Adapter)
 		m := v.MatchedTokens(i, req)
 		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Score: s})
-		switch {
-		case s > best+1e-12:
-			best, ties = s, 1
-			d.Replica, d.MatchedTokens = i, m
-		case math.Abs(s-best) <= 1e-12:
-			ties++
-			if v.Rand.IntN(ties) == 0 {
-				d.Replica, d.MatchedTokens = i, m
-			}
-		}
+		top.offer(&d, v.Rand, i, m, s)
 	}
 	return d, nil
 }

@@ -3,6 +3,7 @@ package policy
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
@@ -143,8 +144,7 @@ func scoreLLMD(req *Request, v *View, prefix []float64, matched []int, wp, wkv, 
 		return Decision{}, ErrNoReplica
 	}
 	d := Decision{Branch: branch, Replica: -1, Candidates: make([]Candidate, 0, len(v.Replicas))}
-	best := math.Inf(-1)
-	ties := 0
+	top := newArgmax()
 	for i := range v.Replicas {
 		rp := &v.Replicas[i]
 		if !rp.Up {
@@ -165,18 +165,33 @@ func scoreLLMD(req *Request, v *View, prefix []float64, matched []int, wp, wkv, 
 		s := wp*pre + wkv*kv + wq*queue
 		m := min(at(matched, i)*v.BlockTokens(), req.PromptTokens)
 		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Score: s})
-		switch {
-		case s > best+1e-12:
-			best, ties = s, 1
-			d.Replica, d.MatchedTokens = i, m
-		case math.Abs(s-best) <= 1e-12:
-			ties++
-			if v.Rand.IntN(ties) == 0 {
-				d.Replica, d.MatchedTokens = i, m
-			}
-		}
+		top.offer(&d, v.Rand, i, m, s)
 	}
 	return d, nil
+}
+
+// argmax keeps a decision's best-scoring candidate as they are offered,
+// ties (within 1e-12) broken uniformly at random by reservoir sampling, as
+// GIE's max-score picker does.
+type argmax struct {
+	best float64
+	ties int
+}
+
+func newArgmax() argmax { return argmax{best: math.Inf(-1)} }
+
+// offer considers replica i, with m matched tokens, at score s.
+func (a *argmax) offer(d *Decision, rng *rand.Rand, i, m int, s float64) {
+	switch {
+	case s > a.best+1e-12:
+		a.best, a.ties = s, 1
+		d.Replica, d.MatchedTokens = i, m
+	case math.Abs(s-a.best) <= 1e-12:
+		a.ties++
+		if rng.IntN(a.ties) == 0 {
+			d.Replica, d.MatchedTokens = i, m
+		}
+	}
 }
 
 // LLMDApprox is the Gateway API Inference Extension's approximate
