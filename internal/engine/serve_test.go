@@ -89,13 +89,22 @@ func TestServeShutdown(t *testing.T) {
 	go func() {
 		done <- serve(ctx, testEngine(t, nil), ln, time.Second, slog.New(slog.NewTextHandler(&logs, nil)))
 	}()
-	resp, err := http.Get("http://" + ln.Addr().String() + "/health")
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Errorf("/health: %s", resp.Status)
+	// /health is 503 until the engine's loop has started (serve starts
+	// it beside the listener): wait for it, as a readiness probe would.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		resp, err := http.Get("http://" + ln.Addr().String() + "/health")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/health: %s after 5s", resp.Status)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 	cancel()
 	select {
