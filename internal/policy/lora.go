@@ -1,7 +1,6 @@
 package policy
 
 import (
-	"math"
 	"time"
 )
 
@@ -71,35 +70,6 @@ func loraAffinity(rp *Replica, a string) float64 {
 // (scoreLLMD's rules for the other three scorers).
 func (p *GIELoRA) Route(req *Request, v *View, now time.Time) (Decision, error) {
 	p.prefix = precisePrefixScores(p.prefix, v)
-	minQ, maxQ := math.MaxInt, -1
-	for i := range v.Replicas {
-		if v.Replicas[i].Up {
-			q := v.Replicas[i].Queue()
-			minQ, maxQ = min(minQ, q), max(maxQ, q)
-		}
-	}
-	if maxQ < 0 {
-		return Decision{}, ErrNoReplica
-	}
-	d := Decision{Branch: "gie-lora", Replica: -1, Candidates: make([]Candidate, 0, len(v.Replicas))}
-	top := newArgmax()
-	for i := range v.Replicas {
-		rp := &v.Replicas[i]
-		if !rp.Up {
-			continue
-		}
-		kv := 1.0
-		if rp.KVUsage >= 0 && finite(rp.KVUsage) {
-			kv = 1 - clamp01(rp.KVUsage)
-		}
-		queue := 1.0
-		if maxQ > minQ {
-			queue = float64(maxQ-rp.Queue()) / float64(maxQ-minQ)
-		}
-		s := 3*clamp01(p.prefix[i]) + 2*kv + 2*queue + p.LoRAWeight*loraAffinity(rp, req.Adapter)
-		m := v.MatchedTokens(i, req)
-		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Score: s})
-		top.offer(&d, v.Rand, i, m, s)
-	}
-	return d, nil
+	return scoreGIE(req, v, p.prefix, v.Match.PerReplica, 3, 2, 2, p.LoRAWeight,
+		func(rp *Replica) float64 { return loraAffinity(rp, req.Adapter) }, "gie-lora")
 }

@@ -132,6 +132,13 @@ func precisePrefixScores(dst []float64, v *View) []float64 {
 // enforceScoreRange). Scores within 1e-12 of the best tie, and ties are
 // broken uniformly at random.
 func scoreLLMD(req *Request, v *View, prefix []float64, matched []int, wp, wkv, wq float64, branch string) (Decision, error) {
+	return scoreGIE(req, v, prefix, matched, wp, wkv, wq, 0, nil, branch)
+}
+
+// scoreGIE is scoreLLMD with one more scorer, extra (in [0,1]) at weight
+// we, added last (gie-lora's lora-affinity).
+func scoreGIE(req *Request, v *View, prefix []float64, matched []int, wp, wkv, wq, we float64,
+	extra func(rp *Replica) float64, branch string) (Decision, error) {
 	minQ, maxQ := math.MaxInt, -1
 	for i := range v.Replicas {
 		if !v.Replicas[i].Up {
@@ -163,6 +170,9 @@ func scoreLLMD(req *Request, v *View, prefix []float64, matched []int, wp, wkv, 
 			queue = float64(maxQ-rp.Queue()) / float64(maxQ-minQ)
 		}
 		s := wp*pre + wkv*kv + wq*queue
+		if extra != nil {
+			s += we * extra(rp)
+		}
 		m := min(at(matched, i)*v.BlockTokens(), req.PromptTokens)
 		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Score: s})
 		top.offer(&d, v.Rand, i, m, s)
