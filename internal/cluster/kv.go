@@ -87,15 +87,12 @@ func (s *Sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blo
 	now := time.Now()
 	s.Core.Mu.Lock()
 	defer s.Core.Mu.Unlock()
-	id, ok := s.onGPU(name, medium)
+	id, tier, ok := s.target(name, medium)
 	if !ok {
-		if id >= 0 && medium != kvevents.MediumGPU && !s.IgnoreTiers {
-			if err := s.Core.Router.CacheStoredTier(id, medium, keys); err != nil {
-				s.log().Warn("kv events: router tier stored", "replica", name, "err", err)
-				return
-			}
-			s.applied(name, OutcomeTierStored)
-		}
+		return
+	}
+	if tier {
+		s.tierApplied(name, OutcomeTierStored, s.Core.Router.CacheStoredTier(id, medium, keys))
 		return
 	}
 	err := s.Core.Router.CacheStored(id, parent, hasParent, keys, now)
@@ -115,15 +112,12 @@ func (s *Sink) Stored(name string, parent blocks.Key, hasParent bool, keys []blo
 func (s *Sink) Removed(name string, keys []blocks.Key, medium string) {
 	s.Core.Mu.Lock()
 	defer s.Core.Mu.Unlock()
-	id, ok := s.onGPU(name, medium)
+	id, tier, ok := s.target(name, medium)
 	if !ok {
-		if id >= 0 && medium != kvevents.MediumGPU && !s.IgnoreTiers {
-			if err := s.Core.Router.CacheRemovedTier(id, medium, keys); err != nil {
-				s.log().Warn("kv events: router tier removed", "replica", name, "err", err)
-				return
-			}
-			s.applied(name, OutcomeTierRemoved)
-		}
+		return
+	}
+	if tier {
+		s.tierApplied(name, OutcomeTierRemoved, s.Core.Router.CacheRemovedTier(id, medium, keys))
 		return
 	}
 	if err := s.Core.Router.CacheRemoved(id, keys); err != nil {
@@ -148,21 +142,31 @@ func (s *Sink) Cleared(name string) {
 	s.applied(name, OutcomeCleared)
 }
 
-// onGPU returns replica name's router ID for an event on medium (Core.Mu
-// held); ok is false when it is not for the tree: a replica ID does not
-// know (id -1), or blocks off the GPU (counted as cpu_ignored when tiers
-// are ignored).
-func (s *Sink) onGPU(name, medium string) (id int, ok bool) {
+// target returns replica name's router ID for an event on medium (Core.Mu
+// held), and whether the blocks are a slower tier's (not the GPU's); ok is
+// false when there is nothing to apply: a replica ID does not know, or a
+// slower tier's blocks with IgnoreTiers (counted as cpu_ignored).
+func (s *Sink) target(name, medium string) (id int, tier, ok bool) {
 	if id = s.ID(name); id < 0 {
-		return id, false
+		return id, false, false
 	}
-	if medium != kvevents.MediumGPU {
-		if s.IgnoreTiers {
-			s.applied(name, OutcomeCPUIgnored)
-		}
-		return id, false
+	if medium == kvevents.MediumGPU {
+		return id, false, true
 	}
-	return id, true
+	if s.IgnoreTiers {
+		s.applied(name, OutcomeCPUIgnored)
+		return id, true, false
+	}
+	return id, true, true
+}
+
+// tierApplied counts a slower tier's event, or logs the router's refusal.
+func (s *Sink) tierApplied(name, outcome string, err error) {
+	if err != nil {
+		s.log().Warn("kv events: router cache tier", "replica", name, "outcome", outcome, "err", err)
+		return
+	}
+	s.applied(name, outcome)
 }
 
 func (s *Sink) applied(name, outcome string) {

@@ -556,13 +556,20 @@ func (p *Pool) live(m *Member) bool { return p.byName[m.Name] == m }
 
 // scrapeLoop reads m's load every ScrapeInterval until ctx ends.
 func (p *Pool) scrapeLoop(ctx context.Context, m *Member) {
-	t := time.NewTicker(p.cfg.ScrapeInterval)
+	every(ctx, p.cfg.ScrapeInterval, nil, func() { p.Scrape(ctx, m) })
+}
+
+// every runs f at once, then every period and whenever wake (nil: never)
+// fires, until ctx ends: the loop of each of a member's feeds.
+func every(ctx context.Context, period time.Duration, wake <-chan struct{}, f func()) {
+	t := time.NewTicker(period)
 	defer t.Stop()
 	for {
-		p.Scrape(ctx, m)
+		f()
 		select {
 		case <-ctx.Done():
 			return
+		case <-wake:
 		case <-t.C:
 		}
 	}
@@ -626,17 +633,7 @@ func wake(c chan struct{}) {
 // at once, when it is woken, and every Retry while a detection got no
 // answer.
 func (p *Pool) detectLoop(ctx context.Context, m *Member) {
-	t := time.NewTicker(p.cfg.Retry)
-	defer t.Stop()
-	for {
-		p.Detect(ctx, m)
-		select {
-		case <-ctx.Done():
-			return
-		case <-m.kindWake:
-		case <-t.C:
-		}
-	}
+	every(ctx, p.cfg.Retry, m.kindWake, func() { p.Detect(ctx, m) })
 }
 
 // Detect runs one detection of m if it is due and m is in routing
@@ -712,17 +709,7 @@ func (p *Pool) markTokenizerDue(m *Member) {
 // routing: at once, when it is woken, and every Retry while a check got
 // no answer.
 func (p *Pool) tokenizerLoop(ctx context.Context, m *Member) {
-	t := time.NewTicker(p.cfg.Retry)
-	defer t.Stop()
-	for {
-		p.CheckTokenizer(ctx, m)
-		select {
-		case <-ctx.Done():
-			return
-		case <-m.tokWake:
-		case <-t.C:
-		}
-	}
+	every(ctx, p.cfg.Retry, m.tokWake, func() { p.CheckTokenizer(ctx, m) })
 }
 
 // CheckTokenizer compares the keyer's tokenizer with m's /tokenize
