@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"sigs.k8s.io/yaml"
@@ -51,10 +52,11 @@ type RewriteTarget struct {
 	Weight int32
 }
 
-// rewriter holds the pool's rewrites, ready to apply.
+// rewriter holds the pool's rewrites, ready to apply. A pool without any
+// (the usual case) costs Pick one atomic load.
 type rewriter struct {
-	mu       sync.Mutex
-	rewrites []ModelRewrite // by precedence: oldest first
+	rewrites atomic.Pointer[[]ModelRewrite] // by precedence: oldest first
+	mu       sync.Mutex                     // guards rng
 	rng      *rand.Rand
 }
 
@@ -67,23 +69,21 @@ func (w *rewriter) set(rs []ModelRewrite) {
 		}
 		return cmp.Compare(a.Name, b.Name)
 	})
-	w.mu.Lock()
-	w.rewrites = rs
-	w.mu.Unlock()
+	w.rewrites.Store(&rs)
 }
 
 // rewrite returns the model a request for model goes to (model itself when
 // no rule matches).
 func (w *rewriter) rewrite(model string) string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if len(w.rewrites) == 0 {
+	rp := w.rewrites.Load()
+	if rp == nil || len(*rp) == 0 {
 		return model
 	}
+	rs := *rp
 	var generic *RewriteRule
-	for i := range w.rewrites {
-		for j := range w.rewrites[i].Rules {
-			r := &w.rewrites[i].Rules[j]
+	for i := range rs {
+		for j := range rs[i].Rules {
+			r := &rs[i].Rules[j]
 			if len(r.Matches) == 0 {
 				if generic == nil {
 					generic = r
@@ -101,11 +101,16 @@ func (w *rewriter) rewrite(model string) string {
 	return model
 }
 
-// pick chooses a target by weight (w.mu held).
+// pick chooses a target by weight.
 func (w *rewriter) pick(ts []RewriteTarget, model string) string {
 	if len(ts) == 0 {
 		return model
 	}
+	if len(ts) == 1 {
+		return ts[0].Model
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
 	total := int64(0)
 	for _, t := range ts {
 		total += int64(max(t.Weight, 0))
