@@ -2,6 +2,7 @@ package policy_test
 
 import (
 	"math"
+	"strings"
 	"testing"
 	"time"
 
@@ -242,5 +243,18 @@ func TestE2PDCrowding(t *testing.T) {
 				t.Errorf("decode on %d, want 2 (it holds the prompt)", d.Replica)
 			}
 		})
+	}
+}
+
+// TestExplainLegs: a disaggregating decision's explanation names the leg
+// each candidate's cost was priced for, so both costs read apart.
+func TestExplainLegs(t *testing.T) {
+	d := policy.Decision{Branch: "pd", Disaggregated: true, Candidates: []policy.Candidate{
+		{Replica: 0, Leg: "prefill", Score: 1}, {Replica: 2, Leg: "decode", Score: 2}, {Replica: 2, Score: 3}}}
+	got := d.Explain()
+	for _, want := range []string{"; prefill:r0=1(", "; decode:r2=2(", "; r2=3("} {
+		if !strings.Contains(got, want) {
+			t.Errorf("Explain() = %q, lacks %q", got, want)
+		}
 	}
 }

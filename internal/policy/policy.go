@@ -310,7 +310,11 @@ func (d *Decision) Explain() string {
 		fmt.Fprintf(&b, "; prefill=r%d; prefill_matched=%d", d.PrefillReplica, d.PrefillMatchedTokens)
 	}
 	for _, c := range d.Candidates {
-		fmt.Fprintf(&b, "; r%d=%.4g(L=%.3g,M=%.3g,P=%.3g,m=%d)", c.Replica, c.Score, c.Load, c.Eviction, c.Prefill, c.MatchedTokens)
+		leg := ""
+		if c.Leg != "" {
+			leg = c.Leg + ":" // a disaggregating policy prices each leg: prefill:r0=..., decode:r2=...
+		}
+		fmt.Fprintf(&b, "; %sr%d=%.4g(L=%.3g,M=%.3g,P=%.3g,m=%d)", leg, c.Replica, c.Score, c.Load, c.Eviction, c.Prefill, c.MatchedTokens)
 	}
 	return b.String()
 }
