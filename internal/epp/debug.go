@@ -46,11 +46,11 @@ func (p *Picker) ReplicaViews() []ReplicaView {
 	var out []ReplicaView
 	for _, m := range p.pool.Members() {
 		st, _ := p.rt.Replica(m.ID)
-		ext := p.rt.ExternalLoad(m.ID).InFlight
+		own, ext := p.inflight(m)
 		v, _ := p.rt.CacheView(m.ID)
 		ps := p.pool.StateOf(m)
 		out = append(out, ReplicaView{
-			Name: m.Name, Address: m.Address, Ready: m.Up(), InFlight: st.InFlight - ext, External: ext,
+			Name: m.Name, Address: m.Address, Ready: m.Up(), InFlight: own, External: ext,
 			Kind: ps.Kind, Slots: ps.Slots, Waiting: st.Waiting, Running: st.Running, KVUsage: st.KVUsage,
 			KVTokens: ps.KVTokens, Cache: v, Pricing: p.rt.Pricing(m.ID, true),
 		})

@@ -136,9 +136,8 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, m := range p.pool.Members() {
-		st, _ := p.rt.Replica(m.ID)
-		ext := p.rt.ExternalLoad(m.ID).InFlight
-		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(st.InFlight-ext), m.Name)
+		own, ext := p.inflight(m)
+		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(own), m.Name)
 		ch <- prometheus.MustNewConstMetric(descShared, prometheus.GaugeValue, float64(ext), m.Name)
 	}
 }

@@ -615,17 +615,24 @@ type ReplicaState struct {
 	InFlight, External int
 }
 
+// inflight is m's requests in flight: this picker's and the other
+// pickers' (shared state) (p.mu held).
+func (p *Picker) inflight(m *cluster.Member) (own, others int) {
+	st, _ := p.rt.Replica(m.ID)
+	others = p.rt.ExternalLoad(m.ID).InFlight
+	return st.InFlight - others, others
+}
+
 // Replicas returns a snapshot of the known replicas, by name.
 func (p *Picker) Replicas() []ReplicaState {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var out []ReplicaState
 	for _, m := range p.pool.Members() {
-		st, _ := p.rt.Replica(m.ID)
-		ext := p.rt.ExternalLoad(m.ID).InFlight
+		own, ext := p.inflight(m)
 		r := m.Replica
 		r.Ready = m.Up()
-		out = append(out, ReplicaState{Replica: r, InFlight: st.InFlight - ext, External: ext})
+		out = append(out, ReplicaState{Replica: r, InFlight: own, External: ext})
 	}
 	slices.SortFunc(out, func(a, b ReplicaState) int { return strings.Compare(a.Name, b.Name) })
 	return out
