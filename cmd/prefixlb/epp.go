@@ -36,6 +36,7 @@ type eppFlags struct {
 	kvLinkGbps               float64
 	loraAdapters             []string
 	modelRewrites            string
+	watchModelRewrites       bool
 	kvLinkLatency            time.Duration
 	state, routerID, pool    string
 	stateTTL                 time.Duration
@@ -98,6 +99,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.IntVar(&f.fallbacks, "fallbacks", 2, "fallback endpoints after the primary (-1: none)")
 	fs.IntVar(&f.maxQueue, "max-queue", 0, "answer 429 when every replica's queue is at least this (0: never)")
 	fs.StringVar(&f.modelRewrites, "model-rewrites", "", "file of InferenceModelRewrite manifests (GIE's model aliases, fallbacks and weighted splits) for this pool: a request's model is rewritten before it is routed")
+	fs.BoolVar(&f.watchModelRewrites, "watch-model-rewrites", false, "follow the InferenceModelRewrite objects of the --discovery inferencepool's namespace in the cluster (GIE's model aliases, fallbacks and splits; needs RBAC to list and watch them) instead of --model-rewrites")
 	fs.StringSliceVar(&f.loraAdapters, "lora-adapters", nil, "model names that are LoRA adapters (vLLM's --lora-modules), comma-separated: keyed apart from the base model's and each other's")
 	fs.Float64Var(&f.kvLinkGbps, "kv-link-gbps", 400, "with a P/D policy and pods labelled llm-d.ai/role=prefill: each pod's KV-transfer link, Gbit/s, as the policy prices a transfer")
 	fs.DurationVar(&f.kvLinkLatency, "kv-link-latency", time.Millisecond, "with a P/D policy: one KV transfer's fixed latency")
@@ -143,7 +145,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	}
 	return epp.Run(ctx, epp.RunConfig{Picker: cfg, GRPCListen: f.grpcListen, HealthListen: f.healthListen,
 		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
-		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, State: f.state, RouterID: f.routerID, Pool: f.pool,
+		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, WatchModelRewrites: f.watchModelRewrites, State: f.state, RouterID: f.routerID, Pool: f.pool,
 		StateTTL: f.stateTTL, Logger: log})
 }
 

@@ -170,20 +170,48 @@ func ParseModelRewrites(data []byte, pool string) ([]ModelRewrite, error) {
 		if string(bytes.TrimSpace(js)) == "null" {
 			continue
 		}
-		var m rewriteManifest
-		if err := json.Unmarshal(js, &m); err != nil {
-			return nil, fmt.Errorf("epp: model rewrites: document %d: %w", i, err)
-		}
-		r, err := m.rewrite()
+		r, poolRef, err := decodeRewrite(js)
 		if err != nil {
-			return nil, fmt.Errorf("epp: model rewrites: document %d (%s): %w", i, m.Metadata.Name, err)
+			return nil, fmt.Errorf("epp: model rewrites: document %d%w", i, err)
 		}
-		if pool != "" && m.Spec.PoolRef.Name != pool {
+		if pool != "" && poolRef != pool {
 			continue
 		}
 		out = append(out, r)
 	}
 	return out, nil
+}
+
+// ModelRewritesFromObjects converts InferenceModelRewrites as the API
+// server returns them (each object's JSON) and keeps those whose poolRef
+// names pool. An invalid object is skipped and reported in errs, naming
+// it; the others still apply, as GIE's controller treats them one by one.
+func ModelRewritesFromObjects(objs [][]byte, pool string) (rs []ModelRewrite, errs []error) {
+	for _, js := range objs {
+		r, poolRef, err := decodeRewrite(js)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("epp: model rewrite%w", err))
+			continue
+		}
+		if poolRef == pool {
+			rs = append(rs, r)
+		}
+	}
+	return rs, errs
+}
+
+// decodeRewrite decodes one InferenceModelRewrite's JSON; its error reads
+// after "document N" or "model rewrite": " (NAME): why" or ": why".
+func decodeRewrite(js []byte) (ModelRewrite, string, error) {
+	var m rewriteManifest
+	if err := json.Unmarshal(js, &m); err != nil {
+		return ModelRewrite{}, "", fmt.Errorf(": %w", err)
+	}
+	r, err := m.rewrite()
+	if err != nil {
+		return ModelRewrite{}, "", fmt.Errorf(" (%s): %w", m.Metadata.Name, err)
+	}
+	return r, m.Spec.PoolRef.Name, nil
 }
 
 // rewrite checks m as the CRD's schema does and converts it.

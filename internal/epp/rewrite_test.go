@@ -1,11 +1,22 @@
 package epp
 
 import (
+	"context"
 	"encoding/json"
 	"log/slog"
 	"math/rand/v2"
 	"strings"
 	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	dynamicfake "k8s.io/client-go/dynamic/fake"
+	"sigs.k8s.io/yaml"
+
+	"github.com/prefixlb/prefixlb/internal/discovery"
 )
 
 const rewriteYAML = `
@@ -138,3 +149,76 @@ func TestServerRewritesModel(t *testing.T) {
 }
 
 func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
+
+// TestWatchModelRewrites: --watch-model-rewrites follows the cluster's
+// InferenceModelRewrites: those of the pool apply, a deleted one stops
+// applying, an invalid one is skipped while the others stay.
+func TestWatchModelRewrites(t *testing.T) {
+	var objs []runtime.Object
+	for _, doc := range strings.Split(rewriteYAML, "\n---") {
+		u := &unstructured.Unstructured{}
+		js, err := yaml.YAMLToJSON([]byte(doc))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := u.UnmarshalJSON(js); err != nil {
+			t.Fatal(err)
+		}
+		u.SetNamespace("ns")
+		objs = append(objs, u)
+	}
+	gvr := discovery.InferenceModelRewriteGVR
+	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(),
+		map[schema.GroupVersionResource]string{gvr: "InferenceModelRewriteList"}, objs...)
+	p := newTestPicker(t, Config{}, 2)
+	w, err := watchRewrites(dyn, "ns", "qwen", p, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	await := func(what, model, want string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for p.rw.rewrite(model) != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %s → %s, want %s", what, model, p.rw.rewrite(model), want)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	<-w.Synced()
+	await("first list", "chat", "chat-v7")
+	if got := p.rw.rewrite("anything"); got != "base" {
+		t.Errorf("anything → %s, want base (the other pool's rewrite is not read)", got)
+	}
+	res := dyn.Resource(gvr).Namespace("ns")
+	if err := res.Delete(ctx, "older-alias", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	await("older-alias deleted", "chat", "base")
+	bad := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": gvr.GroupVersion().String(), "kind": "InferenceModelRewrite",
+		"metadata": map[string]any{"name": "bad", "namespace": "ns"},
+		"spec":     map[string]any{"poolRef": map[string]any{"name": "qwen"}, "rules": []any{map[string]any{"targets": []any{}}}},
+	}}
+	if _, err := res.Create(ctx, bad, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	alias := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": gvr.GroupVersion().String(), "kind": "InferenceModelRewrite",
+		"metadata": map[string]any{"name": "zz-alias", "namespace": "ns"},
+		"spec": map[string]any{"poolRef": map[string]any{"name": "qwen"}, "rules": []any{map[string]any{
+			"matches": []any{map[string]any{"model": map[string]any{"value": "chat"}}},
+			"targets": []any{map[string]any{"modelRewrite": "chat-v8"}}}}},
+	}}
+	if _, err := res.Create(ctx, alias, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	await("a new alias beside an invalid one", "chat", "chat-v8")
+	if got := p.rw.rewrite("sql"); got != "sql-v1" && got != "sql-v2" {
+		t.Errorf("sql → %s, want the canary's split to stay", got)
+	}
+}

@@ -14,6 +14,8 @@ import (
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/dynamic"
 
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/sharedstate"
@@ -41,6 +43,10 @@ type RunConfig struct {
 	// none): those whose poolRef names the --discovery target's pool (every
 	// one with static backends) rewrite a request's model (rewrite.go).
 	ModelRewrites string
+	// WatchModelRewrites follows the InferenceModelRewrite objects of the
+	// --discovery inferencepool's namespace in the cluster, as GIE's own
+	// picker does, instead of a file: each change applies at once.
+	WatchModelRewrites bool
 	// State is the Redis URL of the shared in-flight state ("": none);
 	// StateTTL how long a dead router's counts outlive it; RouterID this
 	// router's id in it ("": $POD_NAME, else hostname-pid); Pool its key
@@ -89,6 +95,16 @@ func Run(ctx context.Context, rc RunConfig) error {
 	p, err := NewPicker(rc.Picker)
 	if err != nil {
 		return err
+	}
+	if rc.WatchModelRewrites {
+		if rc.ModelRewrites != "" {
+			return errors.New("epp: give one of --model-rewrites and --watch-model-rewrites")
+		}
+		w, err := rewriteWatcher(rc.Discovery, rc.Kubeconfig, p, log)
+		if err != nil {
+			return err
+		}
+		runners = append(runners, w.Run)
 	}
 	if rc.ModelRewrites != "" {
 		data, err := os.ReadFile(rc.ModelRewrites)
@@ -225,4 +241,39 @@ func redactURL(u string) string {
 		}
 	}
 	return u
+}
+
+// rewriteWatcher follows the InferenceModelRewrites of target's namespace
+// ("inferencepool:NS/NAME") and installs those naming its pool on p.
+func rewriteWatcher(target, kubeconfig string, p *Picker, log *slog.Logger) (*discovery.ObjectWatcher, error) {
+	kind, ns, pool, err := discovery.ParseTarget(target)
+	if err != nil || kind != "inferencepool" {
+		return nil, fmt.Errorf("epp: --watch-model-rewrites needs --discovery inferencepool:NS/NAME (got %q)", target)
+	}
+	dyn, err := discovery.DynamicClient(kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	return watchRewrites(dyn, ns, pool, p, log)
+}
+
+// watchRewrites is rewriteWatcher over a given client (tests give a fake).
+func watchRewrites(dyn dynamic.Interface, ns, pool string, p *Picker, log *slog.Logger) (*discovery.ObjectWatcher, error) {
+	return discovery.NewObjectWatcher(dyn, discovery.InferenceModelRewriteGVR, ns, 0, func(objs []*unstructured.Unstructured) {
+		raw := make([][]byte, 0, len(objs))
+		for _, o := range objs {
+			js, err := o.MarshalJSON()
+			if err != nil {
+				log.Warn("epp: model rewrite", "name", o.GetName(), "err", err)
+				continue
+			}
+			raw = append(raw, js)
+		}
+		rs, errs := ModelRewritesFromObjects(raw, pool)
+		for _, err := range errs {
+			log.Warn("epp: model rewrite skipped", "err", err)
+		}
+		p.SetModelRewrites(rs)
+		log.Info("epp: model rewrites from the cluster", "namespace", ns, "pool", pool, "rewrites", len(rs), "invalid", len(errs))
+	}, log)
 }

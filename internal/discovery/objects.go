@@ -1,0 +1,115 @@
+package discovery
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/tools/cache"
+)
+
+// InferenceModelRewriteGVR is the Gateway API Inference Extension's
+// InferenceModelRewrite (inference.networking.x-k8s.io/v1alpha2; the types
+// in kubernetes-sigs/gateway-api-inference-extension
+// apix/v1alpha2/inferencemodelrewrite_types.go): model aliases, fallbacks
+// and weighted splits for the requests to one InferencePool. GIE's endpoint
+// picker reconciles them from the cluster; epp --watch-model-rewrites does
+// the same.
+var InferenceModelRewriteGVR = schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferencemodelrewrites"}
+
+// ObjectWatcher follows every object of one resource in one namespace and
+// hands the whole current list to Apply after each change (and once after
+// the first full list). It reads objects as unstructured data, so it needs
+// no generated client for a CRD.
+type ObjectWatcher struct {
+	dyn    dynamic.Interface
+	gvr    schema.GroupVersionResource
+	ns     string
+	resync time.Duration
+	apply  func([]*unstructured.Unstructured)
+	log    *slog.Logger
+	synced chan struct{}
+}
+
+// NewObjectWatcher returns a watcher of gvr's objects in namespace; Run
+// starts it. apply is called from Run's goroutine only, with the objects
+// sorted by name; resync ≤ 0 means no periodic resync; a nil log discards.
+func NewObjectWatcher(dyn dynamic.Interface, gvr schema.GroupVersionResource, namespace string, resync time.Duration,
+	apply func([]*unstructured.Unstructured), log *slog.Logger) (*ObjectWatcher, error) {
+	if dyn == nil || apply == nil {
+		return nil, fmt.Errorf("discovery: watch %s: a client and an apply function are required", gvr.Resource)
+	}
+	if namespace == "" {
+		return nil, fmt.Errorf("discovery: watch %s: a namespace is required", gvr.Resource)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &ObjectWatcher{dyn: dyn, gvr: gvr, ns: namespace, resync: max(resync, 0), apply: apply, log: log, synced: make(chan struct{})}, nil
+}
+
+// Synced is closed once the first full list has been applied.
+func (w *ObjectWatcher) Synced() <-chan struct{} { return w.synced }
+
+// Run follows the objects until ctx ends.
+func (w *ObjectWatcher) Run(ctx context.Context) error {
+	kick := make(chan struct{}, 1)
+	f := dynamicinformer.NewFilteredDynamicSharedInformerFactory(w.dyn, w.resync, w.ns, nil)
+	inf := f.ForResource(w.gvr)
+	if _, err := inf.Informer().AddEventHandler(kicker(kick)); err != nil {
+		return fmt.Errorf("discovery: watch %s in %s: %w", w.gvr.Resource, w.ns, err)
+	}
+	f.Start(ctx.Done())
+	defer f.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), inf.Informer().HasSynced) {
+		return nil // ctx ended
+	}
+	lister := inf.Lister().ByNamespace(w.ns)
+	reconcile := func() {
+		objs, err := lister.List(labels.Everything())
+		if err != nil {
+			w.log.Warn("discovery: watch", "resource", w.gvr.Resource, "namespace", w.ns, "err", err)
+			return
+		}
+		out := make([]*unstructured.Unstructured, 0, len(objs))
+		for _, o := range objs {
+			if u, ok := o.(*unstructured.Unstructured); ok {
+				out = append(out, u)
+			}
+		}
+		slices.SortFunc(out, func(a, b *unstructured.Unstructured) int { return strings.Compare(a.GetName(), b.GetName()) })
+		w.apply(out)
+	}
+	reconcile()
+	close(w.synced)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-kick:
+			reconcile()
+		}
+	}
+}
+
+// DynamicClient is a dynamic client for kubeconfig's cluster, else
+// $KUBECONFIG's, else the in-cluster one.
+func DynamicClient(kubeconfig string) (dynamic.Interface, error) {
+	rc, err := kubeConfig(kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("discovery: kubernetes config: %w", err)
+	}
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("discovery: kubernetes dynamic client: %w", err)
+	}
+	return dyn, nil
+}
