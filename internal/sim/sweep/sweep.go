@@ -90,6 +90,9 @@ type Config struct {
 	// MaxLoras is each replica's LoRA adapter slots (vLLM's --max-loras;
 	// replica.Config.MaxLoras); 0: adapters not modelled as slots.
 	MaxLoras int
+	// KVCapacity is each replica's GPU KV cache in tokens
+	// (replica.Config.KVCapacity; 0: the profile's).
+	KVCapacity int
 	// CPUOffloadTokens is each replica's CPU offload tier in tokens
 	// (replica.Config.CPUOffloadTokens; 0: none); IgnoreCacheTiers drops
 	// its KV events on their way to the router for every policy
@@ -168,6 +171,7 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	rc.Slots = c.Slots
 	rc.MaxLoras = c.MaxLoras
 	rc.CPUOffloadTokens = c.CPUOffloadTokens
+	rc.KVCapacity = c.KVCapacity
 	if err := checkPolicies(specs, opts, rc, sp); err != nil {
 		return err
 	}
