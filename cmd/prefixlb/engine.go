@@ -47,6 +47,13 @@ endpoint with '*' (tcp://*:5557) is bound, any other is dialled (for a router
 that binds one SUB). The replay ROUTER socket (--kv-replay, default the events
 port + 1) is always bound.
 
+--cpu-offload-tokens N adds a CPU offload tier of N tokens, as vLLM's
+OffloadingConnector with its CPU backend: full blocks are written through to a
+CPU LRU, a prompt that continues there past its GPU hit loads those blocks at
+the profile's CPU bandwidth instead of recomputing them, and the tier's changes
+are published like vLLM's (BlockStored without token ids or parent, and
+BlockRemoved, medium CPU).
+
 --role prefill|decode|both speaks vLLM's prefill/decode disaggregation
 protocol (NixlConnector's kv_transfer_params; docs/pd.md): a request with
 {"do_remote_decode": true} is a prefill leg, answered with the params the
@@ -87,6 +94,7 @@ a decode engine needs a profile with a KV size (the roofline ones).`,
 	fs.Float64Var(&cfg.TimeScale, "time-scale", 1, "run the model this many times faster than real time")
 	fs.IntVar(&cfg.Replica.BlockSize, "block-size", cfg.Replica.BlockSize, "KV block size in tokens")
 	fs.IntVar(&cfg.Replica.KVCapacity, "kv-capacity", 0, "KV cache size in tokens (0: the profile's)")
+	fs.IntVar(&cfg.Replica.CPUOffloadTokens, "cpu-offload-tokens", 0, "CPU offload tier in tokens, as vLLM's OffloadingConnector with its CPU backend: blocks written through to a CPU LRU, loaded at the profile's CPU bandwidth instead of recomputed, published as KV events with medium CPU (0: none; the profile must give KV bytes per token)")
 	fs.IntVar(&cfg.Replica.ChunkBudget, "chunk-budget", cfg.Replica.ChunkBudget, "prefill token budget per iteration, decodes included: vLLM's max_num_batched_tokens (0: the profile's engine default, e.g. 8192 on an H100; -1: no chunked prefill)")
 	fs.IntVar(&cfg.Replica.MaxRunning, "max-running", cfg.Replica.MaxRunning, "most requests running at once: vLLM's max_num_seqs (0: the profile's engine default)")
 	fs.StringVar(&cfg.Replica.Local, "local", cfg.Replica.Local, "local scheduler: fcfs, lpm, priority")

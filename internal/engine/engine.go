@@ -758,7 +758,10 @@ func (d *driver) deliver(evs []replica.Event, now time.Time) {
 		switch ev.Kind {
 		case replica.Admitted:
 			if !ev.Resumed {
-				hit := ev.HitTokens
+				// Tokens loaded from the CPU offload tier count as
+				// cached, as vLLM's num_cached_tokens counts a
+				// connector's external tokens.
+				hit := ev.HitTokens + ev.TierTokens
 				s.update(func(p *progress) { p.hit = hit })
 			}
 		case replica.FirstToken, replica.Token:

@@ -22,6 +22,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
+	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/replica"
 )
 
@@ -866,5 +867,65 @@ func TestConfigValidate(t *testing.T) {
 	}
 	if _, err := New(good); err != nil {
 		t.Errorf("good config: %v", err)
+	}
+}
+
+// TestCPUOffloadEvents: with a CPU offload tier the engine publishes the
+// tier's changes as vLLM's OffloadingConnector does (BlockStored without
+// token ids or parent, medium CPU), a prompt pushed out of a small GPU
+// cache comes back from the tier (cached_tokens counts it, as vLLM's counts
+// a connector's tokens), and prefixlb's own index maps the token-less CPU
+// blocks to the prompt's router keys.
+func TestCPUOffloadEvents(t *testing.T) {
+	rec := &kvRecorder{}
+	e, srv := start(t, func(c *Config) {
+		c.Replica.KVCapacity = 5 * 16
+		c.Replica.CPUOffloadTokens = 64 * 16
+		c.KVPublisher = rec
+	})
+	a, b := words("tierA", 48), words("tierB", 48)
+	complete(t, srv.URL+"/v1/completions", map[string]any{"prompt": a, "max_tokens": 2})
+	complete(t, srv.URL+"/v1/completions", map[string]any{"prompt": b, "max_tokens": 2})
+	r := complete(t, srv.URL+"/v1/completions", map[string]any{"prompt": a, "max_tokens": 2})
+	if c := r.Usage.PromptTokensDetails.CachedTokens; c != 32 {
+		t.Errorf("cached_tokens %d, want 32 (GPU and CPU-tier blocks, the last block recomputed)", c)
+	}
+	if st := e.Stats(); st.OffloadLoads != 1 {
+		t.Errorf("%d loads from the CPU tier, want 1", st.OffloadLoads)
+	}
+	rec.mu.Lock()
+	events := slices.Clone(rec.events)
+	rec.mu.Unlock()
+	var cpuHashes []uint64
+	for _, ev := range events {
+		switch ev := ev.(type) {
+		case kvevents.BlockStored:
+			if ev.Medium != kvevents.MediumCPU {
+				continue
+			}
+			if len(ev.TokenIDs) != 0 || ev.HasParent || ev.BlockSize != 16 || ev.LoRAName != nil {
+				t.Errorf("CPU BlockStored %+v: want vLLM's (no token ids, no parent, block size 16)", ev)
+			}
+			cpuHashes = append(cpuHashes, ev.BlockHashes...)
+		case kvevents.BlockRemoved:
+			if ev.Medium != kvevents.MediumGPU && ev.Medium != kvevents.MediumCPU {
+				t.Errorf("BlockRemoved medium %q", ev.Medium)
+			}
+		}
+	}
+	keysA := blocks.Keys(nil, WordTokenizer{}.Encode(a), 16)
+	for _, k := range keysA {
+		if !slices.Contains(cpuHashes, uint64(k)) {
+			t.Errorf("prompt block %d never written to the CPU tier (CPU stores %v)", k, cpuHashes)
+		}
+	}
+	ix := kvevents.NewIndex()
+	if _, err := ix.Apply("e", events, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keysA {
+		if got, ok := ix.Lookup("e", kvevents.MediumCPU, uint64(k)); !ok || got != k {
+			t.Errorf("index: CPU block %d → %d, %v", k, got, ok)
+		}
 	}
 }

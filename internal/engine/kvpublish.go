@@ -100,6 +100,10 @@ func (a *kvAdapter) release(s *stream) {
 
 // add converts one cache event into the pending batch.
 func (a *kvAdapter) add(ev replica.Event) {
+	if ev.Medium != "" {
+		a.addTier(ev)
+		return
+	}
 	switch ev.Kind {
 	case replica.BlocksStored:
 		bs := kvevents.BlockStored{
@@ -135,6 +139,25 @@ func (a *kvAdapter) add(ev replica.Event) {
 		a.batch = append(a.batch, br)
 	case replica.AllCleared:
 		a.batch = append(a.batch, kvevents.AllBlocksCleared{})
+	}
+}
+
+// addTier converts one event of the CPU offload tier into the pending
+// batch as vLLM's OffloadingConnector publishes it
+// (OffloadingConnectorScheduler.take_events, vllm-project/vllm @
+// e57c0d427864471fe231b58b2cd9a73453322cb2): a BlockStored with the block
+// hashes, no parent, no token ids, the block size and no LoRA fields, or a
+// BlockRemoved, each with the tier's medium ("CPU").
+func (a *kvAdapter) addTier(ev replica.Event) {
+	hashes := make([]uint64, len(ev.Keys))
+	for i, k := range ev.Keys {
+		hashes[i] = uint64(k)
+	}
+	switch ev.Kind {
+	case replica.BlocksStored:
+		a.batch = append(a.batch, kvevents.BlockStored{BlockHashes: hashes, TokenIDs: []uint32{}, BlockSize: a.bs, Medium: ev.Medium})
+	case replica.BlocksRemoved:
+		a.batch = append(a.batch, kvevents.BlockRemoved{BlockHashes: hashes, Medium: ev.Medium})
 	}
 }
 

@@ -57,7 +57,8 @@ type ApplyStats struct {
 	// not cover their blocks.
 	Malformed int
 	// UnknownRemoved counts removed hashes the index did not hold (stored
-	// before the stream was followed, or already removed).
+	// before the stream was followed, or already removed), and the hashes
+	// of a slower tier's token-less BlockStored that no medium maps.
 	UnknownRemoved int
 }
 
@@ -203,6 +204,10 @@ func (r *replicaIndex) stored(replica string, ev *BlockStored, sink Sink, st *Ap
 		st.Stored++
 		return
 	}
+	if len(ev.TokenIDs) == 0 && !ev.HasParent && mediumName(ev.Medium) != MediumGPU {
+		r.storedByHash(replica, ev, sink, st)
+		return
+	}
 	bs := ev.BlockSize
 	if bs <= 0 && len(ev.TokenIDs)%n == 0 {
 		bs = len(ev.TokenIDs) / n // block_size missing: infer it
@@ -244,6 +249,42 @@ func (r *replicaIndex) stored(replica string, ev *BlockStored, sink Sink, st *Ap
 	st.Stored++
 	st.BlocksStored += n
 	sink.Stored(replica, parent, ev.HasParent, keys, medium)
+}
+
+// storedByHash applies a slower tier's BlockStored that carries no token
+// ids, as vLLM's OffloadingConnector publishes them (take_events: no parent,
+// token_ids [], vllm-project/vllm @ e57c0d427864471fe231b58b2cd9a73453322cb2):
+// its blocks are copies of blocks the engine computed, whose hashes it
+// shares, so each hash takes the router key it has in another medium (the
+// GPU's, where the block was computed). A hash no medium maps is counted as
+// unknown and skipped.
+func (r *replicaIndex) storedByHash(replica string, ev *BlockStored, sink Sink, st *ApplyStats) {
+	medium := mediumName(ev.Medium)
+	s := r.slot(medium, ev.GroupIdx, true)
+	refs := r.refs[medium]
+	keys := r.keys[:0]
+	for _, h := range ev.BlockHashes {
+		k, ok := r.parentKey(s, h)
+		if !ok {
+			st.UnknownRemoved++
+			continue
+		}
+		if old, ok := s.blocks[h]; ok {
+			if old == k {
+				continue // stored again: nothing changes
+			}
+			r.unref(refs, old)
+		}
+		s.blocks[h] = k
+		refs[k]++
+		keys = append(keys, k)
+	}
+	st.Stored++
+	st.BlocksStored += len(keys)
+	if len(keys) > 0 {
+		sink.Stored(replica, 0, false, keys, medium)
+	}
+	r.keys = keys[:0]
 }
 
 func (r *replicaIndex) unref(refs map[blocks.Key]int32, k blocks.Key) bool {

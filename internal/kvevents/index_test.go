@@ -298,3 +298,42 @@ func TestIndexLoRASeeds(t *testing.T) {
 		t.Errorf("a lora_id-only block took another chain's key %v", got)
 	}
 }
+
+// TestIndexTokenlessTierStored: vLLM's OffloadingConnector publishes its CPU
+// BlockStored without token ids or parent; each hash takes the router key
+// the GPU block of that hash has, survives the GPU block's removal, and is
+// removed with a CPU BlockRemoved. A hash no medium maps is skipped and
+// counted; a token-less GPU BlockStored is still malformed.
+func TestIndexTokenlessTierStored(t *testing.T) {
+	ix := NewIndex()
+	sink := newRecSink()
+	mustApply(t, ix, "r", sink,
+		BlockStored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: toks(0, 12), BlockSize: 4, Medium: MediumGPU})
+	st, err := ix.Apply("r", []Event{
+		BlockStored{BlockHashes: []uint64{1, 3, 99}, TokenIDs: []uint32{}, BlockSize: 4, Medium: MediumCPU},
+		BlockStored{BlockHashes: []uint64{7}, TokenIDs: []uint32{}, BlockSize: 4, Medium: MediumGPU},
+	}, sink)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.UnknownRemoved != 1 || st.Malformed != 1 || st.BlocksStored != 2 {
+		t.Errorf("stats %+v: want 1 unknown hash, 1 malformed GPU event, 2 CPU blocks", st)
+	}
+	want := blocks.Keys(nil, toks(0, 12), 4)
+	if got := sink.keys(MediumCPU); !slices.Equal(got, sortedKeys(want[0], want[2])) {
+		t.Errorf("CPU keys %v, want the GPU blocks' %v", got, sortedKeys(want[0], want[2]))
+	}
+	mustApply(t, ix, "r", sink, BlockRemoved{BlockHashes: []uint64{1, 2, 3}, Medium: MediumGPU})
+	if got := sink.keys(MediumCPU); len(got) != 2 {
+		t.Errorf("GPU removal took CPU keys: %v", got)
+	}
+	mustApply(t, ix, "r", sink, BlockRemoved{BlockHashes: []uint64{3}, Medium: MediumCPU})
+	if got := sink.keys(MediumCPU); !slices.Equal(got, []blocks.Key{want[0]}) {
+		t.Errorf("after the CPU removal: %v, want [%v]", got, want[0])
+	}
+}
+
+func sortedKeys(ks ...blocks.Key) []blocks.Key {
+	slices.Sort(ks)
+	return ks
+}

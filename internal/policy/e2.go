@@ -126,7 +126,48 @@ type E2Config struct {
 	// time this request would wait for a slot when all are taken (term
 	// slot_wait; see slotWait).
 	SlotWait bool `json:"slot_wait"`
+
+	// TierCredit says how P prices the prompt's blocks that follow the
+	// replica's GPU hit and that it holds only in a slower cache tier (CPU
+	// offloading, disk: View.TierHit, fed by KV events of another medium):
+	//   - TierCreditLoad ("load", or ""): at their load time, their KV bytes
+	//     over the tier's bandwidth (costmodel.TierBandwidth), at weight 1:
+	//     only this request waits for the copy, which runs beside the
+	//     replica's batches (vLLM's OffloadingConnector loads
+	//     asynchronously), unlike a recompute, which P weighs at
+	//     prefill_weight for the requests queued behind it;
+	//   - TierCreditFixed ("fixed"): Dynamo's fixed credit, a block in host
+	//     memory as DynamoHostCacheHitWeight of a GPU hit and one on disk as
+	//     DynamoDiskCacheHitWeight (the rest of its recompute is priced);
+	//   - TierCreditNone ("none"): recomputed, as if the tier's events were
+	//     dropped (serve --ignore-cache-tiers).
+	//
+	// Either way the blocks take GPU memory, so M prices what they evict.
+	TierCredit string `json:"tier_credit"`
 }
+
+// TierCredit modes (E2Config.TierCredit).
+const (
+	TierCreditLoad  = "load"
+	TierCreditFixed = "fixed"
+	TierCreditNone  = "none"
+)
+
+// Dynamo's default credits for a prompt's blocks past the GPU match that a
+// worker holds in a lower tier, as a fraction of a GPU hit: host memory
+// (host_cache_hit_weight) and disk or external storage
+// (disk_cache_hit_weight). ai-dynamo/dynamo lib/kv-router/src/scheduling/config.rs
+// @ 0243c51bb6e8958be89df4978b5761677c9adc23 (default_host_cache_hit_weight,
+// default_disk_cache_hit_weight); applied in
+// lib/kv-router/src/scheduling/selector/default.rs @
+// 07a6c9ce3bb096cfaf353fe69ee578e105c6a512 (worker_logit: overlap credit =
+// credit·device + host_weight·host + disk_weight·disk blocks, subtracted
+// from the prefill blocks) and lib/kv-router/src/scheduling/overlap.rs @
+// 13a4eeab3ff95e09dfa58402a063e9b0f0ac4bcd (cache_hit_weight_for_tier).
+const (
+	DynamoHostCacheHitWeight = 0.75
+	DynamoDiskCacheHitWeight = 0.25
+)
 
 // PrebleE2Config returns the rules as Preble's prototype writes them
 // (ALGORITHMS §3–4): exploit within the assigned set, L without P, decode at
@@ -280,6 +321,8 @@ func (c E2Config) Validate() error {
 		return fmt.Errorf("policy: e2 %s: adapter_load_weight must be ≥ 0, got %v", c.Name, c.AdapterLoadWeight)
 	case !finite(c.AdapterEvictionWeight) || c.AdapterEvictionWeight < 0:
 		return fmt.Errorf("policy: e2 %s: adapter_eviction_weight must be ≥ 0, got %v", c.Name, c.AdapterEvictionWeight)
+	case c.TierCredit != "" && c.TierCredit != TierCreditLoad && c.TierCredit != TierCreditFixed && c.TierCredit != TierCreditNone:
+		return fmt.Errorf("policy: e2 %s: tier_credit must be %q, %q or %q, got %q", c.Name, TierCreditLoad, TierCreditFixed, TierCreditNone, c.TierCredit)
 	case c.RebalanceInterval < 0:
 		return fmt.Errorf("policy: e2 %s: rebalance_interval must be ≥ 0, got %v", c.Name, c.RebalanceInterval)
 	case c.MoveCooldown < 0:

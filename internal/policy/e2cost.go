@@ -3,6 +3,7 @@ package policy
 import (
 	"bytes"
 	"encoding/json"
+	"math"
 	"slices"
 	"strconv"
 
@@ -157,10 +158,7 @@ func (c *E2Config) termWeights() [NumE2Terms]float64 {
 // the weighted pending and prefill terms, so it is priced after them.
 func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	m := v.MatchedTokens(r, req)
-	// Blocks r holds in a slower tier are loaded, not recomputed: their
-	// load time joins P (View.TierHit; 0 without tiers).
-	tier, load := v.TierHitOf(r, req, m)
-	missed := req.PromptTokens - m - tier
+	missed, load := p.tierMissed(r, req, m, v)
 	rp := &v.Replicas[r]
 	w := &p.weights
 	pf := 0.0 // P_r before its weight, when a term reads it
@@ -172,10 +170,11 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	t[E2Pending] = pendingTerm(w[E2Pending], rp)
 	t[E2Interference] = interferenceTerm(w[E2Interference], pf, rp)
 	t[E2SelfDecode] = p.selfDecodeTerm(w[E2SelfDecode], r, req, v)
-	t[E2Eviction] = p.evictionTerm(w[E2Eviction], r, missed, v)
+	// Blocks loaded from a slower tier take GPU memory too.
+	t[E2Eviction] = p.evictionTerm(w[E2Eviction], r, req.PromptTokens-m, v)
 	t[E2Prefill] = prefillTerm(w[E2Prefill], pf)
-	if load > 0 {
-		t[E2Prefill] += prefillTerm(w[E2Prefill], load)
+	if load > 0 && w[E2Prefill] > 0 {
+		t[E2Prefill] += load // only this request waits for the copy: weight 1
 	}
 	t[E2PrefillSlowdown] = p.prefillSlowdownTerm(w[E2PrefillSlowdown], v, r, t[E2Pending]+t[E2Prefill])
 	t[E2SlotWait] = p.slotWaitTerm(w[E2SlotWait], r, req, v)
@@ -188,6 +187,30 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 		c.Eviction += t[E2AdapterEviction]
 		c.Prefill += t[E2AdapterLoad]
 	}
+}
+
+// tierMissed is how many of req's prompt tokens r would compute, beyond
+// its GPU hit of m tokens, and the seconds it would spend loading the rest
+// from a slower cache tier (View.TierHit), under E2Config.TierCredit: a
+// block held only in a slower tier is loaded (load), credited as a fixed
+// fraction of a GPU hit, Dynamo's, with the rest of its recompute priced
+// (fixed), or recomputed (none):
+//
+//	load:  missed = prompt − m − tier,  load = tier · KV bytes / bandwidth
+//	fixed: missed = prompt − m − round(0.75·host + 0.25·other),  load = 0
+//	none:  missed = prompt − m,  load = 0
+func (p *E2) tierMissed(r int, req *Request, m int, v *View) (missed int, load float64) {
+	missed = req.PromptTokens - m
+	switch p.cfg.TierCredit {
+	case TierCreditNone:
+		return missed, 0
+	case TierCreditFixed:
+		host, other := v.TierSplitOf(r, req, m)
+		credit := int(math.Round(DynamoHostCacheHitWeight*float64(host) + DynamoDiskCacheHitWeight*float64(other)))
+		return missed - credit, 0
+	}
+	tier, load := v.TierHitOf(r, req, m)
+	return missed - tier, load
 }
 
 // adapterLoadTerm is the time r takes to load this request's LoRA adapter

@@ -694,6 +694,17 @@ func DefaultDynamoConfig() DynamoConfig { return DynamoConfig{OverlapWeight: 1} 
 // router_track_output_blocks, off by default). The request's blocks not
 // active on r are those of its path no request on r references yet.
 //
+// Blocks past the GPU match that r holds in a lower cache tier (KV events
+// of another medium; View.TierSplit) are credited as Dynamo's tiered
+// indexer and selector do: host-memory blocks at host_cache_hit_weight
+// (DynamoHostCacheHitWeight, 0.75) and disk ones at disk_cache_hit_weight
+// (DynamoDiskCacheHitWeight, 0.25) of a device block, subtracted from the
+// prefill blocks (selector/default.rs @
+// 07a6c9ce3bb096cfaf353fe69ee578e105c6a512, worker_logit):
+//
+//	prefill(r) = (prompt tokens − tokens r caches + r's active prefill tokens) / B
+//	             − 0.75·host blocks − 0.25·disk blocks
+//
 // Temperature 0 takes the lowest logit, ties uniformly at random (the newest
 // selector; the classic one broke ties by the smaller cache, then at
 // random). Temperature T > 0 samples p(r) ∝ exp(−(v − vmin)/((vmax − vmin)·T)),
@@ -741,6 +752,9 @@ func (p *Dynamo) Route(req *Request, v *View, now time.Time) (Decision, error) {
 		}
 		m := v.MatchedTokens(i, req)
 		prefill := float64(req.PromptTokens-m+max(rp.PendingPrefillTokens, 0)) / bt
+		if host, other := v.TierSplitOf(i, req, m); host+other > 0 {
+			prefill = max(prefill-(DynamoHostCacheHitWeight*float64(host)+DynamoDiskCacheHitWeight*float64(other))/bt, 0)
+		}
 		decode := float64(v.Tree.ActiveBlocks(i) + newBlocks(v, req, i))
 		c := p.cfg.OverlapWeight*prefill + decode
 		d.Candidates = append(d.Candidates, Candidate{Replica: i, MatchedTokens: m, Prefill: prefill, Load: decode, Score: c})

@@ -192,6 +192,19 @@ type View struct {
 	// (CPU, disk: KV events of another medium), block after block, and the
 	// seconds loading them to the GPU takes. nil: no tiers known.
 	TierHit func(r int, req *Request, gpu int) (tokens int, loadSeconds float64)
+	// TierSplit, when set, splits the tokens TierHit counts by tier: those
+	// in host memory (medium costmodel.MediumCPU) and those in any other
+	// slower tier (disk, an engine's own), as Dynamo's router splits its
+	// lower-tier overlap into host and disk blocks. nil: no tiers known.
+	TierSplit func(r int, req *Request, gpu int) (host, other int)
+}
+
+// TierSplitOf is v.TierSplit, or nothing without one.
+func (v *View) TierSplitOf(r int, req *Request, gpu int) (host, other int) {
+	if v.TierSplit == nil {
+		return 0, 0
+	}
+	return v.TierSplit(r, req, gpu)
 }
 
 // TierHitOf is v.TierHit, or nothing without one.
@@ -402,6 +415,12 @@ var constructors = map[string]func(Options) (Policy, error){
 	"dynamo":       func(Options) (Policy, error) { return NewDynamo(DefaultDynamoConfig()), nil },
 	"e2":           func(o Options) (Policy, error) { return NewE2(o.E2) },
 	"e2-preble":    func(o Options) (Policy, error) { return NewE2(o.E2Preble) },
+	// Cache tiers: e2 crediting a slower tier's blocks as Dynamo does.
+	"e2-fixedtier": func(o Options) (Policy, error) {
+		c := o.E2
+		c.Name, c.TierCredit = "e2-fixedtier", TierCreditFixed
+		return NewE2(c)
+	},
 	// Prefill/decode disaggregation (pd.go).
 	"round-robin-pd": func(Options) (Policy, error) { return &RoundRobinPD{}, nil },
 	"llmd-pd":        func(Options) (Policy, error) { return NewLLMDPD(DefaultLLMDPDThreshold), nil },

@@ -142,6 +142,15 @@ type Config struct {
 	// slots: every adapter is resident and loads cost nothing. A block
 	// cache only.
 	MaxLoras int
+	// CPUOffloadTokens is the size, in tokens, of a CPU offload tier like
+	// vLLM's OffloadingConnector with its CPU backend (offload.go): full
+	// blocks are written through to it, evicted LRU, and a request whose
+	// prompt continues there past its GPU hit loads those blocks (their KV
+	// bytes over the profile's CPU bandwidth, costmodel.TierBandwidth)
+	// instead of recomputing them. Its changes are events with Medium
+	// costmodel.MediumCPU. 0 (the default) is no tier. A block cache only;
+	// the profile must give KV bytes per token (costmodel.KVBytesOf).
+	CPUOffloadTokens int
 }
 
 // DefaultConfig returns a Config with every default filled in but those that
@@ -213,6 +222,14 @@ func (c Config) Validate() error {
 		return bad("MaxLoras must be 0 (adapters not modelled) or positive, got %d", c.MaxLoras)
 	case c.MaxLoras > 0 && c.Slots > 0:
 		return bad("MaxLoras needs a block cache (Slots 0)")
+	case c.CPUOffloadTokens < 0:
+		return bad("CPUOffloadTokens must be 0 (no CPU tier) or positive, got %d", c.CPUOffloadTokens)
+	case c.CPUOffloadTokens > 0 && c.Slots > 0:
+		return bad("CPUOffloadTokens needs a block cache (Slots 0)")
+	case c.CPUOffloadTokens > 0 && c.CPUOffloadTokens < c.BlockSize:
+		return bad("CPUOffloadTokens (%d) must hold at least one block of %d tokens", c.CPUOffloadTokens, c.BlockSize)
+	case c.CPUOffloadTokens > 0 && !(costmodel.KVBytesOf(c.Profile) > 0):
+		return bad("CPUOffloadTokens needs a profile that gives KV bytes per token (a roofline does); %s does not", c.Profile.Name())
 	case c.Role == RoleDecode && c.Slots > 0:
 		return bad("Role %q needs a block cache (Slots 0): llama.cpp's slots do not receive KV", RoleDecode)
 	}

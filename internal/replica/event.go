@@ -93,7 +93,8 @@ func (k Kind) String() string {
 // Applying the BlocksStored, BlocksRemoved and AllCleared events in order to
 // an empty set of keys gives exactly the replica's prefix cache after the
 // call that returned them: the same information vLLM publishes as KV events
-// (BlockStored, BlockRemoved, AllBlocksCleared).
+// (BlockStored, BlockRemoved, AllBlocksCleared). Events with a Medium apply
+// to that tier's set instead (AllCleared empties every tier).
 type Event struct {
 	// Kind says what happened.
 	Kind Kind
@@ -112,6 +113,11 @@ type Event struct {
 	// caps it (so not always block-aligned), counted from where truncation
 	// starts a long prompt.
 	HitTokens int
+	// TierTokens (Admitted) is the number of prompt tokens after HitTokens
+	// loaded from the CPU offload tier instead of recomputed
+	// (Config.CPUOffloadTokens; offload.go): the request waits for their
+	// copy before it prefills the rest.
+	TierTokens int
 	// Resumed (Admitted) is true when the request was preempted before.
 	Resumed bool
 	// N (FirstToken, Token, Finished, Preempted, Cancelled) is the number of
@@ -126,6 +132,11 @@ type Event struct {
 	Parent blocks.Key
 	// HasParent says whether Parent is set.
 	HasParent bool
+	// Medium (BlocksStored, BlocksRemoved) is the cache tier concerned:
+	// "" for the GPU prefix cache, costmodel.MediumCPU for the CPU offload
+	// tier (Config.CPUOffloadTokens), whose BlocksStored events have no
+	// parent, as vLLM's OffloadingConnector publishes them.
+	Medium string
 	// Adapter (BlocksStored, AdapterLoaded, AdapterEvicted) is the LoRA
 	// adapter concerned: the adapter of the request whose blocks were
 	// stored ("" for the base model), as vLLM's BlockStored carries

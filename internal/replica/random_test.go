@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 )
 
 // TestRandomized drives replicas with every local scheduler and chunking mode
@@ -120,11 +121,16 @@ func randomRun(t *testing.T, r *Replica, rng *rand.Rand, nReq int) {
 		lives[a.req.ID] = &life{req: a.req}
 	}
 	mirror := map[blocks.Key]bool{}
+	cpuMirror := map[blocks.Key]bool{}
 	check := func(now time.Time, ev []Event) {
 		t.Helper()
 		applyCacheEvents(mirror, ev)
 		checkMirror(t, r, mirror)
 		checkInvariants(t, r, parent)
+		if r.cpu != nil {
+			applyTierEvents(cpuMirror, ev, costmodel.MediumCPU)
+			checkTier(t, r, cpuMirror)
+		}
 		last := now
 		for _, e := range ev {
 			if e.At.Before(last) {
@@ -195,6 +201,12 @@ func checkLife(t *testing.T, r *Replica, l *life, e Event, parent map[blocks.Key
 	B := r.cfg.BlockSize
 	switch e.Kind {
 	case BlocksStored, BlocksRemoved:
+		if e.Medium != "" {
+			if e.Medium != costmodel.MediumCPU || e.HasParent || len(e.Keys) == 0 {
+				t.Fatalf("%s: a tier's event with medium %q, parent %v", show(e), e.Medium, e.HasParent)
+			}
+			return
+		}
 		for i, k := range e.Keys {
 			if e.Kind == BlocksStored && i > 0 && parent[k] != e.Keys[i-1] {
 				t.Fatalf("%s: not a chain", show(e))
@@ -229,7 +241,10 @@ func checkLife(t *testing.T, r *Replica, l *life, e Event, parent map[blocks.Key
 			target -= truncation(l.req.PromptTokens, r.slotCtx)
 			aligned = e.HitTokens%B == 0 || e.HitTokens == target-1
 		}
-		if !aligned || e.HitTokens > target-1 || e.Resumed != (l.n > 0) {
+		if e.TierTokens%B != 0 || e.TierTokens > 0 && r.cpu == nil {
+			t.Fatalf("%s: %d tokens from the CPU tier", show(e), e.TierTokens)
+		}
+		if !aligned || e.HitTokens+e.TierTokens > target-1 || e.Resumed != (l.n > 0) {
 			t.Fatalf("%s: bad hit or resumed flag (target %d, %d tokens)", show(e), target, l.n)
 		}
 		l.admitted, l.running = true, true

@@ -115,6 +115,13 @@ type seq struct {
 	awaitKV   bool         // RemoteKV: admitted, its blocks reserved, its KV not yet arrived
 	kvDone    bool         // RemoteKV: its KV arrived (a preemption then recomputes it here)
 	keys      []blocks.Key // its blocks' keys in the prefix cache (cacheKeys)
+	// CPU offloading (offload.go): blocks written through to the tier so
+	// far, and a load in flight of loadN blocks from loadFrom, ending at
+	// loadEnd.
+	offloaded       int
+	loading         bool
+	loadFrom, loadN int
+	loadEnd         time.Time
 }
 
 // Replica is the model of one GPU engine. Create it with New. It is not safe
@@ -155,6 +162,10 @@ type Replica struct {
 	loraClock uint64
 	loadTime  time.Duration
 
+	// CPU offloading (offload.go; nil: off) and the loads in flight.
+	cpu      *cpuTier
+	nLoading int
+
 	st Stats
 }
 
@@ -188,6 +199,9 @@ func New(cfg Config) (*Replica, error) {
 	}
 	if cfg.Slots > 0 {
 		r.newSlots()
+	}
+	if cfg.CPUOffloadTokens > 0 {
+		r.cpu = newCPUTier(cfg.CPUOffloadTokens/cfg.BlockSize, cfg.Profile)
 	}
 	return r, nil
 }
@@ -276,6 +290,8 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 	budget := r.cfg.ChunkBudget
 	r.removed = -1
 	r.chunks, r.chunked, r.decodes = r.chunks[:0], r.chunked[:0], r.decodes[:0]
+	// Loads from the CPU tier done by now land in the GPU cache first.
+	r.landLoads(now, &ev)
 
 	// 1. Decodes, oldest first; a decode crossing a block boundary takes a
 	// block, evicting or preempting the youngest request when none is left
@@ -312,7 +328,7 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 
 	// 2. Continuing prefills, in admission order.
 	for _, s := range r.running {
-		if s.computed >= s.target || s.awaitKV {
+		if s.computed >= s.target || s.awaitKV || s.loading {
 			continue
 		}
 		if !unlimited && budget == 0 {
@@ -340,20 +356,27 @@ func (r *Replica) Step(now time.Time, ev []Event) (end time.Time, out []Event, b
 			r.admitPriority(now, &ev, &budget)
 		}
 	}
-	if r.nAwait > 0 && len(r.chunks) == 0 && len(r.decodes) == 0 {
-		return now, ev, false // only requests awaiting their KV: idle until KVArrived
+	if len(r.chunks) == 0 && len(r.decodes) == 0 {
+		if r.nLoading > 0 {
+			// Only loads from the CPU tier in flight (and maybe remote
+			// KV): no iteration, a wait until the first load lands.
+			return r.nextLoad(), ev, true
+		}
+		if r.nAwait > 0 {
+			return now, ev, false // only requests awaiting their KV: idle until KVArrived
+		}
 	}
 	end, ev = r.runBatch(now, decodeCtx, ev)
 	return end, ev, true
 }
 
 // victim is the request a decode short of blocks preempts: the youngest
-// running one, leaving out those awaiting their KV (their blocks are the
-// target of a transfer in flight; vLLM keeps such requests out of its
-// running queue until their KV has arrived).
+// running one, leaving out those awaiting their KV or loading it from the
+// CPU tier (their blocks are the target of a transfer in flight; vLLM keeps
+// such requests out of its running queue until their KV has arrived).
 func (r *Replica) victim() *seq {
 	for i := len(r.running) - 1; i >= 0; i-- {
-		if s := r.running[i]; !s.awaitKV {
+		if s := r.running[i]; !s.awaitKV && !s.loading {
 			return s
 		}
 	}
@@ -474,6 +497,7 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 		r.privAll--
 	}
 	flush(full)
+	r.offload(s, full, end, ev)
 }
 
 // appendStored appends a BlocksStored event for keys[run:upto] (the chain
@@ -524,6 +548,9 @@ func (r *Replica) release(s *seq) {
 	keys := s.keys
 	for j := s.pinned - 1; j >= 0; j-- {
 		r.cache.unpin(r.cache.lookup(keys[j]))
+	}
+	if s.loading {
+		r.endLoad(s, false, time.Time{}, nil)
 	}
 	r.privAll -= s.priv
 	s.pinned, s.priv, s.computed, s.target = 0, 0, 0, 0
@@ -581,6 +608,10 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 	if priv+1 > avail-unpinned {
 		return false
 	}
+	tier, busy := r.offloadHit(s, hit, maxHit)
+	if busy {
+		return false // its blocks are being loaded: it waits (offload.go)
+	}
 	r.loraAcquire(s, now, ev)
 	for _, i := range r.scratch {
 		r.cache.pin(i)
@@ -588,14 +619,24 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 	r.allocate(priv, now, ev)
 	s.priv, s.pinned = priv, hit
 	s.computed, s.target = hit*B, target
+	s.offloaded = 0
 	s.running, s.admitted, s.group = true, r.nAdm, -1
 	r.nAdm++
 	r.running = append(r.running, s)
 	r.st.Admissions++
 	r.st.PrefixCacheQueries += int64(target)
 	r.st.PrefixCacheHits += int64(hit * B)
+	if r.cpu != nil {
+		r.cpu.touch(keys) // vLLM's lookup touches the request's blocks
+	}
 	*ev = append(*ev, Event{Kind: Admitted, At: now, RequestID: s.req.ID,
-		HitTokens: hit * B, Resumed: s.generated > 0})
+		HitTokens: hit * B, TierTokens: tier * B, Resumed: s.generated > 0})
+	if tier > 0 {
+		// The blocks after its GPU hit come from the CPU tier: no chunk
+		// until they land (offload.go).
+		r.startLoad(s, hit, tier, now)
+		return true
+	}
 	if s.req.RemoteKV && !s.kvDone {
 		// Its blocks are reserved; the ones this replica lacks come over
 		// the network (NixlConnector's pull of the blocks not computed
@@ -683,6 +724,11 @@ func (r *Replica) ResetPrefixCache(now time.Time) ([]Event, bool) {
 	for r.cache.nLRU > 0 {
 		r.cache.evict()
 	}
+	if r.cpu != nil {
+		// The offloaded copies go too: the AllCleared event empties
+		// every tier for whoever applies the events.
+		r.cpu.clear()
+	}
 	return []Event{{Kind: AllCleared, At: now}}, true
 }
 
@@ -751,6 +797,16 @@ type Stats struct {
 	AdapterLoads, AdapterEvictions int64 `json:",omitempty"`
 	// AdapterLoadTime is the iteration time those loads added.
 	AdapterLoadTime time.Duration `json:",omitempty"`
+	// OffloadBlocks is the number of blocks in the CPU offload tier
+	// (Config.CPUOffloadTokens; offload.go). OffloadStoredBlocks and
+	// OffloadEvictedBlocks count the blocks written to it and evicted
+	// from it; OffloadLoads counts the admissions that loaded blocks from
+	// it, OffloadLoadedTokens their tokens, and OffloadLoadTime the
+	// copies' total duration.
+	OffloadBlocks                             int           `json:",omitempty"`
+	OffloadStoredBlocks, OffloadEvictedBlocks int64         `json:",omitempty"`
+	OffloadLoads, OffloadLoadedTokens         int64         `json:",omitempty"`
+	OffloadLoadTime                           time.Duration `json:",omitempty"`
 	// BusyTime is the total duration of the iterations run.
 	BusyTime time.Duration
 }
@@ -767,6 +823,9 @@ func (r *Replica) Stats() Stats {
 	st.KVUsage = float64(r.nBlocks-st.FreeBlocks-st.EvictableBlocks) / float64(r.nBlocks)
 	if r.slots != nil {
 		r.slotStats(&st)
+	}
+	if r.cpu != nil {
+		st.OffloadBlocks = r.cpu.len()
 	}
 	return st
 }

@@ -84,8 +84,16 @@ func drive(t *testing.T, r *Replica, arrivals []arrival) []Event {
 	return nil
 }
 
-func applyCacheEvents(m map[blocks.Key]bool, ev []Event) {
+// applyCacheEvents applies the GPU cache's events (no Medium) to m.
+func applyCacheEvents(m map[blocks.Key]bool, ev []Event) { applyTierEvents(m, ev, "") }
+
+// applyTierEvents applies the events of one tier (medium; "" for the GPU
+// cache) to m; AllCleared empties every tier.
+func applyTierEvents(m map[blocks.Key]bool, ev []Event, medium string) {
 	for _, e := range ev {
+		if e.Kind != AllCleared && e.Medium != medium {
+			continue
+		}
 		switch e.Kind {
 		case BlocksStored:
 			for _, k := range e.Keys {

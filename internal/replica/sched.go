@@ -23,9 +23,10 @@ func (r *Replica) admitQueue(now time.Time, ev *[]Event, budget *int) {
 		if len(r.running) >= r.cfg.MaxRunning || *budget == 0 {
 			break
 		}
-		if r.loraBlocked(s) {
+		if r.loraBlocked(s) || r.offloadBlocked(s) {
 			// vLLM skips a request whose adapter would exceed max_loras
-			// and goes on with the queue (lora.go).
+			// (lora.go), or whose blocks a load from the CPU tier is
+			// reading (offload.go), and goes on with the queue.
 			skipped = true
 			continue
 		}

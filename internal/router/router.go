@@ -235,6 +235,7 @@ func New(cfg Config) (*Router, error) {
 	}
 	r.view = policy.View{Tree: t, Match: &r.match, Profile: cfg.Profile, Rand: r.rng, KVLink: cfg.KVLink}
 	r.view.TierHit = r.tierHit
+	r.view.TierSplit = r.tierSplit
 	return r, nil
 }
 

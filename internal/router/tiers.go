@@ -95,25 +95,52 @@ func (r *Router) tierHit(rep int, req *policy.Request, gpu int) (int, float64) {
 	if rep >= len(r.tiers) || len(r.tiers[rep]) == 0 {
 		return 0, 0
 	}
-	bt := r.tree.BlockTokens()
 	prof := r.view.ProfileOf(rep)
 	perToken := costmodel.KVBytesOf(prof)
 	if perToken <= 0 {
 		return 0, 0
 	}
-	set := r.tiers[rep]
 	tokens, seconds := 0, 0.0
+	r.tierWalk(rep, req, gpu, func(tier uint8, n int) {
+		tokens += n
+		seconds += float64(n) * perToken / costmodel.TierBandwidth(prof, r.tierNames[tier])
+	})
+	return tokens, seconds
+}
+
+// tierSplit is View.TierSplit: tierHit's tokens, split into those in host
+// memory (costmodel.MediumCPU) and those in other tiers.
+func (r *Router) tierSplit(rep int, req *policy.Request, gpu int) (host, other int) {
+	if rep >= len(r.tiers) || len(r.tiers[rep]) == 0 {
+		return 0, 0
+	}
+	r.tierWalk(rep, req, gpu, func(tier uint8, n int) {
+		if r.tierNames[tier] == costmodel.MediumCPU {
+			host += n
+		} else {
+			other += n
+		}
+	})
+	return host, other
+}
+
+// tierWalk calls fn with the tier and the prompt tokens of each of req's
+// blocks after the gpu tokens that replica rep holds in a slower tier, in
+// order, stopping at the first it does not hold.
+func (r *Router) tierWalk(rep int, req *policy.Request, gpu int, fn func(tier uint8, tokens int)) {
+	bt := r.tree.BlockTokens()
+	set := r.tiers[rep]
+	done := 0
 	for i := gpu / bt; i < len(req.Keys); i++ {
 		t, ok := set[req.Keys[i]]
 		if !ok {
 			break
 		}
-		n := min(bt, req.PromptTokens-gpu-tokens)
+		n := min(bt, req.PromptTokens-gpu-done)
 		if n <= 0 {
 			break
 		}
-		tokens += n
-		seconds += float64(n) * perToken / costmodel.TierBandwidth(prof, r.tierNames[t])
+		done += n
+		fn(t, n)
 	}
-	return tokens, seconds
 }

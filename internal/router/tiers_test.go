@@ -1,6 +1,7 @@
 package router
 
 import (
+	"math"
 	"testing"
 	"time"
 
@@ -53,10 +54,10 @@ func TestTierPricing(t *testing.T) {
 		}
 	}
 	load := float64(len(tokens)) * costmodel.KVBytesOf(prof) / costmodel.DefaultCPUBandwidth
-	// P weighs both at E2's prefill weight: their ratio is the load's to
-	// the recompute's.
-	if pb < load || pb >= pa/3 {
-		t.Errorf("P on the CPU tier %.4g s (load %.4g s), on the idle replica %.4g s: want the weighted load, far below a recompute", pb, load, pa)
+	// P weighs the load at 1 (only this request waits for the copy) and
+	// the recompute at E2's prefill weight.
+	if math.Abs(pb-load) > 1e-9*load || pb >= pa/3 {
+		t.Errorf("P on the CPU tier %.4g s (load %.4g s), on the idle replica %.4g s: want the load, far below a recompute", pb, load, pa)
 	}
 	if err := r.CacheRemovedTier(1, costmodel.MediumCPU, keys[len(keys)/2:]); err != nil {
 		t.Fatal(err)
@@ -69,5 +70,70 @@ func TestTierPricing(t *testing.T) {
 	}
 	if r.TierBlocks(1) != 0 {
 		t.Error("AllBlocksCleared left tier blocks")
+	}
+}
+
+// TestTierCreditModes: the policies that read the tiers price a prompt a
+// replica holds only in its CPU tier as each says: e2:tier_credit=none as
+// a recompute (the same P as on an idle replica), e2-fixedtier as Dynamo's
+// 0.75 credit (P of the quarter of the prompt left), and dynamo with its
+// prefill blocks less 0.75 per host block. Half the prompt is in a disk
+// tier on a third replica: Dynamo credits it at 0.25.
+func TestTierCreditModes(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens := make([]uint32, 4096)
+	for i := range tokens {
+		tokens[i] = uint32(i)
+	}
+	keys := blocks.Keys(nil, tokens, 16)
+	req := policy.Request{ID: 1, Keys: keys, PromptTokens: len(tokens), OutputTokens: 8, Explain: true}
+	prefills := func(spec string) []float64 {
+		t.Helper()
+		pol, err := policy.Parse(spec, policy.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := New(Config{BlockTokens: 16, Profile: prof, Policy: pol, Seed: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range []string{"a", "b", "c"} {
+			r.AddReplica(n, true)
+		}
+		if err := r.CacheStoredTier(1, costmodel.MediumCPU, keys); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.CacheStoredTier(2, costmodel.MediumDisk, keys[:len(keys)/2]); err != nil {
+			t.Fatal(err)
+		}
+		if h, o := r.tierSplit(2, &req, 0); h != 0 || o != len(tokens)/2 {
+			t.Fatalf("tierSplit on the disk replica = %d, %d", h, o)
+		}
+		d, err := r.Predict(req, time.Now())
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := make([]float64, 3)
+		for _, c := range d.Candidates {
+			out[c.Replica] = c.Prefill
+		}
+		return out
+	}
+	none := prefills("e2:tier_credit=none")
+	if math.Abs(none[1]-none[0]) > 1e-12 {
+		t.Errorf("e2:tier_credit=none: P %.4g on the CPU replica, %.4g on the idle one; want equal", none[1], none[0])
+	}
+	fixed := prefills("e2-fixedtier")
+	want := 3 * prof.Prefill(len(tokens)/4, len(tokens)).Seconds()
+	if math.Abs(fixed[1]-want) > 1e-9 || fixed[0] != none[0] {
+		t.Errorf("e2-fixedtier: P %.4g on the CPU replica, want 3·T_prefill(a quarter) = %.4g; idle %.4g vs %.4g", fixed[1], want, fixed[0], none[0])
+	}
+	dyn := prefills("dynamo")
+	blocks := float64(len(keys))
+	if dyn[0] != blocks || dyn[1] != blocks*0.25 || dyn[2] != blocks-0.25*blocks/2 {
+		t.Errorf("dynamo prefill blocks %v, want %v, %v, %v", dyn, blocks, blocks*0.25, blocks-0.25*blocks/2)
 	}
 }

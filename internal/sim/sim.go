@@ -78,6 +78,10 @@ type Config struct {
 	// over KVLink; any other policy sees only the decode replicas. 0: every
 	// replica does both.
 	PrefillReplicas int
+	// IgnoreCacheTiers drops the replicas' KV events of slower cache tiers
+	// (Replica.CPUOffloadTokens' CPU events) on their way to the router, as
+	// `serve --ignore-cache-tiers` does: the tier-blind router.
+	IgnoreCacheTiers bool
 	// KVLink is each replica's link for disaggregated requests' KV: its
 	// bandwidth, shared by the transfers using it, and a latency per
 	// transfer (links in link.go). The bytes of a transfer are the blocks
@@ -256,6 +260,7 @@ type reqState struct {
 	first    time.Time
 	finish   time.Time
 	hit      int
+	tierHit  int // prompt tokens loaded from the replica's CPU tier
 	admitted bool
 	// admittedAt is when its prefill began (the iteration that admitted
 	// it): llama.cpp's timings measure prompt_ms from there.
@@ -598,7 +603,7 @@ func (rn *runner) apply(r int, ev replica.Event) {
 		s := &rn.st[ev.RequestID]
 		if !s.admitted {
 			s.admitted = true
-			s.hit = ev.HitTokens
+			s.hit, s.tierHit = ev.HitTokens, ev.TierTokens
 			s.admittedAt = ev.At
 		}
 	case replica.FirstToken:
@@ -623,7 +628,9 @@ func (rn *runner) apply(r int, ev replica.Event) {
 		s := &rn.st[ev.RequestID]
 		s.finish = ev.At
 		s.out = ev.N
-		fin := router.Finish{OutputTokens: ev.N, CachedTokens: s.hit, OK: true}
+		// Tokens loaded from a CPU tier count as cached, as vLLM's
+		// cached_tokens counts a connector's tokens.
+		fin := router.Finish{OutputTokens: ev.N, CachedTokens: s.hit + s.tierHit, OK: true}
 		if rn.cfg.Replica.Slots > 0 && !s.first.IsZero() {
 			// llama-server reports its own timings (server.cpp at
 			// c392e50): prompt_ms from the slot starting the prompt to
@@ -645,7 +652,7 @@ func (rn *runner) apply(r int, ev replica.Event) {
 			rn.cfg.Progress(rn.done, len(rn.reqs))
 		}
 	case replica.BlocksStored, replica.BlocksRemoved, replica.AllCleared:
-		if rn.cfg.KVEvents {
+		if rn.cfg.KVEvents && !(ev.Medium != "" && rn.cfg.IgnoreCacheTiers) {
 			rn.push(ev.At.Add(rn.cfg.EventLag), evCache, r, ev)
 		}
 	}
@@ -653,6 +660,15 @@ func (rn *runner) apply(r int, ev replica.Event) {
 
 func (rn *runner) deliverCache(r int, ev replica.Event, now time.Time) {
 	rn.res.Events++
+	if ev.Medium != "" {
+		// A slower tier's blocks (CPU offloading): the router's tier set.
+		if ev.Kind == replica.BlocksStored {
+			_ = rn.rt.CacheStoredTier(r, ev.Medium, ev.Keys)
+		} else {
+			_ = rn.rt.CacheRemovedTier(r, ev.Medium, ev.Keys)
+		}
+		return
+	}
 	switch ev.Kind {
 	case replica.BlocksStored:
 		if err := rn.rt.CacheStored(r, ev.Parent, ev.HasParent, ev.Keys, now); err != nil {
@@ -710,7 +726,7 @@ func (rn *runner) finish() {
 		rec := report.RequestRecord{
 			ID: i, Replica: replicaName(s.replica), ArrivalS: s.arrival.Sub(epoch).Seconds(),
 			Session: w.Session, Group: w.Group,
-			PromptTokens: len(w.Tokens), CachedTokens: s.hit, OutputTokens: s.out, Error: s.err,
+			PromptTokens: len(w.Tokens), CachedTokens: s.hit + s.tierHit, OutputTokens: s.out, Error: s.err,
 		}
 		if s.pd {
 			// The prefill computed what the prefill replica did not hold.

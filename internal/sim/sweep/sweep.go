@@ -89,9 +89,18 @@ type Config struct {
 	PrefillReplicas int
 	// MaxLoras is each replica's LoRA adapter slots (vLLM's --max-loras;
 	// replica.Config.MaxLoras); 0: adapters not modelled as slots.
-	MaxLoras      int
-	KVLinkGbps    float64
-	KVLinkLatency time.Duration
+	MaxLoras int
+	// KVCapacity is each replica's GPU KV cache in tokens
+	// (replica.Config.KVCapacity; 0: the profile's).
+	KVCapacity int
+	// CPUOffloadTokens is each replica's CPU offload tier in tokens
+	// (replica.Config.CPUOffloadTokens; 0: none); IgnoreCacheTiers drops
+	// its KV events on their way to the router for every policy
+	// (sim.Config.IgnoreCacheTiers).
+	CPUOffloadTokens int
+	IgnoreCacheTiers bool
+	KVLinkGbps       float64
+	KVLinkLatency    time.Duration
 	// Changed reports whether the user gave a flag (cobra's
 	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
 	// given take llama-server's defaults (ApplyEngine).
@@ -161,6 +170,8 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	rc.MaxRunning = c.MaxSeqs
 	rc.Slots = c.Slots
 	rc.MaxLoras = c.MaxLoras
+	rc.CPUOffloadTokens = c.CPUOffloadTokens
+	rc.KVCapacity = c.KVCapacity
 	if err := checkPolicies(specs, opts, rc, sp); err != nil {
 		return err
 	}
@@ -184,7 +195,7 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	var results []report.Result
 	var records []report.RequestRecord
-	var pdLines, loraLines []string
+	var pdLines, loraLines, tierLines []string
 	for _, rate := range rates {
 		c.Workload.Arrival.Rate = rate
 		reqs, skipped, err := c.Workload.Load()
@@ -220,7 +231,7 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			cfg := sim.Config{Replicas: c.Replicas, Replica: prc, Profile: sp.Base, Policy: pol,
 				Profiles: sp.Replicas, RouterProfiles: sp.Router, Calibrate: calCfg,
 				KVEvents: c.KVEvents, EventLag: c.EventLag, SpeculativeTTL: c.SpeculativeTTL, Seed: c.RouterSeed, Rate: label,
-				HostCores: c.HostCores, PrefillReplicas: c.PrefillReplicas,
+				HostCores: c.HostCores, PrefillReplicas: c.PrefillReplicas, IgnoreCacheTiers: c.IgnoreCacheTiers,
 				KVLink: policy.KVLink{BytesPerSecond: c.KVLinkGbps * 1e9 / 8, Latency: c.KVLinkLatency}}
 			if !c.Quiet {
 				cfg.Progress = func(done, total int) {
@@ -248,6 +259,9 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			if c.MaxLoras > 0 {
 				loraLines = append(loraLines, LoRALine(name, label, res))
 			}
+			if c.CPUOffloadTokens > 0 {
+				tierLines = append(tierLines, TierLine(name, label, res))
+			}
 			if c.OutDir != "" {
 				records = append(records, res.Records...)
 			}
@@ -259,6 +273,12 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	if len(loraLines) > 0 {
 		fmt.Fprintf(stderr, "\nLoRA adapters (%d slots per replica):\n", c.MaxLoras)
 		for _, l := range loraLines {
+			fmt.Fprintln(stderr, l)
+		}
+	}
+	if len(tierLines) > 0 {
+		fmt.Fprintf(stderr, "\nCPU offload tier (%d tokens per replica):\n", c.CPUOffloadTokens)
+		for _, l := range tierLines {
 			fmt.Fprintln(stderr, l)
 		}
 	}
@@ -281,6 +301,29 @@ func LoRALine(name string, rate float64, res *sim.Result) string {
 	}
 	return fmt.Sprintf("  %-16s rate %-6.3g adapter loads %6d (%7.1f/min)  evictions %6d  load time %8.1f s",
 		name, rate, loads, res.AdapterLoadsPerMinute(), evictions, t.Seconds())
+}
+
+// TierLine renders a run's CPU offload tier figures over the cluster: the
+// prompt tokens found in GPU caches and loaded from CPU tiers (shares of
+// all prompt tokens), the loads and their total copy time.
+func TierLine(name string, rate float64, res *sim.Result) string {
+	var loads, loaded, gpu, prompt int64
+	var t time.Duration
+	for _, st := range res.Replicas {
+		loads, loaded, t = loads+st.OffloadLoads, loaded+st.OffloadLoadedTokens, t+st.OffloadLoadTime
+		gpu += st.PrefixCacheHits
+	}
+	for _, rec := range res.Records {
+		prompt += int64(rec.PromptTokens)
+	}
+	share := func(n int64) float64 {
+		if prompt == 0 {
+			return 0
+		}
+		return 100 * float64(n) / float64(prompt)
+	}
+	return fmt.Sprintf("  %-28s rate %-6.3g GPU hits %5.1f%%  CPU-tier loads %5.1f%% of prompt tokens (%d loads, %.1f s of copies)",
+		name, rate, share(gpu), share(loaded), loads, t.Seconds())
 }
 
 // PDLine renders a run's disaggregation figures: how many requests were
