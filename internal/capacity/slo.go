@@ -255,3 +255,19 @@ func plainNumber(s string) bool {
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// Annotate writes v, s's verdict of r's run, into r: the objective, whether
+// it was met, each target's percentile and the goodput.
+func (s SLO) Annotate(r *report.Result, v Verdict) {
+	r.SLO = s.String()
+	met, good := v.Met, v.GoodputRPS
+	r.SLOMet, r.GoodputRPS = &met, &good
+	r.SLOObserved = make([]report.SLOObservation, len(s))
+	for i, t := range s {
+		o := report.SLOObservation{Target: t.String(), Met: v.Observed[i] <= ms(t.Limit)}
+		if x := v.Observed[i]; !math.IsInf(x, 0) && !math.IsNaN(x) {
+			o.ObservedMs = &x
+		}
+		r.SLOObserved[i] = o
+	}
+}
