@@ -1,8 +1,10 @@
 package main
 
 import (
+	"fmt"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -18,6 +20,7 @@ import (
 // sweep.Run simulates and reports it.
 func newSimCmd() *cobra.Command {
 	c := &sweep.Config{Workload: workload.DefaultFlags()}
+	var cpuProfile string
 	c.Workload.Spec.Requests = 2000
 	cmd := &cobra.Command{
 		Use:   "sim",
@@ -58,12 +61,25 @@ from the profile it was told (internal/calibrate; docs/calibration.md).
 decode replicas (docs/pd.md): a disaggregating policy prefills a request on
 one, moves the KV its decode replica lacks over --kv-link-gbps links (shared
 by the transfers on each) with --kv-link-latency per transfer, and decodes it
-there; the profile must give KV bytes per token (a roofline does).`,
+there; the profile must give KV bytes per token (a roofline does).
+
+--slo 'ttft_p90=2s[,tpot_p90=100ms]' searches each policy's capacity at the
+objective instead of simulating given rates: the highest request rate at
+which every target holds (METRIC_pP=LIMIT; metrics ttft, tpot, e2e; any
+percentile in (0, 100]). The search starts at --rate (a trace at its own
+rate), doubles while the SLO holds or halves while it does not, then
+bisects until within --slo-tolerance; each rate is a full simulation of the
+same requests (Poisson arrivals redrawn at the rate from --seed, a trace
+compressed or stretched in time). It prints each policy's capacity_rps,
+the percentiles and goodput (requests/s that met every limit) at it, and
+the goodput of every rate tried; the JSON holds every run with
+capacity_rps, goodput_rps, slo_met and at_capacity (docs/capacity.md).`,
 		Example: `  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --policies round-robin,e2 --rates 4,8,12
   prefixlb sim --trace trace.jsonl --trace-format mooncake --replicas 8 --profile llama3-70b-h100x2 --json out.json
   prefixlb sim --engine llamacpp --slots 2 --workload toolbench --replicas 3 --rate 1 --requests 300 --policies round-robin,e2
   prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --rate 60 \
       --replica-profiles 'llama3.1-8b-h100*2,llama3.1-8b-a100*2' --router-profile llama3.1-8b-h100 --calibrate
+  prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --requests 2000 --policies round-robin,e2 --slo ttft_p90=2s
   prefixlb sim --workload coding-agent --replicas 8 --prefill-replicas 2 --profile qwen3-32b-h100x2 \
       --policies e2,round-robin-pd,llmd-pd,dynamo-pd,e2-pd --rate 1`,
 		Args: cobra.NoArgs,
@@ -74,6 +90,13 @@ there; the profile must give KV bytes per token (a roofline does).`,
 			c.Changed = cmd.Flags().Changed
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt)
 			defer stop()
+			if cpuProfile != "" {
+				stopProfile, err := startCPUProfile(cpuProfile)
+				if err != nil {
+					return err
+				}
+				defer stopProfile()
+			}
 			return sweep.Run(ctx, *c, cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
 	}
@@ -106,7 +129,28 @@ there; the profile must give KV bytes per token (a roofline does).`,
 	fs.IntVar(&c.PrefillReplicas, "prefill-replicas", 0, "prefill/decode disaggregation: the first N of --replicas are prefill replicas, the rest decode replicas (policies round-robin-pd, llmd-pd, dynamo-pd, e2-pd pick both; the others only decode replicas); 0: none")
 	fs.Float64Var(&c.KVLinkGbps, "kv-link-gbps", 400, "--prefill-replicas: each replica's link for KV transfers, Gbit/s, shared by the transfers using it (400: one ConnectX-7 port)")
 	fs.DurationVar(&c.KVLinkLatency, "kv-link-latency", time.Millisecond, "--prefill-replicas: fixed time of one KV transfer beyond its bytes")
+	fs.StringVar(&c.SLO, "slo", "", "search each policy's capacity at this objective, e.g. ttft_p90=2s,tpot_p90=100ms (metrics ttft, tpot, e2e), instead of simulating given rates")
+	fs.Float64Var(&c.SLOTolerance, "slo-tolerance", 0.05, "--slo: the search stops when the lowest rate that missed is within this fraction above the highest that met")
+	fs.Float64Var(&c.SLOMaxRate, "slo-max-rate", 0, "--slo: highest rate the search tries (0: 1024 × its start); met there, the capacity is reported as at least it")
+	fs.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file (go tool pprof)")
 	return cmd
+}
+
+// startCPUProfile starts profiling the process's CPU into path; the
+// returned function stops it and closes the file.
+func startCPUProfile(path string) (func(), error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("--cpuprofile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("--cpuprofile: %w", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }
 
 func init() { rootCmd.AddCommand(newSimCmd()) }

@@ -481,10 +481,11 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 	}
 	cost := 0.0
 	freed := 0
-	v.Tree.EachLRU(r, func(n *prefixtree.Node) bool {
-		if n.Ref(r) > 0 {
-			return true
-		}
+	// The unreferenced nodes in LRU order, as EachLRU skipping Ref > 0
+	// would give them, without walking the referenced ones: on a full,
+	// loaded replica nearly all of its LRU end (docs/performance.md,
+	// "E2 on full caches").
+	v.Tree.EachUnreferencedLRU(r, func(n *prefixtree.Node) bool {
 		freed += n.Own()
 		cost += p.evictionCost(n, prof, bt)
 		return freed < need

@@ -62,13 +62,16 @@ func (c Config) Validate() error {
 }
 
 // repState is one replica's view of one node. Whether the replica caches
-// the node is Node.cachedBy's bit, not a field here: 24 bytes a replica.
+// the node is Node.cachedBy's bit, not a field here: 40 bytes a replica.
 type repState struct {
 	ref int32 // in-flight requests on the replica through the node
 	// cachedKids counts the node's children the replica caches, so that an
 	// LRU eviction can check "no cached child" without walking the children.
 	cachedKids int32
 	prev, next *Node // links in the replica's LRU list while cached
+	// uprev, unext link the node in the replica's list of unreferenced
+	// cached nodes (cached, ref 0), in the LRU list's order.
+	uprev, unext *Node
 }
 
 // Node is a run of consecutive block keys shared by every prompt that passes
@@ -179,7 +182,10 @@ func ImportantAncestor(n *Node) *Node {
 }
 
 type replicaInfo struct {
-	head, tail   *Node // LRU list of nodes this replica caches: head = MRU
+	head, tail *Node // LRU list of nodes this replica caches: head = MRU
+	// uhead, utail: the sublist of the cached nodes no in-flight request
+	// references, in the same order (EachUnreferencedLRU).
+	uhead, utail *Node
 	cachedBlocks int
 	// activeBlocks sums Own over the nodes that at least one in-flight
 	// request on the replica references (ref > 0): AddRef counts a node when
@@ -587,6 +593,10 @@ func (t *Tree) split(n *Node, at int) *Node {
 			if n.cachedBy.Has(r) {
 				s.cachedKids = 1
 				t.linkAfter(r, n, low)
+				if s.ref == 0 {
+					// n is in the unreferenced list, low right after it.
+					t.ulinkBefore(r, low, s.unext)
+				}
 			}
 		}
 		t.release(n)
@@ -619,8 +629,14 @@ func (t *Tree) AddRef(path []*Node, r int, delta int) {
 		switch {
 		case was == 0 && s.ref > 0:
 			t.reps[r].activeBlocks += len(n.keys)
+			if n.cachedBy.Has(r) {
+				t.uunlink(r, n)
+			}
 		case was > 0 && s.ref == 0:
 			t.reps[r].activeBlocks -= len(n.keys)
+			if n.cachedBy.Has(r) {
+				t.uplace(r, n)
+			}
 		}
 		if s.ref == 0 {
 			t.release(n)
@@ -714,6 +730,24 @@ func (t *Tree) EachLRU(r int, fn func(n *Node) bool) {
 	}
 }
 
+// EachUnreferencedLRU calls fn for the nodes replica r caches that no
+// in-flight request on r references (Ref(r) == 0), least recently used
+// first, until fn returns false: EachLRU's order without the referenced
+// nodes, which it does not visit (a loaded replica's LRU end is full of
+// the prefixes of its queued requests). fn must not change the tree.
+func (t *Tree) EachUnreferencedLRU(r int, fn func(n *Node) bool) {
+	if r < 0 || r >= len(t.reps) {
+		return
+	}
+	for n := t.reps[r].utail; n != nil; {
+		prev := n.rs[r].uprev
+		if !fn(n) {
+			return
+		}
+		n = prev
+	}
+}
+
 // EvictLRU uncaches nodes of replica r that no in-flight request on r
 // references, least recently used first, until at least blocks blocks are
 // freed or none is left; it returns the blocks freed. It models the engine's
@@ -760,13 +794,14 @@ func (t *Tree) ClearReplica(r int) {
 	for n := t.reps[r].head; n != nil; {
 		s := &n.rs[r]
 		next := s.next
-		s.prev, s.next = nil, nil
+		s.prev, s.next, s.uprev, s.unext = nil, nil, nil, nil
 		n.cachedBy.Remove(r)
 		t.release(n)
 		t.addCachedKid(n.parent, r, -1)
 		n = next
 	}
 	t.reps[r].head, t.reps[r].tail, t.reps[r].cachedBlocks = nil, nil, 0
+	t.reps[r].uhead, t.reps[r].utail = nil, nil
 }
 
 // --- per-replica LRU list ---
@@ -782,9 +817,13 @@ func (t *Tree) pushFront(r int, n *Node) {
 	if ri.tail == nil {
 		ri.tail = n
 	}
+	if s.ref == 0 {
+		t.ulinkBefore(r, n, ri.uhead)
+	}
 }
 
 func (t *Tree) unlink(r int, n *Node) {
+	t.uunlink(r, n)
 	s := &n.rs[r]
 	ri := &t.reps[r]
 	if s.prev != nil {
@@ -798,6 +837,67 @@ func (t *Tree) unlink(r int, n *Node) {
 		ri.tail = s.prev
 	}
 	s.prev, s.next = nil, nil
+}
+
+// inUnref reports whether n is in r's unreferenced list.
+func (t *Tree) inUnref(r int, n *Node) bool {
+	s := &n.rs[r]
+	return s.uprev != nil || s.unext != nil || t.reps[r].uhead == n
+}
+
+// uunlink takes n out of r's unreferenced list, if it is there.
+func (t *Tree) uunlink(r int, n *Node) {
+	if !t.inUnref(r, n) {
+		return
+	}
+	s := &n.rs[r]
+	ri := &t.reps[r]
+	if s.uprev != nil {
+		s.uprev.rs[r].unext = s.unext
+	} else {
+		ri.uhead = s.unext
+	}
+	if s.unext != nil {
+		s.unext.rs[r].uprev = s.uprev
+	} else {
+		ri.utail = s.uprev
+	}
+	s.uprev, s.unext = nil, nil
+}
+
+// ulinkBefore puts n in r's unreferenced list just before q (towards the
+// MRU end); q nil: at the LRU end.
+func (t *Tree) ulinkBefore(r int, n, q *Node) {
+	s := &n.rs[r]
+	ri := &t.reps[r]
+	p := ri.utail
+	if q != nil {
+		p = q.rs[r].uprev
+	}
+	s.uprev, s.unext = p, q
+	if p != nil {
+		p.rs[r].unext = n
+	} else {
+		ri.uhead = n
+	}
+	if q != nil {
+		q.rs[r].uprev = n
+	} else {
+		ri.utail = n
+	}
+}
+
+// uplace puts n, cached on r and no longer referenced, in r's unreferenced
+// list at its place in the LRU order: before the first unreferenced node
+// older than it. A node released is usually old (its request was routed
+// long ago) and the nodes older than it released before it, so the walk
+// is short.
+func (t *Tree) uplace(r int, n *Node) {
+	q := n.rs[r].next
+	for q != nil && q.rs[r].ref > 0 {
+		q = q.rs[r].next
+	}
+	t.ulinkBefore(r, n, q)
 }
 
 // linkAfter puts low right after n (towards the LRU end) in r's list.

@@ -308,6 +308,7 @@ func checkTree(t *testing.T, op int, tr *Tree, m *naive, prompts [][]blocks.Key,
 		}
 	}
 	checkCachedKids(t, tr)
+	checkUnreferenced(t, tr)
 	checkActiveBlocks(t, op, tr, m)
 	for r := range m.cached {
 		if got, want := tr.CachedBlocks(r), len(m.cached[r]); got != want {
@@ -447,5 +448,43 @@ func checkCachedKids(t *testing.T, tr *Tree) {
 	walk(tr.root)
 	if seen != tr.Nodes() {
 		t.Fatalf("%d nodes reachable from the root, Nodes() = %d", seen, tr.Nodes())
+	}
+}
+
+// checkUnreferenced checks each replica's unreferenced list against its
+// LRU list: exactly the nodes with Ref 0, in the same order, linked both
+// ways.
+func checkUnreferenced(t *testing.T, tr *Tree) {
+	t.Helper()
+	for r := range tr.Replicas() {
+		var want, got []*Node
+		tr.EachLRU(r, func(n *Node) bool {
+			if n.Ref(r) == 0 {
+				want = append(want, n)
+			}
+			return true
+		})
+		tr.EachUnreferencedLRU(r, func(n *Node) bool {
+			got = append(got, n)
+			return true
+		})
+		if len(got) != len(want) {
+			t.Fatalf("replica %d: %d unreferenced nodes listed, want %d", r, len(got), len(want))
+		}
+		for i := range want {
+			if got[i] != want[i] {
+				t.Fatalf("replica %d: unreferenced node %d is %p, want %p (LRU order)", r, i, got[i], want[i])
+			}
+		}
+		i := len(got) - 1
+		for n := tr.reps[r].uhead; n != nil; n = n.rs[r].unext {
+			if i < 0 || got[i] != n {
+				t.Fatalf("replica %d: forward links disagree at %d", r, i)
+			}
+			i--
+		}
+		if i != -1 {
+			t.Fatalf("replica %d: forward links stop %d nodes early", r, i+1)
+		}
 	}
 }

@@ -295,7 +295,7 @@ func TestNodeLayout(t *testing.T) {
 		got, want uintptr
 	}{
 		{"Node", unsafe.Sizeof(Node{}), 160},
-		{"repState", unsafe.Sizeof(repState{}), 24},
+		{"repState", unsafe.Sizeof(repState{}), 40}, // +16: the unreferenced list (EachUnreferencedLRU)
 		{"Set", unsafe.Sizeof(Set{}), 16},
 		{"indexSlot", unsafe.Sizeof(indexSlot{}), 16},
 	} {

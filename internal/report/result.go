@@ -97,6 +97,36 @@ type Result struct {
 	// --calibrate), and Calibration holds what it learnt by the end.
 	Calibrated  bool             `json:"calibrated,omitempty"`
 	Calibration []CalibrationFit `json:"calibration,omitempty"`
+
+	// SLO is the objective the run was judged by (sim --slo, bench
+	// --slo; internal/capacity's syntax), "" when none; the fields below
+	// are set only with it.
+	SLO string `json:"slo,omitempty"`
+	// SLOMet says every target of SLO held in this run; SLOObserved is
+	// each target's percentile in it, in SLO's order.
+	SLOMet      *bool            `json:"slo_met,omitempty"`
+	SLOObserved []SLOObservation `json:"slo_observed,omitempty"`
+	// GoodputRPS is the requests per second of this run that succeeded
+	// within every limit of SLO (vLLM's benchmark_serving --goodput).
+	GoodputRPS *float64 `json:"goodput_rps,omitempty"`
+	// CapacityRPS is the highest rate at which this policy met SLO in the
+	// search this run belongs to (0: not even the lowest rate tried), the
+	// same on each of its runs; AtCapacity marks the run at that rate, and
+	// CapacityAboveMax says the search's highest rate still met, so the
+	// capacity is at least CapacityRPS.
+	CapacityRPS      *float64 `json:"capacity_rps,omitempty"`
+	AtCapacity       bool     `json:"at_capacity,omitempty"`
+	CapacityAboveMax bool     `json:"capacity_above_max,omitempty"`
+}
+
+// SLOObservation is one SLO target's percentile in a run.
+type SLOObservation struct {
+	// Target is the target as written, e.g. "ttft_p90=2s".
+	Target string `json:"target"`
+	// ObservedMs is the percentile in milliseconds; nil when failed
+	// requests fill it (infinitely slow).
+	ObservedMs *float64 `json:"observed_ms"`
+	Met        bool     `json:"met"`
 }
 
 // CalibrationFit is what the router learnt of one replica's speed, next to

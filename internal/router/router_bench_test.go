@@ -135,7 +135,7 @@ func benchRoutePolicies(b *testing.B, fresh bool, maxBlocks int) {
 						if workloads[si] == nil {
 							workloads[si] = newBenchWorkload(sz.tokens, sz.groups, 100_000, sz.pool)
 						}
-						benchRoute(b, prof, pname, workloads[si], fresh, maxBlocks, cal)
+						benchRoute(b, prof, pname, workloads[si], fresh, maxBlocks, cal, 0)
 					})
 				}
 			}
@@ -143,7 +143,32 @@ func benchRoutePolicies(b *testing.B, fresh bool, maxBlocks int) {
 	}
 }
 
-func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWorkload, fresh bool, maxBlocks int, cal bool) {
+// BenchmarkRouteFullCaches is BenchmarkRoute's 60k-token prompts on loaded
+// replicas with full caches, the state of a capacity search's overloaded
+// probes: 512 requests stay in flight (each finishes 512 decisions after it
+// was routed), so the LRU end of every replica's full cache is the
+// prefixes its queued requests hold, which E2's eviction term must not
+// count (docs/performance.md, "E2 on full caches").
+//
+//	go test -run XXX -bench BenchmarkRouteFullCaches -benchtime 2s -cpu 1 ./internal/router/
+func BenchmarkRouteFullCaches(b *testing.B) {
+	prof, err := costmodel.Lookup(costmodel.Mistral7BA6000)
+	if err != nil {
+		b.Fatal(err)
+	}
+	w := newBenchWorkload(61440, 8, 100_000, 256)
+	for _, pname := range []string{"prefix", "llmd-precise", "sglang", "e2"} {
+		b.Run("policy="+pname+"/prompt=60k/inflight=512", func(b *testing.B) {
+			benchRoute(b, prof, pname, w, false, 0, false, 512)
+		})
+	}
+}
+
+// benchRoute times decisions of policy pname on w's pool after routing its
+// fill. inflight > 0 keeps that many requests in flight (a request
+// finishes inflight decisions after it was routed); 0 finishes each at
+// once.
+func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWorkload, fresh bool, maxBlocks int, cal bool, inflight int) {
 	pol, err := policy.New(pname, policy.DefaultOptions())
 	if err != nil {
 		b.Fatal(err)
@@ -169,8 +194,15 @@ func benchRoute(b *testing.B, prof costmodel.Profile, pname string, w *benchWork
 		if _, err := r.Route(req, now); err != nil {
 			b.Fatal(err)
 		}
-		if err := r.Finished(id, req.OutputTokens, -1, true, now); err != nil {
-			b.Fatal(err)
+		switch {
+		case inflight == 0:
+			if err := r.Finished(id, req.OutputTokens, -1, true, now); err != nil {
+				b.Fatal(err)
+			}
+		case id > uint64(inflight):
+			if err := r.Finished(id-uint64(inflight), req.OutputTokens, -1, true, now); err != nil {
+				b.Fatal(err)
+			}
 		}
 		now = now.Add(step)
 	}

@@ -101,6 +101,13 @@ type Config struct {
 	IgnoreCacheTiers bool
 	KVLinkGbps       float64
 	KVLinkLatency    time.Duration
+	// SLO, when set, makes the sweep a capacity search per policy
+	// (internal/capacity's syntax, e.g. "ttft_p90=2s"): RunCapacity.
+	// SLOTolerance is the search's relative precision and SLOMaxRate
+	// caps the rates it tries.
+	SLO          string
+	SLOTolerance float64
+	SLOMaxRate   float64
 	// Changed reports whether the user gave a flag (cobra's
 	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
 	// given take llama-server's defaults (ApplyEngine).
@@ -147,20 +154,26 @@ func (c *Config) ApplyEngine() error {
 	return nil
 }
 
-// Run applies the engine's defaults (ApplyEngine), simulates every policy
-// at every rate, writes progress to stderr and the results to stdout (and
-// JSONPath and OutDir).
-func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
+// setup is what a sweep resolves once from its Config before simulating:
+// the cluster's profiles, the replicas' configuration, the policies'
+// options and the calibration the router runs with.
+type setup struct {
+	sp     *Profiles
+	rc     replica.Config
+	opts   policy.Options
+	calCfg *calibrate.Config
+	specs  []string
+}
+
+// prepare applies the engine's defaults (ApplyEngine) and resolves and
+// checks c's profiles, replicas and policies.
+func (c *Config) prepare() (*setup, error) {
 	if err := c.ApplyEngine(); err != nil {
-		return err
+		return nil, err
 	}
 	sp, err := ResolveProfiles(c.Profile, c.ReplicaProfiles, c.RouterProfile, c.Replicas)
 	if err != nil {
-		return err
-	}
-	rates, err := ParseRates(c.Rates, c.Workload.Arrival.Rate)
-	if err != nil {
-		return err
+		return nil, err
 	}
 	specs := strings.Split(c.Policies, ",")
 	opts := policy.DefaultOptions()
@@ -173,14 +186,14 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	rc.CPUOffloadTokens = c.CPUOffloadTokens
 	rc.KVCapacity = c.KVCapacity
 	if err := checkPolicies(specs, opts, rc, sp); err != nil {
-		return err
+		return nil, err
 	}
 	for _, p := range sp.Distinct() {
 		rp := rc
 		rp.Profile = p
 		rp.Default()
 		if err := rp.Validate(); err != nil {
-			return fmt.Errorf("profile %s: %w", p.Name(), err)
+			return nil, fmt.Errorf("profile %s: %w", p.Name(), err)
 		}
 	}
 	var calCfg *calibrate.Config
@@ -190,8 +203,79 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	if c.OutDir != "" {
 		if err := os.MkdirAll(c.OutDir, 0o755); err != nil {
-			return err
+			return nil, err
 		}
+	}
+	return &setup{sp: sp, rc: rc, opts: opts, calCfg: calCfg, specs: specs}, nil
+}
+
+// run is one simulated run: the policy's name as given, its local
+// scheduler and the simulator's result.
+type run struct {
+	name, local string
+	res         *sim.Result
+}
+
+// simulate runs policy spec (NAME[@LOCAL]) at rate label on reqs, writing
+// progress to stderr unless c.Quiet, and labels the records.
+func (c *Config) simulate(ctx context.Context, su *setup, spec string, label float64, reqs []workload.Request, stderr io.Writer) (run, error) {
+	name := spec
+	prc := su.rc
+	if name, local, ok := strings.Cut(spec, "@"); ok {
+		spec, prc.Local = name, local
+	}
+	pol, err := policy.Parse(spec, su.opts)
+	if err != nil {
+		return run{}, err
+	}
+	start := time.Now()
+	cfg := sim.Config{Replicas: c.Replicas, Replica: prc, Profile: su.sp.Base, Policy: pol,
+		Profiles: su.sp.Replicas, RouterProfiles: su.sp.Router, Calibrate: su.calCfg,
+		KVEvents: c.KVEvents, EventLag: c.EventLag, SpeculativeTTL: c.SpeculativeTTL, Seed: c.RouterSeed, Rate: label,
+		HostCores: c.HostCores, PrefillReplicas: c.PrefillReplicas, IgnoreCacheTiers: c.IgnoreCacheTiers,
+		KVLink: policy.KVLink{BytesPerSecond: c.KVLinkGbps * 1e9 / 8, Latency: c.KVLinkLatency}}
+	if !c.Quiet {
+		cfg.Progress = func(done, total int) {
+			fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)
+		}
+	}
+	res, err := sim.Run(ctx, cfg, reqs)
+	if err != nil {
+		return run{}, err
+	}
+	if !c.Quiet {
+		fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d requests simulated in %v\n", name, label, len(reqs), time.Since(start).Round(time.Millisecond))
+	}
+	for i := range res.Records {
+		res.Records[i].Policy, res.Records[i].Rate = name, label
+	}
+	return run{name: name, local: prc.Local, res: res}, nil
+}
+
+// labels are the results' labels of the sweep's cluster for a run of
+// local scheduler local.
+func (c *Config) labels(su *setup, local string) Labels {
+	return Labels{
+		Workload: c.Workload.Describe(), Replicas: c.Replicas, Profiles: su.sp,
+		ReplicaProfiles: c.ReplicaProfiles, Calibrated: c.Calibrate, Local: local,
+	}
+}
+
+// Run applies the engine's defaults (ApplyEngine), simulates every policy
+// at every rate, writes progress to stderr and the results to stdout (and
+// JSONPath and OutDir). With an SLO it searches each policy's capacity
+// instead (RunCapacity).
+func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
+	if c.SLO != "" {
+		return RunCapacity(ctx, c, stdout, stderr)
+	}
+	su, err := c.prepare()
+	if err != nil {
+		return err
+	}
+	rates, err := ParseRates(c.Rates, c.Workload.Arrival.Rate)
+	if err != nil {
+		return err
 	}
 	var results []report.Result
 	var records []report.RequestRecord
@@ -216,42 +300,14 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 				label = float64(len(reqs)-1) / span
 			}
 		}
-		oracle := OracleTTFT(reqs, sp.Fastest(), rc.BlockSize)
-		for _, spec := range specs {
-			name := spec
-			prc := rc
-			if name, local, ok := strings.Cut(spec, "@"); ok {
-				spec, prc.Local = name, local
-			}
-			pol, err := policy.Parse(spec, opts)
+		oracle := OracleTTFT(reqs, su.sp.Fastest(), su.rc.BlockSize)
+		for _, spec := range su.specs {
+			rn, err := c.simulate(ctx, su, spec, label, reqs, stderr)
 			if err != nil {
 				return err
 			}
-			start := time.Now()
-			cfg := sim.Config{Replicas: c.Replicas, Replica: prc, Profile: sp.Base, Policy: pol,
-				Profiles: sp.Replicas, RouterProfiles: sp.Router, Calibrate: calCfg,
-				KVEvents: c.KVEvents, EventLag: c.EventLag, SpeculativeTTL: c.SpeculativeTTL, Seed: c.RouterSeed, Rate: label,
-				HostCores: c.HostCores, PrefillReplicas: c.PrefillReplicas, IgnoreCacheTiers: c.IgnoreCacheTiers,
-				KVLink: policy.KVLink{BytesPerSecond: c.KVLinkGbps * 1e9 / 8, Latency: c.KVLinkLatency}}
-			if !c.Quiet {
-				cfg.Progress = func(done, total int) {
-					fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)
-				}
-			}
-			res, err := sim.Run(ctx, cfg, reqs)
-			if err != nil {
-				return err
-			}
-			if !c.Quiet {
-				fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d requests simulated in %v\n", name, label, len(reqs), time.Since(start).Round(time.Millisecond))
-			}
-			for i := range res.Records {
-				res.Records[i].Policy, res.Records[i].Rate = name, label
-			}
-			r := Result(name, label, res, Labels{
-				Workload: c.Workload.Describe(), Replicas: c.Replicas, Profiles: sp,
-				ReplicaProfiles: c.ReplicaProfiles, Calibrated: c.Calibrate, Local: prc.Local,
-			}, oracle)
+			name, res := rn.name, rn.res
+			r := Result(name, label, res, c.labels(su, rn.local), oracle)
 			results = append(results, r)
 			if pd := res.PD; pd != nil {
 				pdLines = append(pdLines, PDLine(name, label, pd))
