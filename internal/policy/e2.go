@@ -223,10 +223,10 @@ func PrebleE2Config() E2Config {
 // wait for a free slot when all are taken (slotWait).
 //
 // For a LoRA adapter's request, adapter_load is its load on a replica that
-// lacks it, adapter_eviction the reload of the adapter that load evicts, and
+// lacks it (part of P_r, so interference charges it to r's running decodes
+// too), adapter_eviction the reload of the adapter that load evicts, and
 // adapter_wait the wait vLLM imposes when r's running requests already use
-// max_loras other adapters (adapterWaitTerm); all three are 0 for the base
-// model.
+// max_loras other adapters (adapterWaitTerm); all are 0 for the base model.
 //
 // Rebalancing and replication run on movable (windowed prefill) load at most
 // once a second with a per-prefix cooldown; with exploit over every replica

@@ -177,6 +177,9 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	t[E2History] = p.historyTerm(w[E2History], r)
 	t[E2Pending] = pendingTerm(w[E2Pending], rp)
 	t[E2Interference] = interferenceTerm(w[E2Interference], pf, rp)
+	if req.Adapter != "" {
+		t[E2Interference] += adapterInterference(w[E2Interference], r, req, v)
+	}
 	t[E2SelfDecode] = p.selfDecodeTerm(w[E2SelfDecode], r, req, v)
 	t[E2Eviction] = p.evictionTerm(w[E2Eviction], r, missed, v)
 	t[E2Prefill] = prefillTerm(w[E2Prefill], pf)
@@ -330,7 +333,8 @@ func pendingTerm(w float64, rp *Replica) float64 {
 // interferenceTerm is the delay this request's prefill imposes on the
 // requests decoding on r: every iteration that carries a chunk of its prompt
 // also carries one token of each, so its prefill time is added to each of
-// their latencies (prefixlb's extension):
+// their latencies (prefixlb's extension). P_r includes a LoRA adapter's
+// load (adapterInterference):
 //
 //	interference = w · P_r · decoding_r
 //
@@ -341,6 +345,27 @@ func interferenceTerm(w, pf float64, rp *Replica) float64 {
 		return 0
 	}
 	return w * pf * float64(rp.Decoding)
+}
+
+// adapterInterference is the interference term's share of a LoRA adapter's
+// load: the load is part of P (adapter_load), and vLLM loads a step's
+// adapters before its forward pass, so every request decoding on r waits
+// for it as it waits for a prefill chunk (the replica model adds the load
+// to the iteration's time):
+//
+//	interference += w · T_load(r) · decoding_r   if r lacks the adapter
+//
+// It is added after the prefill's share, and only for an adapter's
+// request, so that the base model's cost is the same float as before.
+func adapterInterference(w float64, r int, req *Request, v *View) float64 {
+	if w <= 0 {
+		return 0
+	}
+	l := secs(v.AdapterLoadTime(r, req))
+	if l <= 0 {
+		return 0
+	}
+	return interferenceTerm(w, l, &v.Replicas[r])
 }
 
 // selfDecodeTerm is this request's own decode on r (prefixlb's extension;

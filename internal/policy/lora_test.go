@@ -186,3 +186,29 @@ func TestE2AdapterWaitWeight(t *testing.T) {
 		}
 	}
 }
+
+// TestE2AdapterInterference: on a replica that must load the adapter, the
+// load joins the P that interference charges to each running decode
+// (0.3 · T_load · 4 decoding more than for the base model's request); on
+// one that holds it, nothing changes.
+func TestE2AdapterInterference(t *testing.T) {
+	c := loraCluster(t, nil, []string{"a"})
+	for i := range c.reps {
+		c.reps[i].Decoding, c.reps[i].DecodeContextTokens, c.reps[i].InFlight = 4, 4000, 4
+	}
+	terms := func(adapter string) [2]float64 {
+		var out [2]float64
+		for _, cd := range explainE2(t, c, adapter).Candidates {
+			out[cd.Replica] = cd.Terms[policy.E2Interference]
+		}
+		return out
+	}
+	base, lora := terms(""), terms("a")
+	want := 0.3 * loadSecs * 4
+	if d := lora[0] - base[0]; d-want > 1e-12 || want-d > 1e-12 {
+		t.Errorf("r0 (lacks a): interference %v for a, %v for the base model: +%v, want +%v", lora[0], base[0], d, want)
+	}
+	if lora[1] != base[1] {
+		t.Errorf("r1 (holds a): interference %v for a, %v for the base model: want equal", lora[1], base[1])
+	}
+}
