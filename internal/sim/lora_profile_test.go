@@ -117,6 +117,36 @@ func TestLoRAProfileE2(t *testing.T) {
 		n := float64(max(loadHolderUp, 1))
 		t.Logf("  %-17s %8.2f %8.2f", policy.E2Term(k), chosen[k]/n*1e3, holder[k]/n*1e3)
 	}
+	var waitCands, waitDecs int
+	var waitSum float64
+	for _, d := range p.decs {
+		any := false
+		for _, c := range d.Candidates {
+			if x := c.Terms[policy.E2AdapterWait]; x > 0 {
+				waitCands++
+				waitSum += x
+				any = true
+			}
+		}
+		if any {
+			waitDecs++
+		}
+	}
+	t.Logf("adapter_wait > 0 for %d candidates in %d decisions, %.0f ms on average there",
+		waitCands, waitDecs, waitSum/float64(max(waitCands, 1))*1e3)
+	var toLoad, toHolder float64
+	var nLoad, nHolder int
+	for _, r := range res.Records {
+		if d := p.decs[uint64(r.ID)]; p.held[uint64(r.ID)][d.Replica] {
+			toHolder += r.TTFTMs
+			nHolder++
+		} else {
+			toLoad += r.TTFTMs
+			nLoad++
+		}
+	}
+	t.Logf("mean TTFT: %.1f ms where the adapter was held (%d), %.1f ms where it was loaded (%d)",
+		toHolder/float64(max(nHolder, 1)), nHolder, toLoad/float64(max(nLoad, 1)), nLoad)
 	var slow, slowLoad, slowMiss int
 	for _, r := range res.Records {
 		if r.TTFTMs < p90 {
