@@ -53,7 +53,7 @@ chart.svg and report.html there.`,
 	c.Workload.AddFlags(fs)
 	fs.StringVar(&cfg.Target, "target", "", "base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000 (required)")
 	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (words t<id>), chat (/v1/chat/completions)")
-	fs.StringVar(&cfg.Model, "model", "", `model name to send (default: the first of GET /v1/models, else "default")`)
+	fs.StringVar(&cfg.Model, "model", "", `model name to send (default: the first of GET /v1/models, else "default"); a LoRA adapter's request (--workload lora) sends its adapter instead`)
 	fs.StringVar(&cfg.Policy, "label", cfg.Policy, `name of this run in the results' "policy" field (e.g. the router policy behind --target)`)
 	fs.DurationVar(&c.Duration, "duration", 0, "stop sending after this long (0: send every request of the workload)")
 	fs.IntVar(&cfg.MaxInFlight, "max-inflight", cfg.MaxInFlight, "most requests outstanding at once; requests due beyond it wait and are counted as delayed")

@@ -4,10 +4,15 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"maps"
 	"math"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -115,5 +120,56 @@ func TestRunErrors(t *testing.T) {
 		if err := Run(context.Background(), c, &bytes.Buffer{}, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("error %v, want %q", err, tc.want)
 		}
+	}
+}
+
+// TestLoRAModels: a lora workload sent over loopback reaches the backend
+// with each request's adapter as its model — the names and how often each
+// comes as the workload has them — so that serve --lora-adapters routes it
+// by adapter.
+func TestLoRAModels(t *testing.T) {
+	var mu sync.Mutex
+	got := map[string]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			io.WriteString(w, `{"object":"list","data":[{"id":"base"}]}`)
+			return
+		}
+		var b struct {
+			Model string `json:"model"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&b); err != nil {
+			t.Errorf("decode body: %v", err)
+		}
+		mu.Lock()
+		got[b.Model]++
+		mu.Unlock()
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: [DONE]\n\n")
+	}))
+	defer srv.Close()
+
+	f := workload.DefaultFlags()
+	f.Spec = workload.DefaultSpec("lora")
+	f.Spec.Requests, f.Spec.LoRA.Adapters = 60, 5
+	f.Arrival.Rate = 2000
+	reqs, _, err := f.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]int{}
+	for _, r := range reqs {
+		want[r.Adapter]++
+	}
+	c := Config{Workload: f, Load: loadgen.DefaultConfig(), Mode: "completions", RequestsGiven: true}
+	c.Load.Target = srv.URL
+	if err := Run(context.Background(), c, &bytes.Buffer{}, &bytes.Buffer{}); err != nil {
+		t.Fatal(err)
+	}
+	if len(want) < 2 || want[""] > 0 {
+		t.Fatalf("the workload's adapters %v: want several, no base-model request", want)
+	}
+	if !maps.Equal(got, want) {
+		t.Errorf("the backend received models %v, want the workload's adapters %v", got, want)
 	}
 }

@@ -204,11 +204,11 @@ func TestExpireSpeculative(t *testing.T) {
 }
 
 // TestScrapeLoRA: a replica's vllm:lora_requests_info reaches the router as
-// its adapter residency.
+// its adapter residency, running and waiting adapters.
 func TestScrapeLoRA(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, "# TYPE vllm:lora_requests_info gauge\n"+
-			`vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 1.8e9`+"\n")
+			`vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="math"} 1.8e9`+"\n")
 	}))
 	defer srv.Close()
 	c, err := New(settings())
@@ -233,5 +233,8 @@ func TestScrapeLoRA(t *testing.T) {
 	rp, _ := c.Router.Replica(mem.ID)
 	if rp.MaxAdapters != 4 || !slices.Equal(rp.Adapters, []string{"sql", "chat"}) {
 		t.Errorf("router adapters %v of %d, want [sql chat] of 4", rp.Adapters, rp.MaxAdapters)
+	}
+	if !slices.Equal(rp.RunningAdapters, []string{"sql", "chat"}) || !slices.Equal(rp.WaitingAdapters, []string{"math"}) {
+		t.Errorf("router running %v, waiting %v, want [sql chat] and [math]", rp.RunningAdapters, rp.WaitingAdapters)
 	}
 }

@@ -606,6 +606,10 @@ func (p *Pool) Scrape(ctx context.Context, m *Member) {
 		if err := p.Router.SetAdapters(m.ID, l.LoRA.Running, l.LoRA.MaxLoRAs); err != nil {
 			p.cfg.Logger.Warn("router adapters", "replica", m.Name, "err", err)
 		}
+		// The same running list, and the waiting one: e2's adapter_wait.
+		if err := p.Router.SetRunningAdapters(m.ID, l.LoRA.Running, l.LoRA.Waiting); err != nil {
+			p.cfg.Logger.Warn("router running adapters", "replica", m.Name, "err", err)
+		}
 	}
 	if m.Replica.Kind == upstream.Auto && l.Kind != "" && l.Kind != m.kind && !m.kindDue {
 		p.markKindDue(m) // another engine answers there now

@@ -299,9 +299,17 @@ type Engine struct {
 	stopped bool
 	wake    chan struct{} // capacity 1; signalled when ops grows
 
-	statsMu sync.Mutex    // guards stats and changed
+	statsMu sync.Mutex    // guards stats, changed and lora
 	stats   replica.Stats // the replica's state as of Run's last publish
 	changed chan struct{} // closed (and replaced) when stats is published
+	lora    loraInfo      // its adapters as of that publish (LoRAModules)
+}
+
+// loraInfo is what vLLM's vllm:lora_requests_info reports: the adapters the
+// running requests use and those of the waiting ones, as of at.
+type loraInfo struct {
+	running, waiting []string
+	at               time.Time
 }
 
 // New returns an engine with an idle replica. It starts nothing: serve
@@ -324,6 +332,7 @@ func New(cfg Config) (*Engine, error) {
 		changed: make(chan struct{}),
 	}
 	e.stats = rep.Stats()
+	e.lora.at = e.created
 	e.totalBlocks = e.stats.TotalBlocks
 	if cfg.Replica.Slots == 0 { // llama.cpp's slots receive no KV
 		e.kvBytesPerToken = costmodel.KVBytesOf(cfg.Replica.Profile)
@@ -367,9 +376,17 @@ func (e *Engine) waitStats(ctx context.Context, cond func(replica.Stats) bool) e
 	}
 }
 
+// publish makes st, and with LoRA modules the replica's running and
+// waiting adapters, what Stats and /metrics report. Only Run's goroutine,
+// which owns e.rep, calls it.
 func (e *Engine) publish(st replica.Stats) {
+	var lora loraInfo
+	if len(e.cfg.LoRAModules) > 0 {
+		lora = loraInfo{e.rep.RunningAdapters(nil), e.rep.WaitingAdapters(nil), e.cfg.Clock.Now()}
+	}
 	e.statsMu.Lock()
 	e.stats = st
+	e.lora = lora
 	close(e.changed)
 	e.changed = make(chan struct{})
 	e.statsMu.Unlock()

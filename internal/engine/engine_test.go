@@ -24,6 +24,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/replica"
+	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
 // testConfig is a fast engine: an H100 8B profile run 1000 times faster.
@@ -928,4 +929,41 @@ func TestCPUOffloadEvents(t *testing.T) {
 			t.Errorf("index: CPU block %d → %d, %v", k, got, ok)
 		}
 	}
+}
+
+// TestLoRARequestsInfo: with one adapter slot, a long request for sql runs
+// and one for chat waits (max_loras); /metrics reports them as vLLM's
+// vllm:lora_requests_info does, which the router's scraper reads back.
+func TestLoRARequestsInfo(t *testing.T) {
+	e, srv := start(t, func(c *Config) {
+		c.TimeScale = 1
+		c.Replica.MaxLoras = 1
+		c.LoRAModules = []string{"sql", "chat"}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if l, err := upstream.ParseLoad(strings.NewReader(scrape(t, srv.URL))); err != nil || l.LoRA == nil || l.LoRA.MaxLoRAs != 1 || len(l.LoRA.Running)+len(l.LoRA.Waiting) != 0 {
+		t.Fatalf("idle: LoRA %+v (%v), want max 1, none running or waiting", l.LoRA, err)
+	}
+	stream := func(model string) {
+		req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/v1/completions",
+			strings.NewReader(`{"model":"`+model+`","prompt":"a b c d","max_tokens":100000,"stream":true}`))
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			go func() { _, _ = io.Copy(io.Discard, resp.Body); resp.Body.Close() }()
+		}
+	}
+	go stream("sql")
+	if err := e.waitStats(ctx, func(s replica.Stats) bool { return s.Running == 1 }); err != nil {
+		t.Fatal(err)
+	}
+	go stream("chat")
+	if err := e.waitStats(ctx, func(s replica.Stats) bool { return s.Waiting == 1 }); err != nil {
+		t.Fatal(err)
+	}
+	l, err := upstream.ParseLoad(strings.NewReader(scrape(t, srv.URL)))
+	if err != nil || l.LoRA == nil || !slices.Equal(l.LoRA.Running, []string{"sql"}) || !slices.Equal(l.LoRA.Waiting, []string{"chat"}) || l.LoRA.MaxLoRAs != 1 {
+		t.Errorf("under load: LoRA %+v (%v), want sql running, chat waiting, max 1", l.LoRA, err)
+	}
+	cancel()
 }

@@ -193,6 +193,22 @@ func (e *Engine) writeMetrics(w io.Writer) {
 	p.sample("vllm:cache_config_info", fmt.Sprintf(`block_size="%d",enable_prefix_caching="True",%s,num_gpu_blocks="%d"`,
 		e.cfg.Replica.BlockSize, model, st.TotalBlocks), 1)
 
+	if len(e.cfg.LoRAModules) > 0 {
+		// vLLM with --enable-lora: one series per label set, set to the
+		// time it was last seen (vllm/v1/metrics/loggers.py,
+		// PrometheusStatLogger.record, gauge_lora_info
+		// .set_to_current_time(); vllm-project/vllm @
+		// 005a810bc40faa25b8870fbc8559c3462581eee3). Only the current one
+		// is written: readers take the newest series (upstream.LoRAInfo).
+		e.statsMu.Lock()
+		l := e.lora
+		e.statsMu.Unlock()
+		p.family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.")
+		p.sample("vllm:lora_requests_info", fmt.Sprintf(`max_lora="%d",waiting_lora_adapters="%s",running_lora_adapters="%s"`,
+			e.cfg.Replica.MaxLoras, escapeLabel(strings.Join(l.waiting, ",")), escapeLabel(strings.Join(l.running, ","))),
+			float64(l.at.UnixNano())/1e9)
+	}
+
 	p.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", model, &ttft)
 	p.histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", model, &itl)
 	p.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", model, &e2e)

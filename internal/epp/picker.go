@@ -362,7 +362,7 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 		session = pr.User
 	}
 	req := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: promptTokens,
-		OutputTokens: pr.MaxTokens, Session: session, Unary: !pr.Stream, Explain: in.Explain}
+		OutputTokens: pr.MaxTokens, Session: session, Unary: !pr.Stream, Explain: in.Explain, Adapter: pr.Adapter}
 	if req.OutputTokens == 0 {
 		req.OutputTokens = p.cfg.DefaultOutputTokens
 	}

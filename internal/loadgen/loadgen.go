@@ -50,7 +50,11 @@ type Config struct {
 	// Mode selects the endpoint and prompt form (default ModeCompletions).
 	Mode Mode
 	// Model is sent as "model". Empty: the first id listed by GET
-	// /v1/models, or "default" if that fails.
+	// /v1/models, or "default" if that fails. A request for a LoRA adapter
+	// (workload.Request.Adapter: the lora workload) is sent with the
+	// adapter's name as its model instead, as vLLM serves an adapter under
+	// its own name; `prefixlb serve --lora-adapters` then routes it by
+	// adapter.
 	Model string
 	// Policy labels the results (report.Result.Policy); default "bench".
 	Policy string
@@ -153,7 +157,8 @@ type Output struct {
 	// prompt tokens computed, decode time per token); nil where the
 	// server sent none (vLLM, SGLang).
 	Timings []*Timings
-	// Model is the model name the requests carried.
+	// Model is the model name the requests carried (those for a LoRA
+	// adapter carried the adapter's).
 	Model string
 	// Elapsed is the time from the start of the run to the end of the last
 	// request.

@@ -694,3 +694,20 @@ func TestValidate(t *testing.T) {
 		t.Error("Run with an invalid config: want an error")
 	}
 }
+
+// TestAdapterModel: a request for a LoRA adapter carries the adapter as its
+// model, in every mode; one for the base model carries the configured model.
+func TestAdapterModel(t *testing.T) {
+	for _, m := range []Mode{ModeCompletions, ModeText, ModeChat} {
+		for _, tt := range []struct{ adapter, want string }{{"sql", "sql"}, {"", "base"}} {
+			raw, err := body(m, "base", workload.Request{Tokens: []uint32{1}, OutputTokens: 1, Adapter: tt.adapter})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var b sentBody
+			if err := json.Unmarshal(raw, &b); err != nil || b.Model != tt.want {
+				t.Errorf("%s, adapter %q: model %q (%v), want %q", m, tt.adapter, b.Model, err, tt.want)
+			}
+		}
+	}
+}

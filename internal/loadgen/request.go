@@ -169,9 +169,14 @@ func promptText(tokens []uint32) string {
 	return b.String()
 }
 
-// body builds the JSON body of r's request in mode m.
+// body builds the JSON body of r's request in mode m. Its "model" is r's
+// LoRA adapter when it has one (vLLM serves an adapter under its own model
+// name, --lora-modules NAME=PATH), else model.
 func body(m Mode, model string, r workload.Request) ([]byte, error) {
 	out := max(r.OutputTokens, 1)
+	if r.Adapter != "" {
+		model = r.Adapter
+	}
 	req := completionRequest{
 		Model:         model,
 		MaxTokens:     out,

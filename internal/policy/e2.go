@@ -101,6 +101,11 @@ type E2Config struct {
 	// are 0 for the base model.
 	AdapterLoadWeight     float64 `json:"adapter_load_weight"`
 	AdapterEvictionWeight float64 `json:"adapter_eviction_weight"`
+	// AdapterWaitWeight weighs the wait of a request whose adapter is not
+	// among those r's running requests use when they already use max_loras
+	// adapters: vLLM admits it only once one of them drains (term
+	// adapter_wait, part of L; 0 for the base model).
+	AdapterWaitWeight float64 `json:"adapter_wait_weight"`
 	// Mixing enables the prefill/decode mixing rule.
 	Mixing bool `json:"mixing"`
 	// Rebalance enables migration of prefixes off a heavy replica, and
@@ -186,6 +191,7 @@ const (
 //	prefill           0       (include_prefill false)
 //	adapter_eviction  1       (prefixlb's: LoRA adapters, e2cost.go)
 //	adapter_load      1       (prefixlb's: LoRA adapters, e2cost.go)
+//	adapter_wait      1       (prefixlb's: LoRA adapters, e2cost.go)
 func PrebleE2Config() E2Config {
 	return E2Config{
 		Name:                "e2-preble",
@@ -211,6 +217,7 @@ func PrebleE2Config() E2Config {
 		// paper), so that e2-preble on adapters sees their loads.
 		AdapterLoadWeight:     1,
 		AdapterEvictionWeight: 1,
+		AdapterWaitWeight:     1,
 		Rebalance:             true,
 		Replicate:             true,
 	}
@@ -225,7 +232,7 @@ func PrebleE2Config() E2Config {
 // (E2Term; each term's method in e2cost.go gives its formula):
 //
 //	cost(r) = L + M + P
-//	L = decode + history + pending + interference + self_decode + prefill_slowdown + slot_wait
+//	L = decode + history + pending + interference + self_decode + prefill_slowdown + slot_wait + adapter_wait
 //	M = eviction + adapter_eviction
 //	P = prefill + adapter_load
 //
@@ -241,6 +248,7 @@ func PrebleE2Config() E2Config {
 //	prefill           3       w·P_r, P_r = T_prefill(missed on r, prompt)        Preble's P
 //	adapter_eviction  1       w·T_load(r) if r lacks the adapter, slots full     prefixlb
 //	adapter_load      1       w·T_load(r) if r lacks the adapter                 prefixlb
+//	adapter_wait      1       w·(wait for r's running adapters to free a slot)   prefixlb
 //
 // ρ_r is r's windowed prefill rate (prefill that arrives meanwhile shares
 // this request's decode) and s_r the share of each chunked-prefill iteration
@@ -254,6 +262,12 @@ func PrebleE2Config() E2Config {
 // what the slot the request lands on does not hold, M prices the prompt that
 // slot loses (only prefixes no other replica holds), and slot_wait is the
 // wait for a free slot when all are taken (slotWait).
+//
+// For a LoRA adapter's request, adapter_load is its load on a replica that
+// lacks it (part of P_r, so interference charges it to r's running decodes
+// too), adapter_eviction the reload of the adapter that load evicts, and
+// adapter_wait the wait vLLM imposes when r's running requests already use
+// max_loras other adapters (adapterWaitTerm); all are 0 for the base model.
 //
 // Rebalancing and replication run on movable (windowed prefill) load at most
 // once a second with a per-prefix cooldown; with exploit over every replica
@@ -323,6 +337,8 @@ func (c E2Config) Validate() error {
 		return fmt.Errorf("policy: e2 %s: adapter_eviction_weight must be ≥ 0, got %v", c.Name, c.AdapterEvictionWeight)
 	case c.TierCredit != "" && c.TierCredit != TierCreditLoad && c.TierCredit != TierCreditFixed && c.TierCredit != TierCreditNone:
 		return fmt.Errorf("policy: e2 %s: tier_credit must be %q, %q or %q, got %q", c.Name, TierCreditLoad, TierCreditFixed, TierCreditNone, c.TierCredit)
+	case !finite(c.AdapterWaitWeight) || c.AdapterWaitWeight < 0:
+		return fmt.Errorf("policy: e2 %s: adapter_wait_weight must be ≥ 0, got %v", c.Name, c.AdapterWaitWeight)
 	case c.RebalanceInterval < 0:
 		return fmt.Errorf("policy: e2 %s: rebalance_interval must be ≥ 0, got %v", c.Name, c.RebalanceInterval)
 	case c.MoveCooldown < 0:
@@ -409,6 +425,7 @@ type E2 struct {
 	hot               []*prefixtree.Node
 	order             []int
 	lrb               []float64
+	drains            []float64 // adapterWaitTerm's running adapters
 	// Moves and Replications count rebalancing actions (for reports).
 	Moves, Replications, Shrinks int
 }

@@ -147,9 +147,10 @@ func checkTerms(t *testing.T, spec string, cd policy.Candidate) (nonzero uint) {
 		}
 	}
 	score := load + cd.Terms[policy.E2Eviction] + cd.Terms[policy.E2Prefill]
-	ae, al := cd.Terms[policy.E2AdapterEviction], cd.Terms[policy.E2AdapterLoad]
-	if ae != 0 || al != 0 {
-		score += ae + al
+	ae, al, aw := cd.Terms[policy.E2AdapterEviction], cd.Terms[policy.E2AdapterLoad], cd.Terms[policy.E2AdapterWait]
+	if ae != 0 || al != 0 || aw != 0 {
+		load += aw
+		score += ae + al + aw
 	}
 	if cd.Score == math.MaxFloat64 && (math.IsInf(score, 0) || math.IsNaN(score)) {
 		score = math.MaxFloat64
@@ -191,8 +192,8 @@ func TestE2CostUnchanged(t *testing.T) {
 		}
 	}
 	for term := range policy.NumE2Terms {
-		if term == policy.E2AdapterEviction || term == policy.E2AdapterLoad {
-			continue // base-model requests only here: TestE2AdapterTerms
+		if term == policy.E2AdapterEviction || term == policy.E2AdapterLoad || term == policy.E2AdapterWait {
+			continue // base-model requests only here: TestE2AdapterTerms, TestE2AdapterWait
 		}
 		if nonzero&(1<<term) == 0 {
 			t.Errorf("term %v is 0 in every decision: the checksums do not cover it", term)

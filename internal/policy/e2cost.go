@@ -18,7 +18,8 @@ import (
 // and the request's own prefill. Here L is the sum of the terms from
 // E2Decode to E2SlotWait, M is E2Eviction plus E2AdapterEviction and P is
 // E2Prefill plus E2AdapterLoad (the adapter terms are 0 for the base model
-// and where adapter slots are unknown); each term is
+// and where adapter slots are unknown; E2AdapterWait, an adapter's wait
+// for a slot, is part of L, summed last for the same reason); each term is
 // one method (…Term) whose doc comment gives its formula, the weights come
 // from the E2Config (termWeights) and cost adds them up.
 
@@ -39,6 +40,7 @@ const (
 	E2Prefill                       // P: this request's prefill (Preble)
 	E2AdapterEviction               // M: evicting another LoRA adapter (prefixlb)
 	E2AdapterLoad                   // P: loading this request's LoRA adapter (prefixlb)
+	E2AdapterWait                   // L: waiting for the running adapters to free a slot (prefixlb)
 	NumE2Terms
 )
 
@@ -56,6 +58,7 @@ var e2TermNames = [NumE2Terms]string{
 	E2Prefill:         "prefill",
 	E2AdapterEviction: "adapter_eviction",
 	E2AdapterLoad:     "adapter_load",
+	E2AdapterWait:     "adapter_wait",
 }
 
 // String returns the term's name ("pending", "self_decode", ...).
@@ -68,7 +71,7 @@ func (t E2Term) String() string {
 
 // E2Terms is one candidate's E2 cost term by term (indexed by E2Term), each
 // as it enters the cost, weight applied: Candidate.Load is the sum of the L
-// terms, Eviction and Prefill are the last two, and Score their sum. A
+// terms (adapter_wait included), Eviction M and Prefill P, and Score their sum. A
 // decision carries them when the request asks (Request.Explain), so that
 // routing does not copy them into every decision. In JSON it is an object
 // keyed by the terms' names, in term order.
@@ -111,15 +114,17 @@ func (t *E2Terms) UnmarshalJSON(data []byte) error {
 // sum returns L, the sum of the load terms, and the cost, L + M + P. The
 // order of the additions is the cost's since before it had named terms: a
 // different one could move the last bit of a cost, and so a tie. The
-// adapter terms come last, so that for the base model (both 0) the cost is
-// the same float it was before them.
+// adapter terms come last, so that for the base model (all 0) the cost is
+// the same float it was before them; adapter_wait, a part of L, joins L
+// after the rest of it.
 func (t *E2Terms) sum() (load, cost float64) {
 	for _, x := range t[:E2Eviction] {
 		load += x
 	}
 	cost = load + t[E2Eviction] + t[E2Prefill]
-	if t[E2AdapterEviction] != 0 || t[E2AdapterLoad] != 0 {
-		cost += t[E2AdapterEviction] + t[E2AdapterLoad]
+	if t[E2AdapterEviction] != 0 || t[E2AdapterLoad] != 0 || t[E2AdapterWait] != 0 {
+		load += t[E2AdapterWait]
+		cost += t[E2AdapterEviction] + t[E2AdapterLoad] + t[E2AdapterWait]
 	}
 	return load, cost
 }
@@ -150,6 +155,7 @@ func (c *E2Config) termWeights() [NumE2Terms]float64 {
 	}
 	w[E2AdapterEviction] = c.AdapterEvictionWeight
 	w[E2AdapterLoad] = c.AdapterLoadWeight
+	w[E2AdapterWait] = c.AdapterWaitWeight
 	return w
 }
 
@@ -169,6 +175,9 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	t[E2History] = p.historyTerm(w[E2History], r)
 	t[E2Pending] = pendingTerm(w[E2Pending], rp)
 	t[E2Interference] = interferenceTerm(w[E2Interference], pf, rp)
+	if req.Adapter != "" {
+		t[E2Interference] += adapterInterference(w[E2Interference], r, req, v)
+	}
 	t[E2SelfDecode] = p.selfDecodeTerm(w[E2SelfDecode], r, req, v)
 	// Blocks loaded from a slower tier take GPU memory too.
 	t[E2Eviction] = p.evictionTerm(w[E2Eviction], r, req.PromptTokens-m, v)
@@ -180,6 +189,7 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	t[E2SlotWait] = p.slotWaitTerm(w[E2SlotWait], r, req, v)
 	t[E2AdapterEviction] = adapterEvictionTerm(w[E2AdapterEviction], r, req, v)
 	t[E2AdapterLoad] = adapterLoadTerm(w[E2AdapterLoad], r, req, v)
+	t[E2AdapterWait] = p.adapterWaitTerm(w[E2AdapterWait], r, req, v)
 	c.Replica, c.MatchedTokens = r, m
 	c.Load, c.Score = t.sum()
 	c.Eviction, c.Prefill = t[E2Eviction], t[E2Prefill]
@@ -247,6 +257,67 @@ func adapterEvictionTerm(w float64, r int, req *Request, v *View) float64 {
 	return w * secs(costmodel.AdapterLoadOf(v.ProfileOf(r)).Time(rp.AdapterBytes))
 }
 
+// adapterWaitTerm is the time a request for a LoRA adapter waits on r
+// before vLLM admits it, because r's running requests already use all its
+// max_loras adapters and not this one (prefixlb's extension of L). vLLM's
+// scheduler collects the adapters of the running requests it schedules
+// (scheduled_loras) and skips a waiting request whose adapter is not among
+// them while they number max_loras ("Scheduling would exceed max_loras,
+// skip": vllm/v1/core/sched/scheduler.py, Scheduler.schedule,
+// vllm-project/vllm @ 00024d314514900f361ad072af6931e403b7f589); the
+// requests behind it go on, so it waits until a running adapter's requests
+// have all finished and a slot frees. Waiting requests of adapters not
+// running are ahead of it for the freed slots, so it needs the k-th slot
+// to free, k the slots the running and those waiting adapters overfill:
+//
+//	k = |running_r| + |waiting_r − running_r − {a}| − max_r + 1
+//	adapter_wait = w · drain_(min(k, |running_r|))(r)   if a ∉ running_r and k > 0
+//	drain_b(r) = D_b/(n_b+1) · T_step(inflight_r, ctx_r)
+//
+// drain_(i) is the i-th shortest drain of r's running adapters. An adapter
+// b drains when its last running request ends: the router's n_b requests
+// for b in flight on r owe D_b output tokens as expected when routed (it
+// does not count streamed tokens), so each owes an unknown share of its
+// output, taken as uniform; the last of n of them ends after n/(n+1) of
+// the mean output D_b/n_b, at r's decode step. An adapter r runs without
+// any of the router's requests (another router's, or a stale report)
+// counts as one request of r's mean output; one on an idle replica, 0.
+// Requests that arrive for b meanwhile and keep it running are not
+// counted: the wait is a lower bound. 0 for the base model, where the
+// slots are unknown (MaxAdapters 0), and when a is running on r or a slot
+// is free for it.
+func (p *E2) adapterWaitTerm(w float64, r int, req *Request, v *View) float64 {
+	rp := &v.Replicas[r]
+	a := req.Adapter
+	if w <= 0 || a == "" || rp.MaxAdapters <= 0 || len(rp.RunningAdapters) == 0 || slices.Contains(rp.RunningAdapters, a) {
+		return 0
+	}
+	k := len(rp.RunningAdapters) - rp.MaxAdapters + 1
+	for i, b := range rp.WaitingAdapters {
+		if b != a && !slices.Contains(rp.RunningAdapters, b) && !slices.Contains(rp.WaitingAdapters[:i], b) {
+			k++
+		}
+	}
+	if k <= 0 {
+		return 0
+	}
+	step := p.stepMemo(v, r, max(rp.InFlight, 1), decodeContext(rp, req))
+	p.drains = p.drains[:0]
+	for _, b := range rp.RunningAdapters {
+		f := rp.AdapterFlightOf(b)
+		n, d := f.InFlight, f.DecodeTokens
+		if n <= 0 {
+			n, d = 1, 0
+			if rp.InFlight > 0 {
+				d = max(rp.DecodeTokens, 0) / rp.InFlight
+			}
+		}
+		p.drains = append(p.drains, float64(max(d, 0))/float64(n+1)*step)
+	}
+	slices.Sort(p.drains)
+	return w * p.drains[min(k, len(p.drains))-1]
+}
+
 // decodeTerm is Preble's in-flight decode part of L (§3.2: the decode time
 // of the requests running on r), with TPOT the replica's median observed
 // time per output token, or with MarginalDecode the time one more sequence
@@ -285,7 +356,8 @@ func pendingTerm(w float64, rp *Replica) float64 {
 // interferenceTerm is the delay this request's prefill imposes on the
 // requests decoding on r: every iteration that carries a chunk of its prompt
 // also carries one token of each, so its prefill time is added to each of
-// their latencies (prefixlb's extension):
+// their latencies (prefixlb's extension). P_r includes a LoRA adapter's
+// load (adapterInterference):
 //
 //	interference = w · P_r · decoding_r
 //
@@ -296,6 +368,27 @@ func interferenceTerm(w, pf float64, rp *Replica) float64 {
 		return 0
 	}
 	return w * pf * float64(rp.Decoding)
+}
+
+// adapterInterference is the interference term's share of a LoRA adapter's
+// load: the load is part of P (adapter_load), and vLLM loads a step's
+// adapters before its forward pass, so every request decoding on r waits
+// for it as it waits for a prefill chunk (the replica model adds the load
+// to the iteration's time):
+//
+//	interference += w · T_load(r) · decoding_r   if r lacks the adapter
+//
+// It is added after the prefill's share, and only for an adapter's
+// request, so that the base model's cost is the same float as before.
+func adapterInterference(w float64, r int, req *Request, v *View) float64 {
+	if w <= 0 {
+		return 0
+	}
+	l := secs(v.AdapterLoadTime(r, req))
+	if l <= 0 {
+		return 0
+	}
+	return interferenceTerm(w, l, &v.Replicas[r])
 }
 
 // selfDecodeTerm is this request's own decode on r (prefixlb's extension;

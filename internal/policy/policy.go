@@ -121,6 +121,43 @@ type Replica struct {
 	// with its profile's costmodel.AdapterLoad gives the load time
 	// (View.AdapterLoadTime); 0 prices only the fixed cost.
 	AdapterBytes int64
+	// RunningAdapters lists the adapters the engine's running requests use
+	// and WaitingAdapters those of its waiting requests (vLLM's
+	// vllm:lora_requests_info, labels running_lora_adapters and
+	// waiting_lora_adapters; the replica model's in sim): vLLM admits a
+	// request for an adapter its running requests do not use only while
+	// they use fewer than MaxAdapters (E2's adapter_wait). nil when none or
+	// unknown. The router's caller sets them (router.SetRunningAdapters).
+	RunningAdapters, WaitingAdapters []string
+	// AdapterFlights is the router's own requests in flight on the replica
+	// for each adapter that has some (not the base model's), in no
+	// particular order: how soon a running adapter's requests drain
+	// (E2's adapter_wait). The router keeps it; a snapshot holds a copy.
+	AdapterFlights []AdapterFlight
+}
+
+// AdapterFlight is the router's in-flight requests on one replica for one
+// LoRA adapter (Replica.AdapterFlights).
+type AdapterFlight struct {
+	// Adapter names the adapter.
+	Adapter string
+	// InFlight counts its requests routed to the replica and not finished.
+	InFlight int
+	// DecodeTokens is the output those requests are expected to produce
+	// (their expected output: the router does not count tokens as they
+	// stream), as Replica.DecodeTokens counts it.
+	DecodeTokens int
+}
+
+// AdapterFlightOf returns the router's in-flight figures for adapter a on
+// the replica (zero when it has none there).
+func (r *Replica) AdapterFlightOf(a string) AdapterFlight {
+	for _, f := range r.AdapterFlights {
+		if f.Adapter == a {
+			return f
+		}
+	}
+	return AdapterFlight{Adapter: a}
 }
 
 // HoldsAdapter reports whether the replica holds adapter a in a GPU slot;

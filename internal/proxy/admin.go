@@ -245,7 +245,7 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens,
-		Session: r.Header.Get(HeaderSession), Explain: true}
+		Session: r.Header.Get(HeaderSession), Explain: true, Adapter: req.Adapter}
 	if preq.Session == "" {
 		preq.Session = req.User
 	}

@@ -106,7 +106,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		return
 	}
 	preq := policy.Request{Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession),
-		Unary: !req.Stream}
+		Unary: !req.Stream, Adapter: req.Adapter}
 	if preq.Session == "" {
 		preq.Session = req.User
 	}

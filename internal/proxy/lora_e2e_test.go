@@ -14,6 +14,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/kvevents"
+	"github.com/prefixlb/prefixlb/internal/policy"
 )
 
 // TestLoRAOverEngine: a prefixlb engine serving LoRA adapter "sql" publishes
@@ -50,7 +51,8 @@ func TestLoRAOverEngine(t *testing.T) {
 	cfg := testConfig()
 	cfg.Backends = []Backend{{Name: "e0", URL: esrv.URL, KVEvents: pub.Endpoint(), KVReplay: pub.ReplayEndpoint()}}
 	cfg.LoRAAdapters = []string{"sql"}
-	cfg.SpeculativeTTL = -1 // only the engine's events say what is cached
+	cfg.SpeculativeTTL = -1                    // only the engine's events say what is cached
+	cfg.ScrapeInterval = 20 * time.Millisecond // vllm:lora_requests_info
 	p, srv := startProxy(t, cfg)
 	runLoops(t, p)
 
@@ -100,6 +102,24 @@ func TestLoRAOverEngine(t *testing.T) {
 	}
 	if out.Usage.Details.Cached == 0 {
 		t.Error("the engine did not reuse the adapter's cached prompt")
+	}
+	// The engine's vllm:lora_requests_info (max_lora 2, sql not running
+	// now) reaches the router, and serve passes the request's adapter to
+	// the policy: e2 prices sql's load, not the base model's.
+	adapterLoad := func(model string) float64 {
+		var ex RouteExplanation
+		if err := json.Unmarshal(readAll(t, post(t, srv.URL, "/debug/route", body(model))), &ex); err != nil || len(ex.Candidates) != 1 || ex.Candidates[0].Terms == nil {
+			t.Fatalf("%s: explanation %+v (%v)", model, ex, err)
+		}
+		return ex.Candidates[0].Terms[policy.E2AdapterLoad]
+	}
+	for deadline := time.Now().Add(10 * time.Second); adapterLoad("sql") == 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("e2 never priced the adapter's load: the adapter or the engine's slots did not reach the policy")
+		}
+	}
+	if l := adapterLoad("prefixlb-sim"); l != 0 {
+		t.Errorf("the base model's request: adapter_load %v, want 0", l)
 	}
 	var models struct{ Data []struct{ ID, Parent string } }
 	if err := json.Unmarshal(readAll(t, mustGet(t, esrv.URL+"/v1/models")), &models); err != nil ||

@@ -203,6 +203,30 @@ func (r *Replica) RunningAdapters(dst []string) []string {
 	return dst
 }
 
+// WaitingAdapters appends to dst the distinct adapters of the waiting
+// requests, in queue order (vllm:lora_requests_info's
+// waiting_lora_adapters), and returns it. Empty with MaxLoras 0.
+func (r *Replica) WaitingAdapters(dst []string) []string {
+	if r.cfg.MaxLoras == 0 {
+		return dst
+	}
+	n := len(dst)
+	add := func(s *seq) {
+		if a := s.req.Adapter; a != "" && !slices.Contains(dst[n:], a) {
+			dst = append(dst, a)
+		}
+	}
+	for _, s := range r.waiting {
+		add(s)
+	}
+	for _, g := range r.groups {
+		for _, s := range g {
+			add(s)
+		}
+	}
+	return dst
+}
+
 // CachedPrefixFor is CachedPrefix for the keys of an adapter's request
 // (Request.Adapter): how many leading keys its prefix cache holds for that
 // adapter.

@@ -222,3 +222,32 @@ func TestAdapterConfig(t *testing.T) {
 		t.Error("Submit of an adapter request to a slot cache: no error")
 	}
 }
+
+// TestRunningWaitingAdapters: what vllm:lora_requests_info would report
+// while adapter a's request runs in the only slot: a running, and the
+// waiting requests' adapters b and c (each once, in queue order, the base
+// model left out); with MaxLoras 0 nothing.
+func TestRunningWaitingAdapters(t *testing.T) {
+	r := newLoRAReplica(t, 1)
+	for _, q := range []*Request{loraReq(1, "a", 32, 20), loraReq(2, "b", 32, 1), req(3, 32, 1), loraReq(4, "c", 32, 1), loraReq(5, "b", 32, 1)} {
+		if err := r.Submit(q, t0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, busy := r.Step(t0, nil); !busy {
+		t.Fatal("idle after submits")
+	}
+	if got := r.RunningAdapters(nil); !slices.Equal(got, []string{"a"}) {
+		t.Errorf("running %q, want [a]", got)
+	}
+	if got := r.WaitingAdapters([]string{"x"}); !slices.Equal(got, []string{"x", "b", "c"}) {
+		t.Errorf("waiting (appended to [x]) %q, want [x b c]", got)
+	}
+	u := newLoRAReplica(t, 0)
+	if err := u.Submit(loraReq(1, "a", 32, 1), t0); err != nil {
+		t.Fatal(err)
+	}
+	if got := u.WaitingAdapters(nil); len(got) != 0 {
+		t.Errorf("MaxLoras 0: waiting %q, want none", got)
+	}
+}

@@ -58,3 +58,52 @@ func TestAdapters(t *testing.T) {
 		t.Errorf("AdapterBytes = %d, want 84e6", rp.AdapterBytes)
 	}
 }
+
+// TestAdapterFlights: the router counts its in-flight requests per replica
+// and adapter (not the base model's) from routing to finish, the running
+// and waiting adapters SetRunningAdapters records (copies) reach the
+// policy, and a snapshot does not change under later routing.
+func TestAdapterFlights(t *testing.T) {
+	spy := &adapterSpy{}
+	r := newRouter(t, spy, 0, false, false)
+	running, waiting := []string{"a"}, []string{"b"}
+	if err := r.SetRunningAdapters(0, running, waiting); err != nil {
+		t.Fatal(err)
+	}
+	running[0], waiting[0] = "changed", "changed"
+	if err := r.SetRunningAdapters(2, nil, nil); err == nil {
+		t.Error("SetRunningAdapters(unknown replica): no error")
+	}
+	now := time.Unix(0, 0)
+	for i, a := range []string{"a", "a", "b", ""} {
+		if _, err := r.Route(policy.Request{ID: uint64(i + 1), PromptTokens: 10, OutputTokens: 100 * (i + 1), Adapter: a}, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap, _ := r.Replica(0)
+	want := []policy.AdapterFlight{{Adapter: "a", InFlight: 2, DecodeTokens: 300}, {Adapter: "b", InFlight: 1, DecodeTokens: 300}}
+	if !slices.Equal(snap.AdapterFlights, want) {
+		t.Errorf("AdapterFlights = %+v, want %+v", snap.AdapterFlights, want)
+	}
+	if !slices.Equal(snap.RunningAdapters, []string{"a"}) || !slices.Equal(snap.WaitingAdapters, []string{"b"}) {
+		t.Errorf("running %q waiting %q, want [a] [b]", snap.RunningAdapters, snap.WaitingAdapters)
+	}
+	for _, id := range []uint64{1, 3, 4} {
+		if err := r.Finished(id, 10, -1, true, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, _ := r.Replica(0)
+	if want := []policy.AdapterFlight{{Adapter: "a", InFlight: 1, DecodeTokens: 200}}; !slices.Equal(got.AdapterFlights, want) {
+		t.Errorf("after finishes: AdapterFlights = %+v, want %+v", got.AdapterFlights, want)
+	}
+	if len(snap.AdapterFlights) != 2 || snap.AdapterFlights[0].InFlight != 2 {
+		t.Errorf("the earlier snapshot changed: %+v", snap.AdapterFlights)
+	}
+	if err := r.Finished(2, 10, -1, false, now); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := r.Replica(0); len(got.AdapterFlights) != 0 {
+		t.Errorf("nothing in flight: AdapterFlights = %+v", got.AdapterFlights)
+	}
+}

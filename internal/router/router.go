@@ -131,6 +131,9 @@ type flight struct {
 	// unary says its client asked for no stream.
 	cal   calibrate.Flight
 	unary bool
+	// adapter is the request's LoRA adapter ("" for the base model),
+	// counted in its replica's AdapterFlights.
+	adapter string
 	// pd: a disaggregated request (Decision.Disaggregated), prefilled on
 	// prefill while in flight on replica, the decode replica; prefillDone
 	// once its prefill leg finished (PrefillDone), transferred once its KV
@@ -385,14 +388,20 @@ func (r *Router) Pricing(id int, withStats bool) Pricing {
 func (r *Router) Calibrating() bool { return r.cfg.Calibrate != nil }
 
 // Replicas returns a snapshot of the replicas.
-func (r *Router) Replicas() []policy.Replica { return append([]policy.Replica(nil), r.reps...) }
+func (r *Router) Replicas() []policy.Replica {
+	out := make([]policy.Replica, len(r.reps))
+	for i := range r.reps {
+		out[i] = cloneReplica(r.reps[i])
+	}
+	return out
+}
 
 // Replica returns a snapshot of replica id.
 func (r *Router) Replica(id int) (policy.Replica, error) {
 	if id < 0 || id >= len(r.reps) {
 		return policy.Replica{}, fmt.Errorf("%w: %d", ErrUnknownReplica, id)
 	}
-	return r.reps[id], nil
+	return cloneReplica(r.reps[id]), nil
 }
 
 // SetUp marks replica id up or down. A replica going down leaves the
@@ -707,6 +716,8 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	rp.PendingPrefill += f.pendingPrefill
 	rp.PendingPrefillTokens += f.pendingTokens
 	rp.DecodeTokens += f.out
+	f.adapter = req.Adapter
+	r.addAdapterFlight(id, f.adapter, 1, f.out)
 	path := r.match.Path
 	r.tree.AddRef(path, id, 1)
 	f.unary = req.Unary
@@ -889,6 +900,7 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	rp := &r.reps[f.replica]
 	rp.InFlight--
 	rp.DecodeTokens -= f.out
+	r.addAdapterFlight(f.replica, f.adapter, -1, f.out)
 	// The path may have been split since routing: look it up again.
 	r.tree.Lookup(f.keys, &r.scratch)
 	r.tree.AddRef(r.scratch.Path, f.replica, -1)

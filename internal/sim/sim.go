@@ -299,9 +299,12 @@ type runner struct {
 	freeGaps [][]time.Duration
 	links    *links // nil unless disaggregated
 	// LoRA adapters: each replica's adapter loads when the router last
-	// heard its residency, and a buffer for it.
+	// heard its residency, and a buffer for it; the running and waiting
+	// adapters the router last heard of each replica.
 	loraLoads []int64
 	loraBuf   []string
+	loraRun   [][]string
+	loraWait  [][]string
 	done_     []*transfer
 	// the disaggregated requests' TTFT split (PDStats)
 	pdPrefill, pdTransfer, pdWait report.Samples
@@ -368,6 +371,8 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		}
 	}
 	rn.loraLoads = make([]int64, cfg.Replicas)
+	rn.loraRun = make([][]string, cfg.Replicas)
+	rn.loraWait = make([][]string, cfg.Replicas)
 	for i := range rn.reps {
 		// The router knows each engine's load from the start, as serve
 		// does from its first scrape (idle: nothing waiting or running).
@@ -690,6 +695,20 @@ func (rn *runner) updateLoad(r int) {
 		rn.loraLoads[r] = st.AdapterLoads
 		rn.loraBuf = rn.reps[r].Adapters(rn.loraBuf[:0])
 		_ = rn.rt.SetAdapters(r, rn.loraBuf, rn.cfg.Replica.MaxLoras)
+	}
+	if rn.cfg.Replica.MaxLoras > 0 {
+		// The adapters its running and waiting requests use, as vLLM's
+		// vllm:lora_requests_info reports them, when they changed.
+		rep := rn.reps[r]
+		rn.loraBuf = rep.RunningAdapters(rn.loraBuf[:0])
+		n := len(rn.loraBuf)
+		rn.loraBuf = rep.WaitingAdapters(rn.loraBuf)
+		run, wait := rn.loraBuf[:n], rn.loraBuf[n:]
+		if !slices.Equal(run, rn.loraRun[r]) || !slices.Equal(wait, rn.loraWait[r]) {
+			rn.loraRun[r] = append(rn.loraRun[r][:0], run...)
+			rn.loraWait[r] = append(rn.loraWait[r][:0], wait...)
+			_ = rn.rt.SetRunningAdapters(r, run, wait)
+		}
 	}
 }
 
