@@ -103,6 +103,8 @@ there; the profile must give KV bytes per token (a roofline does).`,
 	fs.IntVar(&c.PrefillReplicas, "prefill-replicas", 0, "prefill/decode disaggregation: the first N of --replicas are prefill replicas, the rest decode replicas (policies round-robin-pd, llmd-pd, dynamo-pd, e2-pd pick both; the others only decode replicas); 0: none")
 	fs.Float64Var(&c.KVLinkGbps, "kv-link-gbps", 400, "--prefill-replicas: each replica's link for KV transfers, Gbit/s, shared by the transfers using it (400: one ConnectX-7 port)")
 	fs.DurationVar(&c.KVLinkLatency, "kv-link-latency", time.Millisecond, "--prefill-replicas: fixed time of one KV transfer beyond its bytes")
+	fs.StringVar(&c.RouterQueue, "router-queue", "", `router-side queue in front of the router (docs/overload.md): "on", or KEY=VALUE,... of max, timeout, max_waiting, max_kv_usage, max_queued_prefill, ttft_slo, ttft_slo.PRIORITY`)
+	fs.Lookup("router-queue").NoOptDefVal = "on"
 	return cmd
 }
 

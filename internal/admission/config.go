@@ -91,6 +91,15 @@ type Config struct {
 	// MaxQueuedPrefill is the queued prefill (policy.Replica.
 	// PendingPrefill) at which a replica is saturated; 0 turns it off.
 	MaxQueuedPrefill time.Duration
+	// MaxInFlight is the requests in flight on a replica (routed by this
+	// router, not finished: policy.Replica.InFlight) at which it is
+	// saturated, GIE's concurrency detector
+	// (pkg/epp/saturationdetector/framework/plugins/concurrencydetector/
+	// detector.go at 1a00493aced6203942158c2b5409fecb78a64320, its
+	// MaxConcurrency per endpoint); 0 turns it off, as it is by default: the
+	// concurrency a replica sustains depends on the model and the GPU,
+	// and the other thresholds do not need to be told it.
+	MaxInFlight int
 	// Weights are the tenants' weights in the fair share within a
 	// priority (> 0 each); a tenant not listed weighs 1.
 	Weights map[string]float64
@@ -116,8 +125,10 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: max kv usage must be in [0,1], got %v", ErrConfig, c.MaxKVUsage)
 	case c.MaxQueuedPrefill < 0:
 		return fmt.Errorf("%w: max queued prefill must be ≥ 0, got %v", ErrConfig, c.MaxQueuedPrefill)
-	case c.MaxWaiting == 0 && c.MaxKVUsage == 0 && c.MaxQueuedPrefill == 0:
-		return fmt.Errorf("%w: every saturation threshold is off (max waiting, max kv usage, max queued prefill)", ErrConfig)
+	case c.MaxInFlight < 0:
+		return fmt.Errorf("%w: max in flight must be ≥ 0, got %d", ErrConfig, c.MaxInFlight)
+	case c.MaxWaiting == 0 && c.MaxKVUsage == 0 && c.MaxQueuedPrefill == 0 && c.MaxInFlight == 0:
+		return fmt.Errorf("%w: every saturation threshold is off (max waiting, max kv usage, max queued prefill, max in flight)", ErrConfig)
 	}
 	for t, w := range c.Weights {
 		if !(w > 0) || math.IsInf(w, 0) {
@@ -143,6 +154,9 @@ func (c *Config) ReplicaSaturated(r *policy.Replica) bool {
 		return true
 	}
 	if c.MaxKVUsage > 0 && r.Slots == 0 && r.KVUsage >= c.MaxKVUsage {
+		return true
+	}
+	if c.MaxInFlight > 0 && r.InFlight >= c.MaxInFlight {
 		return true
 	}
 	return c.MaxQueuedPrefill > 0 && r.PendingPrefill >= c.MaxQueuedPrefill

@@ -223,7 +223,7 @@ func (q *Queue) Arrive(t *Ticket, reps []policy.Replica, now time.Time) (v Verdi
 		q.stats.Passed++
 		t.state = stateDone
 		return Pass, nil
-	case !t.Deadline.IsZero() && now.Add(p.MinQueuedPrefill+t.Service).After(t.Deadline):
+	case !t.Deadline.IsZero() && !now.Add(p.MinQueuedPrefill+t.Service).Before(t.Deadline):
 		return q.refuse(t, Deadline), nil
 	}
 	if q.n >= q.cfg.MaxQueue {
@@ -404,8 +404,8 @@ func (q *Queue) popBand(b *band) *Ticket {
 
 // Expire sheds, through shed, every waiting request past its timeout, every
 // one that can no longer meet its deadline (now + the pool's least queued
-// prefill + its Service past its Deadline), and every one when no replica
-// is up. Next calls it; call it too from a timer at NextDue.
+// prefill + its Service at or past its Deadline), and every one when no
+// replica is up. After it, NextDue is after now. Next calls it; call it too from a timer at NextDue.
 func (q *Queue) Expire(reps []policy.Replica, now time.Time, shed func(*Ticket)) {
 	if q.n == 0 {
 		return
@@ -424,7 +424,7 @@ func (q *Queue) expire(p Pool, now time.Time, shed func(*Ticket)) {
 		q.shed(q.tq[0], Timeout, shed)
 	}
 	horizon := now.Add(p.MinQueuedPrefill)
-	for len(q.dq) > 0 && q.dq[0].due.Before(horizon) {
+	for len(q.dq) > 0 && !q.dq[0].due.After(horizon) {
 		q.shed(q.dq[0], Deadline, shed)
 	}
 }

@@ -336,6 +336,9 @@ func TestAccounting(t *testing.T) {
 						reps[0].Waiting, reps[1].Waiting = 0, 0
 					}
 				}
+				if at, ok := q.NextDue(reps); ok && !at.After(now) {
+					t.Fatalf("seed %d step %d: next due %v not after now %v", seed, step, at, now)
+				}
 			case 3:
 				if len(live) > 0 {
 					if q.Cancel(live[rng.IntN(len(live))]) {

@@ -92,6 +92,9 @@ type Config struct {
 	MaxLoras      int
 	KVLinkGbps    float64
 	KVLinkLatency time.Duration
+	// RouterQueue, when not "", puts the router-side queue in front of the
+	// router (sim.ParseQueueConfig: "on" or KEY=VALUE,...).
+	RouterQueue string
 	// Changed reports whether the user gave a flag (cobra's
 	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
 	// given take llama-server's defaults (ApplyEngine).
@@ -182,9 +185,17 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
+	var queue *sim.QueueConfig
+	if c.RouterQueue != "" {
+		qc, err := sim.ParseQueueConfig(c.RouterQueue)
+		if err != nil {
+			return err
+		}
+		queue = &qc
+	}
 	var results []report.Result
 	var records []report.RequestRecord
-	var pdLines, loraLines []string
+	var pdLines, loraLines, queueLines []string
 	for _, rate := range rates {
 		c.Workload.Arrival.Rate = rate
 		reqs, skipped, err := c.Workload.Load()
@@ -222,6 +233,9 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 				KVEvents: c.KVEvents, EventLag: c.EventLag, SpeculativeTTL: c.SpeculativeTTL, Seed: c.RouterSeed, Rate: label,
 				HostCores: c.HostCores, PrefillReplicas: c.PrefillReplicas,
 				KVLink: policy.KVLink{BytesPerSecond: c.KVLinkGbps * 1e9 / 8, Latency: c.KVLinkLatency}}
+			if queue != nil && !queue.Off {
+				cfg.Queue = queue
+			}
 			if !c.Quiet {
 				cfg.Progress = func(done, total int) {
 					fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)
@@ -248,6 +262,13 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			if c.MaxLoras > 0 {
 				loraLines = append(loraLines, LoRALine(name, label, res))
 			}
+			if queue != nil || c.Workload.Priorities != "" || c.Workload.Tenants != "" {
+				q := queue
+				if q == nil {
+					q = &sim.QueueConfig{}
+				}
+				queueLines = append(queueLines, QueueLine(name, label, res, q))
+			}
 			if c.OutDir != "" {
 				records = append(records, res.Records...)
 			}
@@ -262,6 +283,12 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			fmt.Fprintln(stderr, l)
 		}
 	}
+	if len(queueLines) > 0 {
+		fmt.Fprintf(stderr, "\nrouter-side queue (%s):\n", orOff(c.RouterQueue))
+		for _, l := range queueLines {
+			fmt.Fprintln(stderr, l)
+		}
+	}
 	if len(pdLines) > 0 {
 		fmt.Fprintf(stderr, "\nprefill/decode (%d prefill + %d decode replicas, %g Gb/s links, %v latency):\n", c.PrefillReplicas, c.Replicas-c.PrefillReplicas, c.KVLinkGbps, c.KVLinkLatency)
 		for _, l := range pdLines {
@@ -269,6 +296,14 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 		}
 	}
 	return nil
+}
+
+// orOff is s, or "off" when empty.
+func orOff(s string) string {
+	if s == "" {
+		return "off"
+	}
+	return s
 }
 
 // LoRALine renders a run's adapter figures: loads per minute over the
