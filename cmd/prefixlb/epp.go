@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/epp"
 	"github.com/prefixlb/prefixlb/internal/policy"
@@ -32,6 +33,8 @@ type eppFlags struct {
 	blockTokens              int
 	seed                     uint64
 	fallbacks, maxQueue      int
+	queue                    cluster.QueueConfig
+	objectives               map[string]int
 	maxPromptTokens          int
 	kvLinkGbps               float64
 	loraAdapters             []string
@@ -98,6 +101,16 @@ pod its own speed (docs/calibration.md).`,
 	fs.Uint64Var(&f.seed, "seed", 0, "random seed of the router")
 	fs.IntVar(&f.fallbacks, "fallbacks", 2, "fallback endpoints after the primary (-1: none)")
 	fs.IntVar(&f.maxQueue, "max-queue", 0, "answer 429 when every replica's queue is at least this (0: never)")
+	f.queue = cluster.DefaultQueueConfig()
+	q := &f.queue.Admission
+	fs.BoolVar(&f.queue.On, "queue", true, "router-side queue: while every replica is saturated the request is held in the picker by priority (x-prefixlb-priority, or its InferenceObjective's) and tenant, and shed with 429 past its deadline or timeout (docs/overload.md; --queue=false: off)")
+	fs.IntVar(&q.MaxQueue, "queue-max", q.MaxQueue, "requests the router-side queue holds at most")
+	fs.DurationVar(&q.Timeout, "queue-timeout", q.Timeout, "longest wait in the router-side queue")
+	fs.IntVar(&q.MaxWaiting, "queue-max-waiting", q.MaxWaiting, "a replica with this many requests waiting in its engine is saturated (0: not judged by it)")
+	fs.Float64Var(&q.MaxKVUsage, "queue-max-kv-usage", q.MaxKVUsage, "a replica at this KV-cache usage is saturated (0: not judged by it)")
+	fs.DurationVar(&q.MaxQueuedPrefill, "queue-max-queued-prefill", q.MaxQueuedPrefill, "a replica with this much prefill queued (e2's estimate) is saturated (0: not judged by it)")
+	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
+	fs.StringToIntVar(&f.objectives, "objective-priority", nil, "InferenceObjective=priority,...: the spec.priority of the objectives requests name in x-gateway-inference-objective")
 	fs.StringVar(&f.modelRewrites, "model-rewrites", "", "file of InferenceModelRewrite manifests (GIE's model aliases, fallbacks and weighted splits) for this pool: a request's model is rewritten before it is routed")
 	fs.BoolVar(&f.watchModelRewrites, "watch-model-rewrites", false, "follow the InferenceModelRewrite objects of the --discovery inferencepool's namespace in the cluster (GIE's model aliases, fallbacks and splits; needs RBAC to list and watch them) instead of --model-rewrites")
 	fs.StringSliceVar(&f.loraAdapters, "lora-adapters", nil, "model names that are LoRA adapters (vLLM's --lora-modules), comma-separated: keyed apart from the base model's and each other's")
@@ -139,7 +152,11 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, MaxPromptTokens: f.maxPromptTokens, ScrapeInterval: f.scrape,
 		KVLink:       policy.KVLink{BytesPerSecond: f.kvLinkGbps * 1e9 / 8, Latency: f.kvLinkLatency},
 		LoRAAdapters: f.loraAdapters, Tokenizer: f.tokenizer,
-		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind}
+		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Objectives: f.objectives}
+	if f.queue.On {
+		q := f.queue
+		cfg.Queue = &q
+	}
 	if f.fallbacks == 0 {
 		cfg.Fallbacks = -1
 	}

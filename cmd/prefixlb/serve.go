@@ -82,6 +82,15 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"kv-events-port":          func() { c.DiscoveryPorts.KVEvents = f.ports.KVEvents },
 		"kv-replay-port":          func() { c.DiscoveryPorts.KVReplay = f.ports.KVReplay },
 		"kv-topic":                func() { c.DiscoveryPorts.KVTopic = f.ports.KVTopic },
+		"queue":                   func() { c.Queue.On = f.cfg.Queue.On },
+		"queue-max":               func() { c.Queue.Admission.MaxQueue = f.cfg.Queue.Admission.MaxQueue },
+		"queue-timeout":           func() { c.Queue.Admission.Timeout = f.cfg.Queue.Admission.Timeout },
+		"queue-max-waiting":       func() { c.Queue.Admission.MaxWaiting = f.cfg.Queue.Admission.MaxWaiting },
+		"queue-max-kv-usage":      func() { c.Queue.Admission.MaxKVUsage = f.cfg.Queue.Admission.MaxKVUsage },
+		"queue-max-queued-prefill": func() {
+			c.Queue.Admission.MaxQueuedPrefill = f.cfg.Queue.Admission.MaxQueuedPrefill
+		},
+		"queue-max-inflight": func() { c.Queue.Admission.MaxInFlight = f.cfg.Queue.Admission.MaxInFlight },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -202,6 +211,14 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	fs.StringVar(&d.Discovery, "discovery", "", "Kubernetes replicas that come and go: service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME (beside or instead of --backend)")
 	fs.StringVar(&d.Kubeconfig, "kubeconfig", "", "kubeconfig file for --discovery (default $KUBECONFIG, else the in-cluster config)")
 	portFlags(fs, &f.ports, "with --discovery: ")
+	q := &d.Queue.Admission
+	fs.BoolVar(&d.Queue.On, "queue", d.Queue.On, "router-side queue: while every replica is saturated requests wait in the router by priority (x-prefixlb-priority) and tenant, and are shed with 429 past their deadline or timeout (docs/overload.md; --queue=false: off)")
+	fs.IntVar(&q.MaxQueue, "queue-max", q.MaxQueue, "requests the router-side queue holds at most")
+	fs.DurationVar(&q.Timeout, "queue-timeout", q.Timeout, "longest wait in the router-side queue")
+	fs.IntVar(&q.MaxWaiting, "queue-max-waiting", q.MaxWaiting, "a replica with this many requests waiting in its engine is saturated (0: not judged by it)")
+	fs.Float64Var(&q.MaxKVUsage, "queue-max-kv-usage", q.MaxKVUsage, "a replica at this KV-cache usage is saturated (0: not judged by it)")
+	fs.DurationVar(&q.MaxQueuedPrefill, "queue-max-queued-prefill", q.MaxQueuedPrefill, "a replica with this much prefill queued (e2's estimate) is saturated (0: not judged by it)")
+	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
 }

@@ -142,9 +142,24 @@ type Config struct {
 	// LoRAAdapters are the model names that are LoRA adapters: their
 	// requests are keyed from the adapter's seed (cluster.Settings.Adapters).
 	LoRAAdapters []string
+	// Queue, when set and On, is the router-side queue (cluster.Gate, as
+	// prefixlb serve runs it): while every replica is saturated a request's
+	// ext_proc stream is held until the queue dispatches it, or answered
+	// 429 (503 with no replica up) when it is shed (docs/overload.md). nil:
+	// none (`prefixlb epp` sets it on by default).
+	Queue *cluster.QueueConfig
+	// Objectives give the priority of requests that name a GIE
+	// InferenceObjective in ObjectiveHeader: its spec.priority (higher
+	// first, unset 0; api/v1alpha2 InferenceObjectiveSpec.Priority). An
+	// x-prefixlb-priority header wins over it.
+	Objectives map[string]int
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
+
+// ObjectiveHeader names the InferenceObjective a request is served under
+// (GIE's x-gateway-inference-objective).
+const ObjectiveHeader = "x-gateway-inference-objective"
 
 func (c *Config) defaults() {
 	if c.Policy == "" {
@@ -234,6 +249,7 @@ type Picker struct {
 	flights  map[uint64]*flight
 	others   map[string]router.ExternalLoad // last good Shared.Others
 	rw       rewriter                       // the pool's model rewrites (rewrite.go)
+	gate     *cluster.Gate                  // the router-side queue (nil: none)
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
 }
@@ -269,6 +285,15 @@ func NewPicker(cfg Config) (*Picker, error) {
 		return nil, fmt.Errorf("epp: %w", err)
 	}
 	p.pool.Hooks.Removed = func(m *cluster.Member) { p.m.replicaRemoved(m.Name) }
+	if q := cfg.Queue; q != nil && q.On {
+		gm, err := cluster.NewGateMetrics(p.m.Reg)
+		if err != nil {
+			return nil, fmt.Errorf("epp: metrics: %w", err)
+		}
+		if p.gate, err = cluster.NewGate(core, *q, gm); err != nil {
+			return nil, fmt.Errorf("epp: %w", err)
+		}
+	}
 	return p, nil
 }
 
@@ -314,6 +339,9 @@ type Input struct {
 	// Subset, when non-nil, is the gateway's subset hint: the "ip:port"
 	// endpoints the answer must come from.
 	Subset []string
+	// Header returns a request header by its lower-case name (nil: none):
+	// the router-side queue classes a request by them.
+	Header func(name string) string
 }
 
 // Pick is the picker's answer for one request.
@@ -375,9 +403,17 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 		}
 	}
 
-	p.mu.Lock()
-	pick, f, err := p.pickLocked(&req, in.Subset, others)
-	p.mu.Unlock()
+	var (
+		pick Pick
+		f    *flight
+	)
+	if p.gate == nil {
+		p.mu.Lock()
+		pick, f, err = p.pickLocked(&req, in.Subset, others)
+		p.mu.Unlock()
+	} else {
+		pick, f, err = p.admitPick(ctx, &req, pr.Model, in, others, start)
+	}
 	if err != nil {
 		return Pick{}, err
 	}
@@ -550,7 +586,11 @@ func (p *Picker) FirstToken(id uint64) {
 		return
 	}
 	f.first = true
-	_ = p.rt.FirstToken(id, time.Now())
+	now := time.Now()
+	_ = p.rt.FirstToken(id, now)
+	if p.gate != nil {
+		p.gate.KickLocked(now)
+	}
 	delta := router.ExternalLoad{Prefilling: -f.load.Prefilling, PendingPrefill: -f.load.PendingPrefill,
 		PendingPrefillTokens: -f.load.PendingPrefillTokens}
 	f.load = f.load.Add(delta)
@@ -577,8 +617,12 @@ func (p *Picker) Finish(id uint64, fin router.Finish) {
 		return
 	}
 	delete(p.flights, id)
-	if err := p.rt.Finish(id, fin, time.Now()); err != nil {
+	now := time.Now()
+	if err := p.rt.Finish(id, fin, now); err != nil {
 		p.log.Warn("epp: router finished", "id", id, "err", err)
+	}
+	if p.gate != nil {
+		p.gate.KickLocked(now)
 	}
 	name, load, matched, hook := f.replica.Name, f.load, f.matched, p.onFinish
 	p.mu.Unlock()
@@ -643,6 +687,12 @@ func (p *Picker) Replicas() []ReplicaState {
 // replicas added meanwhile get their feeds at once, removed ones lose
 // them. It returns when ctx ends and every feed has stopped.
 func (p *Picker) Run(ctx context.Context) error {
+	if p.gate != nil {
+		gctx, stop := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); p.gate.Run(gctx) }()
+		defer func() { stop(); <-done }()
+	}
 	if err := p.pool.Run(ctx); err != nil {
 		return fmt.Errorf("epp: %w", err)
 	}

@@ -126,6 +126,7 @@ type exchange struct {
 	srv      extprocv3.ExternalProcessor_ProcessServer
 	kind     openai.Kind
 	session  string
+	hdr      map[string]string // the headers the router-side queue reads
 	subset   []string
 	body     []byte
 	picked   bool
@@ -226,6 +227,11 @@ func (x *exchange) readRequestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metad
 			x.kind = kindOf(val)
 		case SessionHeader:
 			x.session = val
+		case cluster.PriorityHeader, cluster.TenantHeader, cluster.SLOHeader, "authorization", ObjectiveHeader:
+			if x.hdr == nil {
+				x.hdr = map[string]string{}
+			}
+			x.hdr[strings.ToLower(hv.GetKey())] = val
 		}
 	}
 	if ns := md.GetFilterMetadata()[SubsetNamespace]; ns != nil {
@@ -273,13 +279,13 @@ func headerValue(h *corev3.HeaderValue) string {
 // back unchanged, eos on its last chunk.
 func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	pick, err := x.s.p.Pick(x.srv.Context(), Input{Kind: x.kind, Body: x.body, Session: x.session, Subset: x.subset,
-		Explain: x.s.cfg.Explain})
+		Explain: x.s.cfg.Explain, Header: func(k string) string { return x.hdr[strings.ToLower(k)] }})
 	if err != nil {
 		code := typev3.StatusCode_InternalServerError
 		switch {
 		case errors.Is(err, openai.ErrBadRequest), errors.Is(err, cluster.ErrPromptTooLong):
 			code = typev3.StatusCode_BadRequest
-		case errors.Is(err, ErrNoEndpoint):
+		case errors.Is(err, ErrNoEndpoint), errors.Is(err, ErrPoolDown):
 			code = typev3.StatusCode_ServiceUnavailable
 		case errors.Is(err, ErrShed):
 			code = typev3.StatusCode_TooManyRequests
@@ -415,9 +421,18 @@ func (x *exchange) immediate(code typev3.StatusCode, msg string) error {
 			Status:  &typev3.HttpStatus{Code: code},
 			Body:    body,
 			Details: "prefixlb_epp: " + msg,
-			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-				{Header: &corev3.HeaderValue{Key: "content-type", RawValue: []byte("application/json")}}}},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: immediateHeaders(code)},
 		}}})
+}
+
+// immediateHeaders are an immediate response's headers: JSON, and
+// Retry-After on 429 and 503 (the client may try again shortly).
+func immediateHeaders(code typev3.StatusCode) []*corev3.HeaderValueOption {
+	h := []*corev3.HeaderValueOption{{Header: &corev3.HeaderValue{Key: "content-type", RawValue: []byte("application/json")}}}
+	if code == typev3.StatusCode_TooManyRequests || code == typev3.StatusCode_ServiceUnavailable {
+		h = append(h, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: "retry-after", RawValue: []byte("1")}})
+	}
+	return h
 }
 
 func (x *exchange) send(r *extprocv3.ProcessingResponse) error {

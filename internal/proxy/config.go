@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/upstream"
@@ -197,6 +198,13 @@ type Config struct {
 	KVLinkGbps    float64
 	KVLinkLatency time.Duration
 
+	// Queue is the router-side queue (internal/admission through
+	// cluster.Gate): on by default, with thresholds that do not engage
+	// below saturation; while the pool is saturated requests wait in the
+	// router by priority and tenant, and a shed one gets 429 (503 when no
+	// replica is up) with Retry-After (docs/overload.md).
+	Queue cluster.QueueConfig
+
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
 	// Tokenizer, when set and Keyer is nil, is the replicas' tokenizer:
@@ -250,6 +258,7 @@ func DefaultConfig() Config {
 		DrainTimeout:          30 * time.Second,
 		KVLinkGbps:            400,
 		KVLinkLatency:         time.Millisecond,
+		Queue:                 cluster.DefaultQueueConfig(),
 	}
 }
 
@@ -371,6 +380,8 @@ func (c *Config) Validate() error {
 		return bad("max_header_bytes", "must be > 0, got %d", c.MaxHeaderBytes)
 	case c.MaxConcurrent < 0:
 		return bad("max_concurrent", "must be ≥ 0 (0: no bound), got %d", c.MaxConcurrent)
+	case c.Queue.On && c.Queue.Validate() != nil:
+		return fmt.Errorf("proxy: config: %w", c.Queue.Validate())
 	case c.MaxPromptTokens <= 0:
 		return bad("max_prompt_tokens", "must be > 0, got %d", c.MaxPromptTokens)
 	}
@@ -545,6 +556,59 @@ type fileConfig struct {
 	LoRAAdapters          *[]string         `json:"lora_adapters"`
 	IgnoreCacheTiers      *bool             `json:"ignore_cache_tiers"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
+	Queue                 *fileQueue        `json:"queue"`
+}
+
+// fileQueue is the YAML form of Config.Queue: every field optional.
+type fileQueue struct {
+	Enabled          *bool               `json:"enabled"`
+	Max              *int                `json:"max"`
+	Timeout          *duration           `json:"timeout"`
+	MaxWaiting       *int                `json:"max_waiting"`
+	MaxKVUsage       *float64            `json:"max_kv_usage"`
+	MaxQueuedPrefill *duration           `json:"max_queued_prefill"`
+	MaxInFlight      *int                `json:"max_inflight"`
+	Interval         *duration           `json:"interval"`
+	Classes          *[]cluster.Class    `json:"classes"`
+	Weights          *map[string]float64 `json:"weights"`
+}
+
+// apply sets the fields given over q.
+func (f *fileQueue) apply(q *cluster.QueueConfig) {
+	if f.Enabled != nil {
+		q.On = *f.Enabled
+	}
+	a := &q.Admission
+	if f.Max != nil {
+		a.MaxQueue = *f.Max
+	}
+	if f.Timeout != nil {
+		a.Timeout = time.Duration(*f.Timeout)
+	}
+	if f.MaxWaiting != nil {
+		a.MaxWaiting = *f.MaxWaiting
+	}
+	if f.MaxKVUsage != nil {
+		a.MaxKVUsage = *f.MaxKVUsage
+	}
+	if f.MaxQueuedPrefill != nil {
+		a.MaxQueuedPrefill = time.Duration(*f.MaxQueuedPrefill)
+	}
+	if f.MaxInFlight != nil {
+		a.MaxInFlight = *f.MaxInFlight
+	}
+	if f.Interval != nil {
+		q.Interval = time.Duration(*f.Interval)
+	}
+	if f.Classes != nil {
+		q.Classes = append([]cluster.Class(nil), *f.Classes...)
+	}
+	if f.Weights != nil {
+		a.Weights = map[string]float64{}
+		for k, v := range *f.Weights {
+			a.Weights[k] = v
+		}
+	}
 }
 
 // fileDiscovery is the YAML form of Config's discovery fields.
@@ -653,6 +717,9 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 		c.KVLinkGbps = *f.KVLinkGbps
 	}
 	setD(&c.KVLinkLatency, f.KVLinkLatency)
+	if f.Queue != nil {
+		f.Queue.apply(&c.Queue)
+	}
 	if f.Pools != nil {
 		if f.Backends != nil || f.Discovery != nil {
 			return base, errors.New("proxy: parse config: pools: backends and discovery belong to each pool, not beside pools")

@@ -122,10 +122,26 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	var lastD policy.Decision
 	for attempt := 0; ; attempt++ {
 		preq.ID = p.nextID.Add(1)
-		d, b, pb, err := p.route(preq, tried)
+		var (
+			d     policy.Decision
+			b, pb *backend
+			err   error
+		)
+		if attempt == 0 && p.gate != nil {
+			d, b, pb, err = p.admitRoute(ctx, r, req.Model, preq)
+		} else {
+			d, b, pb, err = p.route(preq, tried)
+		}
 		if err != nil {
 			if attempt == 0 {
-				fail(fmt.Errorf("proxy: route: %w", err))
+				switch {
+				case errors.Is(err, ErrShed):
+					x.code = strconv.Itoa(writeShed(w, err, time.Second))
+				case r.Context().Err() != nil:
+					x.code = "cancelled"
+				default:
+					fail(fmt.Errorf("proxy: route: %w", err))
+				}
 				return
 			}
 			break // no replica left to try: answer the last failure

@@ -93,7 +93,10 @@ type Proxy struct {
 	// pool is the replicas with their feeds (KV events, load, engine,
 	// tokenizer): a static list from Backends, and what Discovery finds.
 	pool *cluster.Pool
-	mu   *sync.Mutex // the core's Mu: guards rt, the pool's members and the backends
+	// gate is the router-side queue (queue.go); nil when Config.Queue is
+	// off.
+	gate *cluster.Gate
+	mu   *sync.Mutex // the core's Mu: guards rt, the pool's members, the backends and gate's queue
 	rt   *router.Router
 	dash dashRing // recent decisions for the dashboard (dashboard.go), its own lock
 	// scratch holds backendsLocked's answer.
@@ -146,6 +149,15 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	if cfg.MaxConcurrent > 0 {
 		p.slots = make(chan struct{}, cfg.MaxConcurrent)
+	}
+	if cfg.Queue.On {
+		gm, err := cluster.NewGateMetrics(m.Reg)
+		if err != nil {
+			return nil, fmt.Errorf("proxy: metrics: %w", err)
+		}
+		if p.gate, err = cluster.NewGate(core, cfg.Queue, gm); err != nil {
+			return nil, fmt.Errorf("proxy: config: %w", err)
+		}
 	}
 	if prefill > 0 {
 		p.pdOn = true
@@ -259,6 +271,7 @@ func (p *Proxy) Handler() http.Handler {
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
 	mux.HandleFunc("GET /debug/replicas", p.admin(p.serveDebugReplicas))
 	mux.HandleFunc("GET /debug/cache", p.admin(p.serveDebugCache))
+	mux.HandleFunc("GET /debug/queue", p.admin(p.serveDebugQueue))
 	p.handlePprof(mux)
 	mux.Handle("/ui", p.dashboardHandler())
 	mux.Handle("/ui/", p.dashboardHandler())
@@ -275,6 +288,9 @@ func (p *Proxy) Handler() http.Handler {
 func (p *Proxy) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return p.pool.Run(ctx) })
+	if p.gate != nil {
+		g.Go(func() error { p.gate.Run(ctx); return nil })
+	}
 	if p.cfg.Discovery != "" {
 		ports := p.cfg.DiscoveryPorts
 		if ports.MetricsPath == "" {
@@ -398,6 +414,7 @@ func (p *Proxy) firstToken(id uint64) {
 	now := time.Now()
 	p.mu.Lock()
 	err := p.rt.FirstToken(id, now)
+	p.kickLocked(now)
 	p.mu.Unlock()
 	if err != nil {
 		p.log.Warn("router first token", "id", id, "err", err)
@@ -415,6 +432,7 @@ func (p *Proxy) finishWith(id uint64, fin router.Finish) {
 	now := time.Now()
 	p.mu.Lock()
 	err := p.rt.Finish(id, fin, now)
+	p.kickLocked(now)
 	p.mu.Unlock()
 	if err != nil {
 		p.log.Warn("router finished", "id", id, "err", err)

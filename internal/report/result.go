@@ -293,6 +293,10 @@ type RequestRecord struct {
 	Session string `json:"session"`
 	// Group names the shared prefix the request was built on.
 	Group string `json:"group"`
+	// Priority and Tenant are the request's class in a router-side queue
+	// (workload.Request; zero and "" when none).
+	Priority int    `json:"priority,omitempty"`
+	Tenant   string `json:"tenant,omitempty"`
 	// ArrivalS is the scheduled arrival, in seconds since the start.
 	ArrivalS float64 `json:"arrival_s"`
 	// SentS is when the request was actually sent, in seconds since the

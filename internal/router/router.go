@@ -396,6 +396,12 @@ func (r *Router) Replicas() []policy.Replica {
 	return out
 }
 
+// Load returns the replicas as the router sees them now, by ID, without a
+// copy: read it under the owner's lock and do not keep it past the next
+// call that changes the router. It is what a router-side queue judges
+// saturation from (internal/admission), on the path of every request.
+func (r *Router) Load() []policy.Replica { return r.reps }
+
 // Replica returns a snapshot of replica id.
 func (r *Router) Replica(id int) (policy.Replica, error) {
 	if id < 0 || id >= len(r.reps) {

@@ -14,6 +14,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/admission"
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
@@ -88,6 +89,11 @@ type Config struct {
 	// the decode replica lacks times the profile's KV bytes per token
 	// (costmodel.KVBytesOf). Required with PrefillReplicas.
 	KVLink policy.KVLink
+	// Queue, when set, puts the router-side queue (internal/admission)
+	// in front of the router, on the virtual clock: requests wait in the
+	// router while the pool is saturated and are routed when capacity
+	// frees (queue.go). nil: every request is routed on arrival.
+	Queue *QueueConfig
 }
 
 // Validate reports the first invalid field.
@@ -116,6 +122,11 @@ func (c *Config) Validate() error {
 	for i, p := range c.RouterProfiles {
 		if p == nil {
 			return fmt.Errorf("sim: replica %d has no router profile", i)
+		}
+	}
+	if c.Queue != nil {
+		if err := c.Queue.Validate(); err != nil {
+			return fmt.Errorf("sim: queue: %w", err)
 		}
 	}
 	return c.validatePD()
@@ -185,6 +196,9 @@ type Result struct {
 	// PD describes the disaggregated requests (Config.PrefillReplicas > 0;
 	// nil otherwise).
 	PD *PDStats `json:",omitempty"`
+	// Queue counts what the router-side queue did (Config.Queue; nil
+	// otherwise).
+	Queue *admission.Stats `json:",omitempty"`
 }
 
 // PDStats counts what disaggregation did in a run.
@@ -222,6 +236,7 @@ const (
 	evCache
 	evLink     // the link's next transfer end (ev.N holds its generation)
 	evKVArrive // a transfer's KV reaches its decode replica
+	evQueue    // the router-side queue's next timeout or deadline
 )
 
 type event struct {
@@ -308,6 +323,8 @@ type runner struct {
 	done_     []*transfer
 	// the disaggregated requests' TTFT split (PDStats)
 	pdPrefill, pdTransfer, pdWait report.Samples
+	// the router-side queue (queue.go): nil unless Config.Queue
+	q *simQueue
 }
 
 // Run simulates reqs (sorted by Arrival) on the configured cluster.
@@ -378,6 +395,11 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		// does from its first scrape (idle: nothing waiting or running).
 		rn.updateLoad(i)
 	}
+	if cfg.Queue != nil {
+		if rn.q, err = newSimQueue(cfg.Queue, len(reqs)); err != nil {
+			return nil, err
+		}
+	}
 	rn.stepping = make([]bool, cfg.Replicas)
 	rn.pending = make([][]replica.Event, cfg.Replicas)
 	for i := range reqs {
@@ -422,6 +444,8 @@ func (rn *runner) handle(e *event) {
 		rn.linkDone(uint64(e.ev.N), e.at)
 	case evKVArrive:
 		rn.kvArrive(e.idx, e.at)
+	case evQueue:
+		rn.queueTimer(e.at)
 	}
 }
 
@@ -434,6 +458,17 @@ func (rn *runner) arrive(i int, now time.Time) {
 	s.keys = blocks.SeededKeys(nil, blocks.AdapterSeed(w.Adapter), w.Tokens, bt)
 	s.arrival = now
 	s.replica = -1
+	if rn.q != nil {
+		rn.queueArrive(i, now)
+		return
+	}
+	rn.route(i, now)
+}
+
+// route routes request i (arrived) at now and submits it.
+func (rn *runner) route(i int, now time.Time) {
+	w := &rn.reqs[i]
+	s := &rn.st[i]
 	out := max(w.OutputTokens, 1)
 	d, err := rn.rt.Route(policy.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens),
 		OutputTokens: out, Session: w.Session, Adapter: w.Adapter}, now)
@@ -590,6 +625,9 @@ func (rn *runner) stepDone(r int, now time.Time) {
 		}
 	}
 	rn.step(r, now)
+	if rn.q != nil {
+		rn.queueDispatch(now)
+	}
 }
 
 func (rn *runner) apply(r int, ev replica.Event) {
@@ -744,7 +782,7 @@ func (rn *runner) finish() {
 		w := &rn.reqs[i]
 		rec := report.RequestRecord{
 			ID: i, Replica: replicaName(s.replica), ArrivalS: s.arrival.Sub(epoch).Seconds(),
-			Session: w.Session, Group: w.Group,
+			Session: w.Session, Group: w.Group, Priority: w.Priority, Tenant: w.Tenant,
 			PromptTokens: len(w.Tokens), CachedTokens: s.hit + s.tierHit, OutputTokens: s.out, Error: s.err,
 		}
 		if s.pd {
@@ -780,6 +818,10 @@ func (rn *runner) finish() {
 		pd.PrefillMs, pd.TransferMs, pd.DecodeWaitMs = rn.pdPrefill.Summary(), rn.pdTransfer.Summary(), rn.pdWait.Summary()
 	}
 	res.Router = rn.rt.Stats()
+	if rn.q != nil {
+		st := rn.q.q.Stats()
+		res.Queue = &st
+	}
 	for i, rp := range rn.reps {
 		res.Replicas = append(res.Replicas, rp.Stats())
 		res.RouterCachedBlocks = append(res.RouterCachedBlocks, rn.rt.Tree().CachedBlocks(i))

@@ -122,6 +122,11 @@ type Flags struct {
 	// ArrivalTrace is an Azure CSV whose timestamps the azure process
 	// replays; Resolve reads it into Arrival.Timestamps.
 	ArrivalTrace string
+	// Priorities and Tenants give requests classes in flag form
+	// ("high:0.2,low:0.8", "a:4,b:1"; ParseShares): Load draws each
+	// session's (or lone request's) priority and tenant in those
+	// proportions (AssignClasses).
+	Priorities, Tenants string
 }
 
 // DefaultFlags returns the defaults: the toolbench workload with its
@@ -142,6 +147,8 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 	f.addTraceFlags(fs)
 	fs.StringVar(&f.Ramp, "ramp", f.Ramp, `ramp stages "rate:duration,..." for --arrival ramp, e.g. "3:60s,10:60s,60:60s"`)
 	fs.StringVar(&f.ArrivalTrace, "arrival-trace", f.ArrivalTrace, "Azure CSV whose timestamps --arrival azure replays")
+	fs.StringVar(&f.Priorities, "priorities", f.Priorities, `request priorities in proportions "PRIORITY:SHARE,...", PRIORITY an integer or high (1), normal (0), low (-1), e.g. "high:0.2,low:0.8" (drawn per session)`)
+	fs.StringVar(&f.Tenants, "tenants", f.Tenants, `tenants in rate proportions "NAME:SHARE,...", e.g. "a:4,b:1" (drawn per session)`)
 }
 
 // AddTraceFlags registers only the trace flags (--trace, --trace-format,
@@ -184,6 +191,15 @@ func (f *Flags) Resolve() error {
 			f.Arrival.Timestamps[i] = r.Arrival
 		}
 	}
+	if _, err := ParseShares(f.Priorities); err != nil {
+		return fmt.Errorf("--priorities: %w", err)
+	}
+	if _, err := ParseShares(f.Tenants); err != nil {
+		return fmt.Errorf("--tenants: %w", err)
+	}
+	if _, err := ParsePriorities(f.Priorities); err != nil {
+		return fmt.Errorf("--priorities: %w", err)
+	}
 	if f.Trace == "" {
 		return f.Spec.Validate()
 	}
@@ -220,6 +236,9 @@ func (f *Flags) Load() ([]Request, []LineError, error) {
 		return nil, bad, err
 	}
 	if err := f.Arrival.Apply(reqs, f.Spec.Seed, f.Trace != ""); err != nil {
+		return nil, bad, err
+	}
+	if err := AssignClasses(reqs, f.Priorities, f.Tenants, f.Spec.Seed); err != nil {
 		return nil, bad, err
 	}
 	return reqs, bad, nil

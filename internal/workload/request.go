@@ -28,4 +28,11 @@ type Request struct {
 	// AdapterBytes is the size of Adapter's weights (what loading it into a
 	// GPU slot copies); 0 when Adapter is "".
 	AdapterBytes int64
+	// Priority orders the request in a router-side queue (higher first;
+	// GIE's InferenceObjective priority); 0 unless a class says otherwise
+	// (Flags.Priorities).
+	Priority int
+	// Tenant names who sent it, for fair shares between tenants ("" if
+	// none; Flags.Tenants).
+	Tenant string
 }

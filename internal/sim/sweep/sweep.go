@@ -108,6 +108,9 @@ type Config struct {
 	SLO          string
 	SLOTolerance float64
 	SLOMaxRate   float64
+	// RouterQueue, when not "", puts the router-side queue in front of the
+	// router (sim.ParseQueueConfig: "on" or KEY=VALUE,...).
+	RouterQueue string
 	// Changed reports whether the user gave a flag (cobra's
 	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
 	// given take llama-server's defaults (ApplyEngine).
@@ -163,6 +166,7 @@ type setup struct {
 	opts   policy.Options
 	calCfg *calibrate.Config
 	specs  []string
+	queue  *sim.QueueConfig // --router-queue; nil: none
 }
 
 // prepare applies the engine's defaults (ApplyEngine) and resolves and
@@ -206,7 +210,15 @@ func (c *Config) prepare() (*setup, error) {
 			return nil, err
 		}
 	}
-	return &setup{sp: sp, rc: rc, opts: opts, calCfg: calCfg, specs: specs}, nil
+	su := &setup{sp: sp, rc: rc, opts: opts, calCfg: calCfg, specs: specs}
+	if c.RouterQueue != "" {
+		qc, err := sim.ParseQueueConfig(c.RouterQueue)
+		if err != nil {
+			return nil, err
+		}
+		su.queue = &qc
+	}
+	return su, nil
 }
 
 // run is one simulated run: the policy's name as given, its local
@@ -234,6 +246,9 @@ func (c *Config) simulate(ctx context.Context, su *setup, spec string, label flo
 		KVEvents: c.KVEvents, EventLag: c.EventLag, SpeculativeTTL: c.SpeculativeTTL, Seed: c.RouterSeed, Rate: label,
 		HostCores: c.HostCores, PrefillReplicas: c.PrefillReplicas, IgnoreCacheTiers: c.IgnoreCacheTiers,
 		KVLink: policy.KVLink{BytesPerSecond: c.KVLinkGbps * 1e9 / 8, Latency: c.KVLinkLatency}}
+	if q := su.queue; q != nil && !q.Off {
+		cfg.Queue = q
+	}
 	if !c.Quiet {
 		cfg.Progress = func(done, total int) {
 			fmt.Fprintf(stderr, "\r%-24s rate %-6.3g %6d/%d requests", name, label, done, total)
@@ -279,7 +294,8 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	var results []report.Result
 	var records []report.RequestRecord
-	var pdLines, loraLines, tierLines []string
+	var pdLines, loraLines, tierLines, queueLines []string
+	queue := su.queue
 	for _, rate := range rates {
 		c.Workload.Arrival.Rate = rate
 		reqs, skipped, err := c.Workload.Load()
@@ -318,6 +334,13 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			if c.CPUOffloadTokens > 0 {
 				tierLines = append(tierLines, TierLine(name, label, res))
 			}
+			if queue != nil || c.Workload.Priorities != "" || c.Workload.Tenants != "" {
+				q := queue
+				if q == nil {
+					q = &sim.QueueConfig{}
+				}
+				queueLines = append(queueLines, QueueLine(name, label, res, q))
+			}
 			if c.OutDir != "" {
 				records = append(records, res.Records...)
 			}
@@ -338,6 +361,12 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			fmt.Fprintln(stderr, l)
 		}
 	}
+	if len(queueLines) > 0 {
+		fmt.Fprintf(stderr, "\nrouter-side queue (%s):\n", orOff(c.RouterQueue))
+		for _, l := range queueLines {
+			fmt.Fprintln(stderr, l)
+		}
+	}
 	if len(pdLines) > 0 {
 		fmt.Fprintf(stderr, "\nprefill/decode (%d prefill + %d decode replicas, %g Gb/s links, %v latency):\n", c.PrefillReplicas, c.Replicas-c.PrefillReplicas, c.KVLinkGbps, c.KVLinkLatency)
 		for _, l := range pdLines {
@@ -345,6 +374,14 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 		}
 	}
 	return nil
+}
+
+// orOff is s, or "off" when empty.
+func orOff(s string) string {
+	if s == "" {
+		return "off"
+	}
+	return s
 }
 
 // LoRALine renders a run's adapter figures: loads per minute over the

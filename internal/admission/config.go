@@ -1,0 +1,200 @@
+// Package admission is prefixlb's router-side queue: it judges whether a
+// pool of replicas is saturated from the router's live view of them, lets a
+// request straight through while it is not, and otherwise holds requests in
+// the router, ordered by priority and fair between tenants within a
+// priority, until capacity frees, each then routed by the policy at dispatch
+// time. The queue is bounded (a length, a per-request timeout) and sheds a
+// request that can no longer meet its TTFT deadline before it costs GPU
+// time. Every request ends as admitted (passed or dispatched), shed with a
+// reason, or cancelled by its client, and is counted so.
+//
+// The design follows the Gateway API Inference Extension's flow control
+// (kubernetes-sigs/gateway-api-inference-extension):
+//   - strict priority between bands, highest first, and rejection at
+//     capacity: pkg/epp/flowcontrol/controller/internal/processor.go at
+//     04a97e67f7807b7daa14f220c25884eabfd80ea6 (dispatchCycle, hasCapacity);
+//   - fairness only between flows (here: tenants) of one priority, each flow
+//     first come first served: pkg/epp/flowcontrol/framework/policies.go at
+//     0e05556d3ffe8a641a0fc2aa22c21847dc35bd45 (InterFlowDispatchPolicy,
+//     IntraFlowDispatchPolicy); the inter-flow policy here is deficit round
+//     robin with weights (Shreedhar and Varghese, "Efficient Fair Queuing
+//     Using Deficit Round-Robin", SIGCOMM 1995);
+//   - the saturation test is the utilization detector's roofline per pod,
+//     max(waiting/QueueDepthThreshold, kv/KVCacheUtilThreshold):
+//     pkg/epp/saturationdetector/framework/plugins/utilizationdetector/detector.go
+//     at 275ac7609b1c32ce3768ad8b61b712d554b5ed3a, with E2's queued prefill
+//     (Preble, §4: the replica's pending prefill time) as a third resource.
+//     A pool is saturated when no replica passes the detector's Filter, that
+//     is when every replica is at a threshold.
+//
+// Like the router, the package is pure: it reads no clock (the caller passes
+// now), starts no goroutine and does no I/O, so that `prefixlb sim` drives
+// it on its virtual clock. A Queue is not safe for concurrent use; its owner
+// serialises calls (serve and epp under the routing core's lock, sim on its
+// one goroutine).
+package admission
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+// Defaults of Config. The saturation thresholds are set where a replica is
+// past its capacity, not merely busy: below saturation the queue never
+// engages (docs/overload.md measures it).
+const (
+	// DefaultMaxQueue bounds the requests waiting in the router.
+	DefaultMaxQueue = 1024
+	// DefaultTimeout is the longest a request waits in the router.
+	DefaultTimeout = 30 * time.Second
+	// DefaultMaxWaiting is the engine's waiting queue (vLLM's
+	// num_requests_waiting) at which a replica counts as saturated. GIE's
+	// utilization detector uses 5 (DefaultQueueDepthThreshold); a vLLM
+	// replica near capacity but keeping up queues a few requests between
+	// two scheduler steps, so this leaves it more room.
+	DefaultMaxWaiting = 8
+	// DefaultMaxKVUsage is the KV-cache usage (blocks held by requests) at
+	// which a replica counts as saturated: vLLM preempts past it. GIE's
+	// default is 0.8.
+	DefaultMaxKVUsage = 0.95
+	// DefaultMaxQueuedPrefill is E2's queued prefill (the GPU time of the
+	// prefills routed to the replica and not done) at which a replica
+	// counts as saturated: a new request there waits at least that long
+	// for its first token.
+	DefaultMaxQueuedPrefill = 2 * time.Second
+)
+
+// Errors of Config.Validate.
+var ErrConfig = errors.New("admission: invalid config")
+
+// Config configures a Queue and its saturation test. Fill it from
+// Default() and change what is needed.
+type Config struct {
+	// MaxQueue bounds the requests waiting (≥ 1). When it is full an
+	// arrival displaces the newest request of the heaviest tenant of a
+	// lower priority, or is shed (queue_full).
+	MaxQueue int
+	// Timeout bounds a request's wait in the router (> 0); past it the
+	// request is shed (timeout).
+	Timeout time.Duration
+	// MaxWaiting is the engine waiting queue (policy.Replica.Queue) at
+	// which a replica is saturated; 0 turns the test off.
+	MaxWaiting int
+	// MaxKVUsage is the KV-cache usage in (0,1] at which a replica is
+	// saturated (block caches only: a slot cache's usage counts idle
+	// slots); 0 turns the test off.
+	MaxKVUsage float64
+	// MaxQueuedPrefill is the queued prefill (policy.Replica.
+	// PendingPrefill) at which a replica is saturated; 0 turns it off.
+	MaxQueuedPrefill time.Duration
+	// MaxInFlight is the requests in flight on a replica (routed by this
+	// router, not finished: policy.Replica.InFlight) at which it is
+	// saturated, GIE's concurrency detector
+	// (pkg/epp/saturationdetector/framework/plugins/concurrencydetector/
+	// detector.go at 1a00493aced6203942158c2b5409fecb78a64320, its
+	// MaxConcurrency per endpoint); 0 turns it off, as it is by default: the
+	// concurrency a replica sustains depends on the model and the GPU,
+	// and the other thresholds do not need to be told it.
+	MaxInFlight int
+	// Weights are the tenants' weights in the fair share within a
+	// priority (> 0 each); a tenant not listed weighs 1.
+	Weights map[string]float64
+}
+
+// Default returns the default configuration: on, with thresholds that do
+// not engage below saturation.
+func Default() Config {
+	return Config{MaxQueue: DefaultMaxQueue, Timeout: DefaultTimeout, MaxWaiting: DefaultMaxWaiting,
+		MaxKVUsage: DefaultMaxKVUsage, MaxQueuedPrefill: DefaultMaxQueuedPrefill}
+}
+
+// Validate reports the first invalid field, by its name.
+func (c *Config) Validate() error {
+	switch {
+	case c.MaxQueue < 1:
+		return fmt.Errorf("%w: queue max must be ≥ 1, got %d", ErrConfig, c.MaxQueue)
+	case c.Timeout <= 0:
+		return fmt.Errorf("%w: queue timeout must be > 0, got %v", ErrConfig, c.Timeout)
+	case c.MaxWaiting < 0:
+		return fmt.Errorf("%w: max waiting must be ≥ 0, got %d", ErrConfig, c.MaxWaiting)
+	case math.IsNaN(c.MaxKVUsage) || c.MaxKVUsage < 0 || c.MaxKVUsage > 1:
+		return fmt.Errorf("%w: max kv usage must be in [0,1], got %v", ErrConfig, c.MaxKVUsage)
+	case c.MaxQueuedPrefill < 0:
+		return fmt.Errorf("%w: max queued prefill must be ≥ 0, got %v", ErrConfig, c.MaxQueuedPrefill)
+	case c.MaxInFlight < 0:
+		return fmt.Errorf("%w: max in flight must be ≥ 0, got %d", ErrConfig, c.MaxInFlight)
+	case c.MaxWaiting == 0 && c.MaxKVUsage == 0 && c.MaxQueuedPrefill == 0 && c.MaxInFlight == 0:
+		return fmt.Errorf("%w: every saturation threshold is off (max waiting, max kv usage, max queued prefill, max in flight)", ErrConfig)
+	}
+	for t, w := range c.Weights {
+		if !(w > 0) || math.IsInf(w, 0) {
+			return fmt.Errorf("%w: weight of tenant %q must be > 0, got %v", ErrConfig, t, w)
+		}
+	}
+	return nil
+}
+
+// weight is tenant t's weight.
+func (c *Config) weight(t string) float64 {
+	if w, ok := c.Weights[t]; ok {
+		return w
+	}
+	return 1
+}
+
+// ReplicaSaturated reports whether replica r is at one of the thresholds:
+// GIE's roofline score max(waiting/MaxWaiting, kv/MaxKVUsage,
+// queued/MaxQueuedPrefill) ≥ 1.
+func (c *Config) ReplicaSaturated(r *policy.Replica) bool {
+	if c.MaxWaiting > 0 && r.Queue() >= c.MaxWaiting {
+		return true
+	}
+	if c.MaxKVUsage > 0 && r.Slots == 0 && r.KVUsage >= c.MaxKVUsage {
+		return true
+	}
+	if c.MaxInFlight > 0 && r.InFlight >= c.MaxInFlight {
+		return true
+	}
+	return c.MaxQueuedPrefill > 0 && r.PendingPrefill >= c.MaxQueuedPrefill
+}
+
+// Pool is the saturation test of a pool and the figures it read.
+type Pool struct {
+	// Up counts the replicas that take requests (up, and not prefill-only:
+	// every request is decoded where it is routed).
+	Up int
+	// Saturated says every one of them is at a threshold.
+	Saturated bool
+	// MinQueuedPrefill is the least queued prefill among them: the
+	// shortest time a request routed now waits for its first token
+	// (E2's queued prefill; 0 when none is up).
+	MinQueuedPrefill time.Duration
+}
+
+// Judge reads the pool's replicas (the router's live view) and judges it.
+// It does not allocate.
+func (c *Config) Judge(reps []policy.Replica) Pool {
+	p := Pool{Saturated: true}
+	first := true
+	for i := range reps {
+		r := &reps[i]
+		if !r.Up || r.Role == policy.RolePrefill {
+			continue
+		}
+		p.Up++
+		if first || r.PendingPrefill < p.MinQueuedPrefill {
+			p.MinQueuedPrefill, first = r.PendingPrefill, false
+		}
+		if p.Saturated && !c.ReplicaSaturated(r) {
+			p.Saturated = false
+		}
+	}
+	if p.Up == 0 {
+		p.Saturated = false
+	}
+	return p
+}

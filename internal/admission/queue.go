@@ -1,0 +1,540 @@
+package admission
+
+import (
+	"cmp"
+	"container/heap"
+	"slices"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+// Reason is why a request was shed.
+type Reason uint8
+
+// Reasons a request is shed.
+const (
+	// QueueFull: the queue was at MaxQueue and nothing of a lower
+	// priority could make room.
+	QueueFull Reason = iota
+	// Timeout: the request waited Config.Timeout.
+	Timeout
+	// Deadline: the request can no longer meet its TTFT deadline (the
+	// least queued prefill of the pool says so).
+	Deadline
+	// PoolDown: no replica of the pool takes requests.
+	PoolDown
+	numReasons
+)
+
+var reasonNames = [numReasons]string{QueueFull: "queue_full", Timeout: "timeout", Deadline: "deadline", PoolDown: "pool_down"}
+
+// String is the reason's metric label.
+func (r Reason) String() string {
+	if r < numReasons {
+		return reasonNames[r]
+	}
+	return "unknown"
+}
+
+// Reasons lists every reason, for metrics that want all their children.
+func Reasons() []Reason { return []Reason{QueueFull, Timeout, Deadline, PoolDown} }
+
+// Verdict is what Arrive decided for a request.
+type Verdict uint8
+
+// Verdicts of Arrive.
+const (
+	// Pass: route the request now (the fast path).
+	Pass Verdict = iota
+	// Queued: the request waits; Next or Expire will end its wait.
+	Queued
+	// Shed: the request is refused (Ticket.Reason says why).
+	Shed
+)
+
+// Ticket is one request as the queue knows it. The caller fills the
+// exported fields before Arrive and must not change them while it waits.
+type Ticket struct {
+	// ID identifies the request to the caller.
+	ID uint64
+	// Priority orders requests: higher first (GIE's InferenceObjective
+	// priority: negative allowed, unset is 0).
+	Priority int
+	// Tenant is the flow the request is fair-shared in within its priority.
+	Tenant string
+	// Arrival is when the request reached the router.
+	Arrival time.Time
+	// Deadline is when its first token is due (arrival + its TTFT SLO);
+	// zero: none.
+	Deadline time.Time
+	// Service is the caller's estimate of the request's own time to first
+	// token once it starts (0: unknown, counted as none: the queue sheds by
+	// deadline only a request that cannot make it even so).
+	Service time.Duration
+	// Reason is why it was shed (valid after a Shed verdict or a shed
+	// callback).
+	Reason Reason
+
+	state        state
+	flow         *flow
+	tIdx, dIdx   int // indexes in the timeout and deadline heaps (-1: not in)
+	expires, due time.Time
+}
+
+type state uint8
+
+const (
+	stateNew state = iota
+	stateQueued
+	stateDone
+)
+
+// Waiting reports whether the ticket is in the queue.
+func (t *Ticket) Waiting() bool { return t.state == stateQueued }
+
+// Stats counts what the queue did. Every request that arrived is in
+// exactly one of Passed, Dispatched, Shed, Cancelled or the queue (Len).
+type Stats struct {
+	// Arrived counts calls to Arrive.
+	Arrived int64
+	// Passed counts requests let through at once (not saturated, nothing
+	// waiting), Queued those that waited, Dispatched those that waited and
+	// were then let through.
+	Passed, Queued, Dispatched int64
+	// Shed counts shed requests by reason.
+	Shed [numReasons]int64
+	// Cancelled counts requests whose client left while they waited.
+	Cancelled int64
+}
+
+// ShedTotal is the sum of Shed.
+func (s *Stats) ShedTotal() int64 {
+	var n int64
+	for _, v := range s.Shed {
+		n += v
+	}
+	return n
+}
+
+// flow is one tenant's FIFO within a band.
+type flow struct {
+	tenant  string
+	items   []*Ticket // FIFO from head; done tickets are skipped
+	head    int
+	n       int // tickets still waiting
+	weight  float64
+	deficit float64
+	visited bool // got its quantum in the current round
+	active  bool
+	band    *band
+}
+
+func (f *flow) push(t *Ticket) { f.items = append(f.items, t); f.n++ }
+
+// popHead removes and returns the oldest waiting ticket.
+func (f *flow) popHead() *Ticket {
+	for f.head < len(f.items) {
+		t := f.items[f.head]
+		f.items[f.head] = nil
+		f.head++
+		if t.state == stateQueued {
+			f.compact()
+			return t
+		}
+	}
+	return nil
+}
+
+// popTail removes and returns the newest waiting ticket.
+func (f *flow) popTail() *Ticket {
+	for len(f.items) > f.head {
+		t := f.items[len(f.items)-1]
+		f.items[len(f.items)-1] = nil
+		f.items = f.items[:len(f.items)-1]
+		if t.state == stateQueued {
+			return t
+		}
+	}
+	return nil
+}
+
+// compact drops the consumed head once it is most of the slice.
+func (f *flow) compact() {
+	if f.head > 32 && f.head*2 > len(f.items) {
+		n := copy(f.items, f.items[f.head:])
+		clear(f.items[n:])
+		f.items, f.head = f.items[:n], 0
+	}
+}
+
+// band is one priority's flows, served by deficit round robin.
+type band struct {
+	prio   int
+	flows  map[string]*flow
+	active []*flow // flows with waiting tickets, in round order
+	cur    int
+	n      int
+}
+
+// Queue is the router-side queue: see the package comment.
+type Queue struct {
+	cfg   Config
+	bands []*band // by priority, highest first
+	n     int
+	tq    tHeap // by expiry (Arrival + Timeout)
+	dq    dHeap // by due (Deadline − Service)
+	stats Stats
+	spare []*flow // emptied flows, reused
+}
+
+// New returns an empty queue.
+func New(cfg Config) (*Queue, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &Queue{cfg: cfg}, nil
+}
+
+// Config returns the queue's configuration.
+func (q *Queue) Config() *Config { return &q.cfg }
+
+// Len is the number of requests waiting.
+func (q *Queue) Len() int { return q.n }
+
+// Stats returns the queue's counters.
+func (q *Queue) Stats() Stats { return q.stats }
+
+// Arrive decides for request t, arriving at now, over the pool's replicas
+// reps (the router's live view): Pass when nothing waits and the pool is
+// not saturated (no allocation on that path), Shed when no replica is up
+// (PoolDown), when it cannot meet its deadline or when the queue is full,
+// else Queued. A full queue makes room, when it can, by shedding the
+// newest request of the heaviest tenant in the lowest priority below t's:
+// that request is returned as displaced (its Reason QueueFull), for the
+// caller to answer.
+func (q *Queue) Arrive(t *Ticket, reps []policy.Replica, now time.Time) (v Verdict, displaced *Ticket) {
+	q.stats.Arrived++
+	p := q.cfg.Judge(reps)
+	switch {
+	case p.Up == 0:
+		return q.refuse(t, PoolDown), nil
+	case q.n == 0 && !p.Saturated:
+		q.stats.Passed++
+		t.state = stateDone
+		return Pass, nil
+	case !t.Deadline.IsZero() && !now.Add(p.MinQueuedPrefill+t.Service).Before(t.Deadline):
+		return q.refuse(t, Deadline), nil
+	}
+	if q.n >= q.cfg.MaxQueue {
+		displaced = q.displace(t.Priority)
+		if displaced == nil {
+			return q.refuse(t, QueueFull), nil
+		}
+	}
+	q.push(t, now)
+	q.stats.Queued++
+	return Queued, displaced
+}
+
+func (q *Queue) refuse(t *Ticket, r Reason) Verdict {
+	t.state, t.Reason = stateDone, r
+	q.stats.Shed[r]++
+	return Shed
+}
+
+// push puts t in its band and flow, and in the heaps.
+func (q *Queue) push(t *Ticket, now time.Time) {
+	b := q.band(t.Priority)
+	f := b.flows[t.Tenant]
+	if f == nil {
+		if k := len(q.spare); k > 0 {
+			f, q.spare = q.spare[k-1], q.spare[:k-1]
+		} else {
+			f = &flow{}
+		}
+		f.tenant, f.weight, f.band = t.Tenant, q.cfg.weight(t.Tenant), b
+		b.flows[t.Tenant] = f
+	}
+	if !f.active {
+		f.active, f.deficit, f.visited = true, 0, false
+		b.active = append(b.active, f)
+	}
+	f.push(t)
+	b.n++
+	q.n++
+	t.state, t.flow = stateQueued, f
+	t.expires = t.Arrival.Add(q.cfg.Timeout)
+	if t.expires.Before(now) {
+		t.expires = now
+	}
+	t.tIdx, t.dIdx = -1, -1
+	heap.Push(&q.tq, t)
+	if !t.Deadline.IsZero() {
+		t.due = t.Deadline.Add(-t.Service)
+		heap.Push(&q.dq, t)
+	}
+}
+
+// band returns priority p's band, made if needed.
+func (q *Queue) band(p int) *band {
+	// Highest first: band i sorts before p when its priority is higher.
+	i, found := slices.BinarySearchFunc(q.bands, p, func(b *band, p int) int { return cmp.Compare(p, b.prio) })
+	if found {
+		return q.bands[i]
+	}
+	b := &band{prio: p, flows: map[string]*flow{}}
+	q.bands = slices.Insert(q.bands, i, b)
+	return b
+}
+
+// displace sheds the newest ticket of the heaviest flow of the lowest band
+// below priority p, if any.
+func (q *Queue) displace(p int) *Ticket {
+	for i := len(q.bands) - 1; i >= 0; i-- {
+		b := q.bands[i]
+		if b.prio >= p {
+			return nil
+		}
+		if b.n == 0 {
+			continue
+		}
+		var heavy *flow
+		for _, f := range b.active {
+			if heavy == nil || f.n > heavy.n {
+				heavy = f
+			}
+		}
+		t := heavy.popTail()
+		q.remove(t)
+		t.Reason = QueueFull
+		q.stats.Shed[QueueFull]++
+		return t
+	}
+	return nil
+}
+
+// remove takes waiting ticket t out of its flow's count, its band, the
+// heaps and the queue; its slot in the flow's FIFO is skipped later.
+func (q *Queue) remove(t *Ticket) {
+	f := t.flow
+	f.n--
+	t.state, t.flow = stateDone, nil
+	if t.tIdx >= 0 {
+		heap.Remove(&q.tq, t.tIdx)
+	}
+	if t.dIdx >= 0 {
+		heap.Remove(&q.dq, t.dIdx)
+	}
+	q.n--
+	b := f.band
+	b.n--
+	if f.n == 0 {
+		q.retire(b, f)
+	}
+	if b.n == 0 {
+		i := slices.Index(q.bands, b)
+		q.bands = slices.Delete(q.bands, i, i+1)
+	}
+}
+
+// retire takes emptied flow f out of band b.
+func (q *Queue) retire(b *band, f *flow) {
+	i := slices.Index(b.active, f)
+	b.active = slices.Delete(b.active, i, i+1)
+	if b.cur > i || b.cur >= len(b.active) {
+		if b.cur > i {
+			b.cur--
+		}
+		if b.cur >= len(b.active) {
+			b.cur = 0
+		}
+	}
+	delete(b.flows, f.tenant)
+	clear(f.items)
+	*f = flow{items: f.items[:0]}
+	q.spare = append(q.spare, f)
+}
+
+// Next returns the next request to route, or nil: while the pool has room
+// (not saturated), the highest priority's next flow in deficit round robin
+// gives its oldest request. It first sheds what Expire would, through shed.
+// Call it until nil after anything that may free capacity (a first token,
+// a finish, a load report, a replica coming up), routing each request it
+// returns before the next call so that the view counts it.
+func (q *Queue) Next(reps []policy.Replica, now time.Time, shed func(*Ticket)) *Ticket {
+	if q.n == 0 {
+		return nil
+	}
+	p := q.cfg.Judge(reps)
+	q.expire(p, now, shed)
+	if q.n == 0 || p.Saturated || p.Up == 0 {
+		return nil
+	}
+	b := q.bands[0]
+	t := q.popBand(b)
+	q.remove(t)
+	q.stats.Dispatched++
+	return t
+}
+
+// popBand picks band b's next ticket by deficit round robin (quantum: the
+// flow's weight; cost: one request) and takes it off its flow's FIFO.
+func (q *Queue) popBand(b *band) *Ticket {
+	for {
+		f := b.active[b.cur]
+		if !f.visited {
+			f.deficit += f.weight
+			f.visited = true
+		}
+		if f.deficit >= 1 {
+			f.deficit--
+			t := f.popHead()
+			if f.deficit < 1 && f.n > 1 {
+				// Its turn is over: the next flow's comes.
+				f.visited = false
+				b.cur = (b.cur + 1) % len(b.active)
+			}
+			return t
+		}
+		f.visited = false
+		b.cur = (b.cur + 1) % len(b.active)
+	}
+}
+
+// Expire sheds, through shed, every waiting request past its timeout, every
+// one that can no longer meet its deadline (now + the pool's least queued
+// prefill + its Service at or past its Deadline), and every one when no
+// replica is up. After it, NextDue is after now. Next calls it; call it too from a timer at NextDue.
+func (q *Queue) Expire(reps []policy.Replica, now time.Time, shed func(*Ticket)) {
+	if q.n == 0 {
+		return
+	}
+	q.expire(q.cfg.Judge(reps), now, shed)
+}
+
+func (q *Queue) expire(p Pool, now time.Time, shed func(*Ticket)) {
+	if p.Up == 0 {
+		for q.n > 0 {
+			q.shed(q.tq[0], PoolDown, shed)
+		}
+		return
+	}
+	for len(q.tq) > 0 && !q.tq[0].expires.After(now) {
+		q.shed(q.tq[0], Timeout, shed)
+	}
+	horizon := now.Add(p.MinQueuedPrefill)
+	for len(q.dq) > 0 && !q.dq[0].due.After(horizon) {
+		q.shed(q.dq[0], Deadline, shed)
+	}
+}
+
+func (q *Queue) shed(t *Ticket, r Reason, fn func(*Ticket)) {
+	q.remove(t)
+	t.Reason = r
+	q.stats.Shed[r]++
+	if fn != nil {
+		fn(t)
+	}
+}
+
+// Cancel takes t out of the queue (its client left): true if it was
+// waiting, false if it had already been dispatched or shed.
+func (q *Queue) Cancel(t *Ticket) bool {
+	if t.state != stateQueued {
+		return false
+	}
+	q.remove(t)
+	q.stats.Cancelled++
+	return true
+}
+
+// NextDue is when Expire next has something to shed if nothing else
+// changes: the earliest timeout, or the earliest deadline less the pool's
+// least queued prefill. ok is false when nothing waits.
+func (q *Queue) NextDue(reps []policy.Replica) (at time.Time, ok bool) {
+	if q.n == 0 {
+		return time.Time{}, false
+	}
+	at = q.tq[0].expires
+	if len(q.dq) > 0 {
+		d := q.dq[0].due.Add(-q.cfg.Judge(reps).MinQueuedPrefill)
+		if d.Before(at) {
+			at = d
+		}
+	}
+	return at, true
+}
+
+// Flow is one tenant's waiting requests within a priority, for a debug
+// view and metrics.
+type Flow struct {
+	Priority int       `json:"priority"`
+	Tenant   string    `json:"tenant"`
+	Waiting  int       `json:"waiting"`
+	Oldest   time.Time `json:"oldest"`
+}
+
+// Flows appends the waiting flows to dst, highest priority first, tenants
+// in round order.
+func (q *Queue) Flows(dst []Flow) []Flow {
+	for _, b := range q.bands {
+		for _, f := range b.active {
+			fl := Flow{Priority: b.prio, Tenant: f.tenant, Waiting: f.n}
+			for _, t := range f.items[f.head:] {
+				if t != nil && t.state == stateQueued {
+					fl.Oldest = t.Arrival
+					break
+				}
+			}
+			dst = append(dst, fl)
+		}
+	}
+	return dst
+}
+
+// tHeap orders waiting tickets by expiry.
+type tHeap []*Ticket
+
+func (h tHeap) Len() int           { return len(h) }
+func (h tHeap) Less(i, j int) bool { return h[i].expires.Before(h[j].expires) }
+func (h tHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].tIdx, h[j].tIdx = i, j
+}
+func (h *tHeap) Push(x any) {
+	t := x.(*Ticket)
+	t.tIdx = len(*h)
+	*h = append(*h, t)
+}
+func (h *tHeap) Pop() any {
+	old := *h
+	t := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	t.tIdx = -1
+	return t
+}
+
+// dHeap orders waiting tickets with a deadline by due time.
+type dHeap []*Ticket
+
+func (h dHeap) Len() int           { return len(h) }
+func (h dHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h dHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].dIdx, h[j].dIdx = i, j
+}
+func (h *dHeap) Push(x any) {
+	t := x.(*Ticket)
+	t.dIdx = len(*h)
+	*h = append(*h, t)
+}
+func (h *dHeap) Pop() any {
+	old := *h
+	t := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	t.dIdx = -1
+	return t
+}

@@ -1,0 +1,367 @@
+package admission
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/policy"
+)
+
+var t0 = time.Unix(1_700_000_000, 0)
+
+// pool returns n up replicas, each with waiting requests in its engine.
+func pool(n, waiting int) []policy.Replica {
+	reps := make([]policy.Replica, n)
+	for i := range reps {
+		reps[i] = policy.Replica{ID: i, Up: true, Waiting: waiting, Running: 1, KVUsage: 0.1}
+	}
+	return reps
+}
+
+func newQueue(t *testing.T, mod func(*Config)) *Queue {
+	t.Helper()
+	c := Default()
+	if mod != nil {
+		mod(&c)
+	}
+	q, err := New(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return q
+}
+
+func TestValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mod  func(*Config)
+		ok   bool
+	}{
+		{"default", func(*Config) {}, true},
+		{"max queue", func(c *Config) { c.MaxQueue = 0 }, false},
+		{"timeout", func(c *Config) { c.Timeout = 0 }, false},
+		{"waiting", func(c *Config) { c.MaxWaiting = -1 }, false},
+		{"kv", func(c *Config) { c.MaxKVUsage = 1.5 }, false},
+		{"prefill", func(c *Config) { c.MaxQueuedPrefill = -time.Second }, false},
+		{"all off", func(c *Config) { c.MaxWaiting, c.MaxKVUsage, c.MaxQueuedPrefill = 0, 0, 0 }, false},
+		{"weight", func(c *Config) { c.Weights = map[string]float64{"a": 0} }, false},
+		{"weights", func(c *Config) { c.Weights = map[string]float64{"a": 2, "b": 0.5} }, true},
+	} {
+		c := Default()
+		tc.mod(&c)
+		if err := c.Validate(); (err == nil) != tc.ok {
+			t.Errorf("%s: Validate() = %v, want ok=%v", tc.name, err, tc.ok)
+		}
+	}
+}
+
+func TestJudge(t *testing.T) {
+	c := Default()
+	idle := policy.Replica{Up: true, Waiting: 0, KVUsage: 0.2}
+	for _, tc := range []struct {
+		name string
+		reps []policy.Replica
+		want Pool
+	}{
+		{"idle", []policy.Replica{idle, idle}, Pool{Up: 2}},
+		{"one waiting", []policy.Replica{{Up: true, Waiting: 8}, idle}, Pool{Up: 2}},
+		{"all waiting", []policy.Replica{{Up: true, Waiting: 8}, {Up: true, Waiting: 9}}, Pool{Up: 2, Saturated: true}},
+		{"kv", []policy.Replica{{Up: true, KVUsage: 0.96}, {Up: true, Waiting: 8}}, Pool{Up: 2, Saturated: true}},
+		{"slot kv ignored", []policy.Replica{{Up: true, KVUsage: 1, Slots: 2}}, Pool{Up: 1}},
+		{"queued prefill", []policy.Replica{{Up: true, Waiting: -1, PendingPrefill: 3 * time.Second},
+			{Up: true, Waiting: -1, PendingPrefill: 2 * time.Second}}, Pool{Up: 2, Saturated: true, MinQueuedPrefill: 2 * time.Second}},
+		{"router's own queue", []policy.Replica{{Up: true, Waiting: -1, Prefilling: 8}}, Pool{Up: 1, Saturated: true}},
+		{"down skipped", []policy.Replica{{Up: true, Waiting: 8}, {Up: false}}, Pool{Up: 1, Saturated: true}},
+		{"prefill role skipped", []policy.Replica{{Up: true, Waiting: 8}, {Up: true, Role: policy.RolePrefill}}, Pool{Up: 1, Saturated: true}},
+		{"none up", []policy.Replica{{Up: false}}, Pool{}},
+	} {
+		if got := c.Judge(tc.reps); got != tc.want {
+			t.Errorf("%s: Judge = %+v, want %+v", tc.name, got, tc.want)
+		}
+	}
+}
+
+func TestPassThrough(t *testing.T) {
+	q := newQueue(t, nil)
+	reps := pool(4, 0)
+	tk := &Ticket{ID: 1, Arrival: t0}
+	if v, d := q.Arrive(tk, reps, t0); v != Pass || d != nil {
+		t.Fatalf("Arrive = %v, %v, want Pass", v, d)
+	}
+	allocs := testing.AllocsPerRun(100, func() {
+		*tk = Ticket{ID: 1, Arrival: t0}
+		q.Arrive(tk, reps, t0)
+	})
+	if allocs != 0 {
+		t.Errorf("pass-through allocates %v times", allocs)
+	}
+	if st := q.Stats(); st.Passed != st.Arrived || q.Len() != 0 {
+		t.Errorf("stats %+v, len %d", st, q.Len())
+	}
+}
+
+// drain dispatches everything waiting on an idle pool.
+func drain(q *Queue, now time.Time) []*Ticket {
+	var out []*Ticket
+	idle := pool(2, 0)
+	for t := q.Next(idle, now, nil); t != nil; t = q.Next(idle, now, nil) {
+		out = append(out, t)
+	}
+	return out
+}
+
+func TestPriorityOrder(t *testing.T) {
+	q := newQueue(t, nil)
+	busy := pool(2, 10)
+	prios := []int{0, 5, -3, 5, 0, 10}
+	for i, p := range prios {
+		if v, _ := q.Arrive(&Ticket{ID: uint64(i), Priority: p, Arrival: t0}, busy, t0); v != Queued {
+			t.Fatalf("request %d: %v, want Queued", i, v)
+		}
+	}
+	if tk := q.Next(busy, t0, nil); tk != nil {
+		t.Fatalf("dispatched %d while saturated", tk.ID)
+	}
+	// Once a request waits, a new one waits behind it even if the pool
+	// has room: the queue keeps its order.
+	if v, _ := q.Arrive(&Ticket{ID: 6, Priority: 0, Arrival: t0}, pool(2, 0), t0); v != Queued {
+		t.Fatalf("arrival behind a queue: %v, want Queued", v)
+	}
+	var got []uint64
+	for _, tk := range drain(q, t0) {
+		got = append(got, tk.ID)
+	}
+	want := []uint64{5, 1, 3, 0, 4, 6, 2}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("order %v, want %v", got, want)
+	}
+}
+
+func TestFairShare(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		weights map[string]float64
+		// of the first 30 dispatched, how many are the light tenant's
+		wantLight int
+	}{
+		{"equal", nil, 15},
+		{"heavy weighs 2", map[string]float64{"heavy": 2}, 10},
+		{"light weighs 0.5", map[string]float64{"light": 0.5}, 10},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q := newQueue(t, func(c *Config) { c.Weights = tc.weights })
+			busy := pool(1, 10)
+			id := uint64(0)
+			// The heavy tenant sends 4 for the light one's 1, first.
+			for i := 0; i < 80; i++ {
+				q.Arrive(&Ticket{ID: id, Tenant: "heavy", Arrival: t0}, busy, t0)
+				id++
+			}
+			for i := 0; i < 20; i++ {
+				q.Arrive(&Ticket{ID: id, Tenant: "light", Arrival: t0}, busy, t0)
+				id++
+			}
+			out := drain(q, t0)
+			light := 0
+			for _, tk := range out[:30] {
+				if tk.Tenant == "light" {
+					light++
+				}
+			}
+			if light != tc.wantLight {
+				t.Errorf("light got %d of 30, want %d", light, tc.wantLight)
+			}
+			if len(out) != 100 {
+				t.Errorf("dispatched %d, want 100", len(out))
+			}
+		})
+	}
+}
+
+func TestTimeout(t *testing.T) {
+	q := newQueue(t, func(c *Config) { c.Timeout = time.Second })
+	busy := pool(1, 10)
+	a := &Ticket{ID: 1, Arrival: t0}
+	b := &Ticket{ID: 2, Arrival: t0.Add(500 * time.Millisecond)}
+	q.Arrive(a, busy, a.Arrival)
+	q.Arrive(b, busy, b.Arrival)
+	if at, ok := q.NextDue(busy); !ok || !at.Equal(t0.Add(time.Second)) {
+		t.Errorf("NextDue = %v %v, want %v", at, ok, t0.Add(time.Second))
+	}
+	var shed []*Ticket
+	fn := func(t *Ticket) { shed = append(shed, t) }
+	q.Expire(busy, t0.Add(999*time.Millisecond), fn)
+	if len(shed) != 0 {
+		t.Fatalf("shed %d before the timeout", len(shed))
+	}
+	q.Expire(busy, t0.Add(time.Second), fn)
+	if len(shed) != 1 || shed[0] != a || a.Reason != Timeout || !b.Waiting() {
+		t.Fatalf("shed %v, want request 1 by timeout", shed)
+	}
+	if got := q.Stats().Shed[Timeout]; got != 1 {
+		t.Errorf("timeouts counted %d", got)
+	}
+}
+
+func TestDeadline(t *testing.T) {
+	q := newQueue(t, nil)
+	busy := pool(2, 10)
+	busy[0].PendingPrefill, busy[1].PendingPrefill = 3*time.Second, 1500*time.Millisecond
+	// Due in 1 s, and the least queued prefill is 1.5 s: shed at once.
+	late := &Ticket{ID: 1, Arrival: t0, Deadline: t0.Add(time.Second)}
+	if v, _ := q.Arrive(late, busy, t0); v != Shed || late.Reason != Deadline {
+		t.Fatalf("Arrive = %v (%v), want Shed by deadline", v, late.Reason)
+	}
+	// Due in 2 s, with 0.3 s of its own: it waits, and is shed once the
+	// clock passes 2 − 0.3 − 1.5 = 0.2 s.
+	ok := &Ticket{ID: 2, Arrival: t0, Deadline: t0.Add(2 * time.Second), Service: 300 * time.Millisecond}
+	if v, _ := q.Arrive(ok, busy, t0); v != Queued {
+		t.Fatalf("Arrive = %v, want Queued", v)
+	}
+	if tk := q.Next(busy, t0.Add(100*time.Millisecond), nil); tk != nil || !ok.Waiting() {
+		t.Fatal("shed or dispatched too early")
+	}
+	var shed []*Ticket
+	q.Next(busy, t0.Add(201*time.Millisecond), func(t *Ticket) { shed = append(shed, t) })
+	if len(shed) != 1 || ok.Reason != Deadline {
+		t.Fatalf("shed %v, want request 2 by deadline", shed)
+	}
+	// Below saturation a request with a deadline passes, even a late one:
+	// the queue does not engage there.
+	if v, _ := q.Arrive(&Ticket{ID: 3, Arrival: t0, Deadline: t0}, pool(1, 0), t0); v != Pass {
+		t.Errorf("below saturation: %v, want Pass", v)
+	}
+}
+
+func TestQueueFull(t *testing.T) {
+	q := newQueue(t, func(c *Config) { c.MaxQueue = 3 })
+	busy := pool(1, 10)
+	for i := 0; i < 3; i++ {
+		q.Arrive(&Ticket{ID: uint64(i), Priority: 0, Tenant: fmt.Sprint("t", i%2), Arrival: t0}, busy, t0)
+	}
+	same := &Ticket{ID: 10, Priority: 0, Arrival: t0}
+	if v, d := q.Arrive(same, busy, t0); v != Shed || same.Reason != QueueFull || d != nil {
+		t.Fatalf("same priority on a full queue: %v %v", v, d)
+	}
+	high := &Ticket{ID: 11, Priority: 1, Arrival: t0}
+	v, d := q.Arrive(high, busy, t0)
+	// The heaviest tenant (t0: requests 0 and 2) loses its newest.
+	if v != Queued || d == nil || d.ID != 2 || d.Reason != QueueFull {
+		t.Fatalf("higher priority on a full queue: %v, displaced %+v", v, d)
+	}
+	if q.Len() != 3 {
+		t.Errorf("len %d, want 3", q.Len())
+	}
+	var got []uint64
+	for _, tk := range drain(q, t0) {
+		got = append(got, tk.ID)
+	}
+	if fmt.Sprint(got) != "[11 0 1]" {
+		t.Errorf("order %v, want [11 0 1]", got)
+	}
+}
+
+func TestCancelAndPoolDown(t *testing.T) {
+	q := newQueue(t, nil)
+	busy := pool(2, 10)
+	a, b, c := &Ticket{ID: 1, Arrival: t0}, &Ticket{ID: 2, Arrival: t0}, &Ticket{ID: 3, Arrival: t0, Tenant: "x"}
+	for _, tk := range []*Ticket{a, b, c} {
+		q.Arrive(tk, busy, t0)
+	}
+	if !q.Cancel(b) || q.Cancel(b) {
+		t.Fatal("Cancel: want true once, then false")
+	}
+	down := pool(2, 0)
+	down[0].Up, down[1].Up = false, false
+	var shed []*Ticket
+	if tk := q.Next(down, t0, func(t *Ticket) { shed = append(shed, t) }); tk != nil {
+		t.Fatal("dispatched with no replica up")
+	}
+	if len(shed) != 2 || a.Reason != PoolDown || c.Reason != PoolDown || q.Len() != 0 {
+		t.Fatalf("shed %d, want both waiting by pool_down", len(shed))
+	}
+	if v, _ := q.Arrive(&Ticket{ID: 4, Arrival: t0}, down, t0); v != Shed {
+		t.Errorf("arrival on a down pool: %v, want Shed", v)
+	}
+	st := q.Stats()
+	if st.Cancelled != 1 || st.Shed[PoolDown] != 3 {
+		t.Errorf("stats %+v", st)
+	}
+}
+
+// TestAccounting drives the queue with random operations and checks, after
+// each, that every request is counted once and that no request is
+// dispatched while one of a higher priority waits.
+func TestAccounting(t *testing.T) {
+	for seed := uint64(1); seed <= 20; seed++ {
+		rng := rand.New(rand.NewPCG(seed, 7))
+		q := newQueue(t, func(c *Config) { c.MaxQueue = 16; c.Timeout = 5 * time.Second })
+		now := t0
+		var live []*Ticket
+		ended := 0
+		onShed := func(*Ticket) { ended++ }
+		for step := 0; step < 2000; step++ {
+			now = now.Add(time.Duration(rng.IntN(300)) * time.Millisecond)
+			reps := pool(2, 10*rng.IntN(2))
+			reps[0].PendingPrefill = time.Duration(rng.IntN(3000)) * time.Millisecond
+			reps[1].Up = rng.IntN(20) > 0
+			reps[0].Up = reps[1].Up || rng.IntN(2) > 0
+			switch op := rng.IntN(4); op {
+			case 0, 1:
+				tk := &Ticket{ID: uint64(step), Priority: rng.IntN(3), Tenant: fmt.Sprint(rng.IntN(3)), Arrival: now}
+				if rng.IntN(2) == 0 {
+					tk.Deadline = now.Add(time.Duration(rng.IntN(4000)) * time.Millisecond)
+				}
+				v, d := q.Arrive(tk, reps, now)
+				if d != nil {
+					ended++
+				}
+				if v == Queued {
+					live = append(live, tk)
+				} else {
+					ended++
+				}
+			case 2:
+				for tk := q.Next(reps, now, onShed); tk != nil; tk = q.Next(reps, now, onShed) {
+					ended++
+					for _, o := range live {
+						if o.Waiting() && o.Priority > tk.Priority {
+							t.Fatalf("seed %d: dispatched priority %d while %d waits", seed, tk.Priority, o.Priority)
+						}
+					}
+					reps[0].Waiting, reps[1].Waiting = 10, 10 // one at a time
+					if rng.IntN(2) == 0 {
+						reps[0].Waiting, reps[1].Waiting = 0, 0
+					}
+				}
+				if at, ok := q.NextDue(reps); ok && !at.After(now) {
+					t.Fatalf("seed %d step %d: next due %v not after now %v", seed, step, at, now)
+				}
+			case 3:
+				if len(live) > 0 {
+					if q.Cancel(live[rng.IntN(len(live))]) {
+						ended++
+					}
+				}
+			}
+			st := q.Stats()
+			if got := st.Passed + st.Dispatched + st.ShedTotal() + st.Cancelled + int64(q.Len()); got != st.Arrived {
+				t.Fatalf("seed %d step %d: %d accounted of %d arrived (%+v, len %d)", seed, step, got, st.Arrived, st, q.Len())
+			}
+			if int64(ended+q.Len()) != st.Arrived {
+				t.Fatalf("seed %d step %d: %d ended + %d waiting, %d arrived", seed, step, ended, q.Len(), st.Arrived)
+			}
+			waiting := 0
+			for _, tk := range live {
+				if tk.Waiting() {
+					waiting++
+				}
+			}
+			if waiting != q.Len() {
+				t.Fatalf("seed %d step %d: %d tickets waiting, Len %d", seed, step, waiting, q.Len())
+			}
+		}
+	}
+}

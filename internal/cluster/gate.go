@@ -1,0 +1,432 @@
+package cluster
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/prefixlb/prefixlb/internal/admission"
+)
+
+// Request headers that class a request for the router-side queue (both
+// front doors read them).
+const (
+	// PriorityHeader is the request's priority, an integer (higher first),
+	// over its class's.
+	PriorityHeader = "x-prefixlb-priority"
+	// TenantHeader names the request's tenant; without it the tenant is a
+	// hash of the Authorization header's API key (TenantOf).
+	TenantHeader = "x-prefixlb-tenant"
+	// SLOHeader is the request's TTFT SLO, a Go duration ("2s", "500ms"),
+	// over its class's: its deadline is its arrival plus that.
+	SLOHeader = "x-prefixlb-ttft-slo"
+)
+
+// maxPriority bounds a header's priority (each distinct priority is a band
+// of the queue while it has requests).
+const maxPriority = 1000
+
+// Class is a class of requests: the priority and TTFT SLO given to the
+// requests of a model and/or a tenant (YAML queue.classes).
+type Class struct {
+	// Model and Tenant select the requests ("" matches any); the first
+	// class that matches applies.
+	Model  string `json:"model,omitempty"`
+	Tenant string `json:"tenant,omitempty"`
+	// Priority orders the queue (higher first).
+	Priority int `json:"priority"`
+	// TTFTSLO is the time to first token the class is promised, a Go
+	// duration ("" or "0s": none).
+	TTFTSLO string `json:"ttft_slo,omitempty"`
+	// Weight is the tenant's weight in the fair share (0: 1).
+	Weight float64 `json:"weight,omitempty"`
+
+	slo time.Duration
+}
+
+// QueueConfig configures a front door's router-side queue.
+type QueueConfig struct {
+	// On puts the queue in front of the router (default true).
+	On bool
+	// Admission is the queue and its saturation thresholds.
+	Admission admission.Config
+	// Classes give requests a priority and a TTFT SLO by model and tenant.
+	Classes []Class
+	// Interval is how often a waiting queue is re-judged (timeouts,
+	// deadlines, capacity freed by a load scrape); a finish or a first
+	// token re-judges it at once (0: 10ms).
+	Interval time.Duration
+}
+
+// DefaultQueueConfig is the queue on, with admission's defaults.
+func DefaultQueueConfig() QueueConfig {
+	return QueueConfig{On: true, Admission: admission.Default(), Interval: 10 * time.Millisecond}
+}
+
+// Validate reports the first invalid field and resolves the classes' SLOs.
+func (c *QueueConfig) Validate() error {
+	if c.Interval < 0 {
+		return fmt.Errorf("queue: interval must be ≥ 0, got %v", c.Interval)
+	}
+	for i := range c.Classes {
+		cl := &c.Classes[i]
+		if cl.TTFTSLO != "" {
+			d, err := time.ParseDuration(cl.TTFTSLO)
+			if err != nil || d < 0 {
+				return fmt.Errorf("queue: classes[%d].ttft_slo: want a duration ≥ 0, got %q", i, cl.TTFTSLO)
+			}
+			cl.slo = d
+		}
+		if cl.Weight < 0 || math.IsNaN(cl.Weight) || math.IsInf(cl.Weight, 0) {
+			return fmt.Errorf("queue: classes[%d].weight must be ≥ 0, got %v", i, cl.Weight)
+		}
+		if cl.Weight > 0 && cl.Tenant != "" {
+			if c.Admission.Weights == nil {
+				c.Admission.Weights = map[string]float64{}
+			}
+			c.Admission.Weights[cl.Tenant] = cl.Weight
+		}
+	}
+	if err := c.Admission.Validate(); err != nil {
+		return fmt.Errorf("queue: %w", err)
+	}
+	return nil
+}
+
+// ErrBadClass is returned for a malformed class header.
+var ErrBadClass = errors.New("bad queue header")
+
+// Classify fills t's Priority, Tenant and Deadline from the request's
+// headers (get) and model, over the first matching class. arrival must be
+// set. A malformed header is an error wrapping ErrBadClass.
+func (c *QueueConfig) Classify(t *admission.Ticket, model string, get func(string) string) error {
+	t.Tenant = TenantOf(get)
+	var slo time.Duration
+	for i := range c.Classes {
+		cl := &c.Classes[i]
+		if (cl.Model == "" || cl.Model == model) && (cl.Tenant == "" || cl.Tenant == t.Tenant) {
+			t.Priority, slo = cl.Priority, cl.slo
+			break
+		}
+	}
+	if v := get(PriorityHeader); v != "" {
+		p, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || p < -maxPriority || p > maxPriority {
+			return fmt.Errorf("%w: %s must be an integer in [%d, %d], got %q", ErrBadClass, PriorityHeader, -maxPriority, maxPriority, v)
+		}
+		t.Priority = p
+	}
+	if v := get(SLOHeader); v != "" {
+		d, err := time.ParseDuration(strings.TrimSpace(v))
+		if err != nil || d <= 0 {
+			return fmt.Errorf("%w: %s must be a duration > 0, got %q", ErrBadClass, SLOHeader, v)
+		}
+		slo = d
+	}
+	if slo > 0 {
+		t.Deadline = t.Arrival.Add(slo)
+	}
+	return nil
+}
+
+// TenantOf is a request's tenant: its TenantHeader, else "key-" and the
+// first 12 hex digits of the SHA-256 of its bearer API key (the key itself
+// never leaves the request), else "".
+func TenantOf(get func(string) string) string {
+	if t := get(TenantHeader); t != "" {
+		if len(t) > 64 {
+			t = t[:64]
+		}
+		return t
+	}
+	auth := get("Authorization")
+	if auth == "" {
+		return ""
+	}
+	key := strings.TrimSpace(strings.TrimPrefix(auth, "Bearer "))
+	sum := sha256.Sum256([]byte(key))
+	return "key-" + hex.EncodeToString(sum[:6])
+}
+
+// Waiter is one request in a Gate: its ticket, and what to do under the
+// core's lock when it leaves the queue to be routed.
+type Waiter struct {
+	// Ticket is the request as the queue knows it (ID unique among the
+	// gate's waiters).
+	Ticket admission.Ticket
+	// Dispatch routes the request; the gate calls it under Core.Mu at the
+	// moment the queue lets it through, so that the policy decides with
+	// the cluster as it is then.
+	Dispatch func(now time.Time)
+
+	done chan struct{}
+	shed bool
+}
+
+// Shed reports whether the request was shed (Ticket.Reason says why).
+func (w *Waiter) Shed() bool { return w.shed }
+
+// Gate is the router-side queue of a Core: an admission.Queue under the
+// core's lock, each waiting request parked on a channel, dispatched (routed
+// through its Dispatch) as capacity frees. Create it with NewGate; call
+// Kick under Core.Mu after anything that may free capacity, and run Run.
+type Gate struct {
+	core *Core
+	cfg  QueueConfig
+	q    *admission.Queue // guarded by core.Mu
+	// waiters maps a waiting ticket's ID to its waiter (guarded by
+	// core.Mu).
+	waiters map[uint64]*Waiter
+	n       atomic.Int64 // q.Len(), readable without the lock
+	m       *GateMetrics
+	shedFn  func(*admission.Ticket)
+}
+
+// NewGate returns the gate of core (cfg validated), its metrics in m (nil:
+// none).
+func NewGate(core *Core, cfg QueueConfig, m *GateMetrics) (*Gate, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	q, err := admission.New(cfg.Admission)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Interval == 0 {
+		cfg.Interval = 10 * time.Millisecond
+	}
+	g := &Gate{core: core, cfg: cfg, q: q, waiters: map[uint64]*Waiter{}, m: m}
+	g.shedFn = g.shedLocked
+	return g, nil
+}
+
+// Config returns the gate's configuration.
+func (g *Gate) Config() *QueueConfig { return &g.cfg }
+
+// ArriveLocked offers w to the queue, under Core.Mu: admission.Pass (route
+// it now, as without a queue), Queued (Wait for it, after releasing the
+// lock) or Shed.
+func (g *Gate) ArriveLocked(w *Waiter, now time.Time) admission.Verdict {
+	v, displaced := g.q.Arrive(&w.Ticket, g.core.Router.Load(), now)
+	if displaced != nil {
+		g.shedLocked(displaced)
+	}
+	switch v {
+	case admission.Pass:
+		g.m.passed()
+	case admission.Shed:
+		w.shed = true
+		g.m.shed(&w.Ticket, now, false)
+	case admission.Queued:
+		w.done = make(chan struct{})
+		g.waiters[w.Ticket.ID] = w
+		g.n.Store(int64(g.q.Len()))
+		g.m.enqueued(&w.Ticket)
+	}
+	return v
+}
+
+// Wait blocks until w, queued, is dispatched (nil: its Dispatch ran) or
+// shed (an error wrapping ErrShed), or ctx ends: then it leaves the queue
+// at once and Wait returns ctx's error, unless it was dispatched meanwhile
+// (nil: the caller owns the routed request and must end it).
+func (g *Gate) Wait(ctx context.Context, w *Waiter) error {
+	select {
+	case <-w.done:
+	case <-ctx.Done():
+		g.core.Mu.Lock()
+		if g.q.Cancel(&w.Ticket) {
+			delete(g.waiters, w.Ticket.ID)
+			g.n.Store(int64(g.q.Len()))
+			g.m.cancelled(&w.Ticket)
+			g.core.Mu.Unlock()
+			return ctx.Err()
+		}
+		g.core.Mu.Unlock()
+		<-w.done // dispatched or shed under the lock: done is closed
+	}
+	if w.shed {
+		return &ShedError{Reason: w.Ticket.Reason}
+	}
+	return nil
+}
+
+// ShedError is a request the queue shed.
+type ShedError struct{ Reason admission.Reason }
+
+func (e *ShedError) Error() string { return "queue: request shed: " + e.Reason.String() }
+
+// Is makes a ShedError match ErrShed.
+func (e *ShedError) Is(target error) bool { return target == ErrShed }
+
+// ErrShed is matched by every ShedError.
+var ErrShed = errors.New("queue: request shed")
+
+// KickLocked, under Core.Mu, sheds what is due and dispatches what the
+// pool has room for. It is cheap when nothing waits.
+func (g *Gate) KickLocked(now time.Time) {
+	if g.q.Len() == 0 {
+		return
+	}
+	for t := g.q.Next(g.core.Router.Load(), now, g.shedFn); t != nil; t = g.q.Next(g.core.Router.Load(), now, g.shedFn) {
+		w := g.waiters[t.ID]
+		delete(g.waiters, t.ID)
+		g.m.dispatched(t, now)
+		w.Dispatch(now)
+		close(w.done)
+	}
+	g.n.Store(int64(g.q.Len()))
+}
+
+// shedLocked ends a waiting request the queue shed.
+func (g *Gate) shedLocked(t *admission.Ticket) {
+	w := g.waiters[t.ID]
+	delete(g.waiters, t.ID)
+	g.m.shed(t, time.Time{}, true)
+	if w != nil {
+		w.shed = true
+		close(w.done)
+	}
+	g.n.Store(int64(g.q.Len()))
+}
+
+// Len is the number of requests waiting (no lock).
+func (g *Gate) Len() int { return int(g.n.Load()) }
+
+// Run re-judges a waiting queue every Interval until ctx ends (timeouts,
+// deadlines, capacity a load scrape or a replica's return freed).
+func (g *Gate) Run(ctx context.Context) {
+	t := time.NewTicker(g.cfg.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			if g.n.Load() == 0 {
+				continue
+			}
+			g.core.Mu.Lock()
+			g.KickLocked(now)
+			g.core.Mu.Unlock()
+		}
+	}
+}
+
+// GateState is the queue for a debug view.
+type GateState struct {
+	Waiting int              `json:"waiting"`
+	Stats   admission.Stats  `json:"stats"`
+	Flows   []admission.Flow `json:"flows"`
+	Config  admission.Config `json:"config"`
+	Classes []Class          `json:"classes,omitempty"`
+	Shed    map[string]int64 `json:"shed"`
+	Pool    admission.Pool   `json:"pool"`
+}
+
+// StateLocked is the queue now, under Core.Mu.
+func (g *Gate) StateLocked() GateState {
+	st := g.q.Stats()
+	s := GateState{Waiting: g.q.Len(), Stats: st, Flows: g.q.Flows(nil), Config: g.cfg.Admission, Classes: g.cfg.Classes,
+		Shed: map[string]int64{}, Pool: g.cfg.Admission.Judge(g.core.Router.Load())}
+	for _, r := range admission.Reasons() {
+		s.Shed[r.String()] = st.Shed[r]
+	}
+	return s
+}
+
+// GateMetrics are the queue's Prometheus metrics.
+type GateMetrics struct {
+	length     *prometheus.GaugeVec
+	wait       *prometheus.HistogramVec
+	shedC      *prometheus.CounterVec
+	dispatchC  *prometheus.CounterVec
+	passedC    prometheus.Counter
+	cancelledC prometheus.Counter
+}
+
+// NewGateMetrics registers the queue's metrics on reg:
+//
+//	prefixlb_queue_length{priority,tenant}            requests waiting
+//	prefixlb_queue_wait_seconds{priority,tenant}      wait of dispatched requests
+//	prefixlb_queue_shed_total{reason}                 shed requests
+//	prefixlb_queue_dispatched_total{tenant}           requests let through after waiting
+//	prefixlb_queue_passed_total                       requests let through at once
+//	prefixlb_queue_cancelled_total                    clients that left while waiting
+func NewGateMetrics(reg prometheus.Registerer) (*GateMetrics, error) {
+	m := &GateMetrics{
+		length: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "prefixlb_queue_length",
+			Help: "Requests waiting in the router-side queue, by priority and tenant."}, []string{"priority", "tenant"}),
+		wait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "prefixlb_queue_wait_seconds",
+			Help:    "Time dispatched requests waited in the router-side queue, by priority and tenant.",
+			Buckets: []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60}}, []string{"priority", "tenant"}),
+		shedC: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "prefixlb_queue_shed_total",
+			Help: "Requests the router-side queue shed, by reason."}, []string{"reason"}),
+		dispatchC: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "prefixlb_queue_dispatched_total",
+			Help: "Requests dispatched from the router-side queue after waiting, by tenant."}, []string{"tenant"}),
+		passedC: prometheus.NewCounter(prometheus.CounterOpts{Name: "prefixlb_queue_passed_total",
+			Help: "Requests the router-side queue let through at once (pool not saturated)."}),
+		cancelledC: prometheus.NewCounter(prometheus.CounterOpts{Name: "prefixlb_queue_cancelled_total",
+			Help: "Requests whose client left while they waited in the router-side queue."}),
+	}
+	for _, c := range []prometheus.Collector{m.length, m.wait, m.shedC, m.dispatchC, m.passedC, m.cancelledC} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	for _, r := range admission.Reasons() {
+		m.shedC.WithLabelValues(r.String())
+	}
+	return m, nil
+}
+
+func (m *GateMetrics) passed() {
+	if m != nil {
+		m.passedC.Inc()
+	}
+}
+
+func (m *GateMetrics) enqueued(t *admission.Ticket) {
+	if m != nil {
+		m.length.WithLabelValues(strconv.Itoa(t.Priority), t.Tenant).Inc()
+	}
+}
+
+func (m *GateMetrics) left(t *admission.Ticket) {
+	m.length.WithLabelValues(strconv.Itoa(t.Priority), t.Tenant).Dec()
+}
+
+func (m *GateMetrics) dispatched(t *admission.Ticket, now time.Time) {
+	if m == nil {
+		return
+	}
+	m.left(t)
+	m.wait.WithLabelValues(strconv.Itoa(t.Priority), t.Tenant).Observe(now.Sub(t.Arrival).Seconds())
+	m.dispatchC.WithLabelValues(t.Tenant).Inc()
+}
+
+func (m *GateMetrics) shed(t *admission.Ticket, _ time.Time, waited bool) {
+	if m == nil {
+		return
+	}
+	if waited {
+		m.left(t)
+	}
+	m.shedC.WithLabelValues(t.Reason.String()).Inc()
+}
+
+func (m *GateMetrics) cancelled(t *admission.Ticket) {
+	if m != nil {
+		m.left(t)
+		m.cancelledC.Inc()
+	}
+}
