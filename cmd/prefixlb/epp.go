@@ -40,6 +40,7 @@ type eppFlags struct {
 	loraAdapters             []string
 	modelRewrites            string
 	watchModelRewrites       bool
+	watchObjectives          bool
 	kvLinkLatency            time.Duration
 	state, routerID, pool    string
 	stateTTL                 time.Duration
@@ -113,6 +114,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringToIntVar(&f.objectives, "objective-priority", nil, "InferenceObjective=priority,...: the spec.priority of the objectives requests name in x-gateway-inference-objective")
 	fs.StringVar(&f.modelRewrites, "model-rewrites", "", "file of InferenceModelRewrite manifests (GIE's model aliases, fallbacks and weighted splits) for this pool: a request's model is rewritten before it is routed")
 	fs.BoolVar(&f.watchModelRewrites, "watch-model-rewrites", false, "follow the InferenceModelRewrite objects of the --discovery inferencepool's namespace in the cluster (GIE's model aliases, fallbacks and splits; needs RBAC to list and watch them) instead of --model-rewrites")
+	fs.BoolVar(&f.watchObjectives, "watch-objectives", false, "follow the InferenceObjective objects of the --discovery inferencepool's namespace: the priority at which requests naming one in x-gateway-inference-objective are queued (over --objective-priority; needs RBAC to list and watch them)")
 	fs.StringSliceVar(&f.loraAdapters, "lora-adapters", nil, "model names that are LoRA adapters (vLLM's --lora-modules), comma-separated: keyed apart from the base model's and each other's")
 	fs.Float64Var(&f.kvLinkGbps, "kv-link-gbps", 400, "with a P/D policy and pods labelled llm-d.ai/role=prefill: each pod's KV-transfer link, Gbit/s, as the policy prices a transfer")
 	fs.DurationVar(&f.kvLinkLatency, "kv-link-latency", time.Millisecond, "with a P/D policy: one KV transfer's fixed latency")
@@ -162,7 +164,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	}
 	return epp.Run(ctx, epp.RunConfig{Picker: cfg, GRPCListen: f.grpcListen, HealthListen: f.healthListen,
 		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
-		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, WatchModelRewrites: f.watchModelRewrites, State: f.state, RouterID: f.routerID, Pool: f.pool,
+		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, WatchModelRewrites: f.watchModelRewrites, WatchObjectives: f.watchObjectives, State: f.state, RouterID: f.routerID, Pool: f.pool,
 		StateTTL: f.stateTTL, Logger: log})
 }
 

@@ -210,7 +210,7 @@ func TestHelmChart(t *testing.T) {
 		{"defaults", nil},
 		{"own redis, no route, no KV events, tokenizer", []string{
 			"redis.url=redis://state:6379/1", "route.enabled=false", "picker.kvEventsPort=0", "picker.tokenizer=qwen3",
-			"picker.watchModelRewrites=true",
+			"picker.watchModelRewrites=true", "picker.watchObjectives=true",
 		}},
 		{"FailOpen, one picker, no shared state", []string{
 			"pool.failureMode=FailOpen", "replicas=1", "redis.enabled=false", "picker.grpcPort=9100", "pool.name=llama-pool",

@@ -25,6 +25,13 @@ import (
 // the same.
 var InferenceModelRewriteGVR = schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferencemodelrewrites"}
 
+// InferenceObjectiveGVR is the Gateway API Inference Extension's
+// InferenceObjective (inference.networking.x-k8s.io/v1alpha2,
+// apix/v1alpha2/inferenceobjective_types.go): the priority at which the
+// requests naming it (x-gateway-inference-objective) are queued. epp
+// --watch-objectives follows them.
+var InferenceObjectiveGVR = schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferenceobjectives"}
+
 // ObjectWatcher follows every object of one resource in one namespace and
 // hands the whole current list to Apply after each change (and once after
 // the first full list). It reads objects as unstructured data, so it needs

@@ -151,7 +151,8 @@ type Config struct {
 	// Objectives give the priority of requests that name a GIE
 	// InferenceObjective in ObjectiveHeader: its spec.priority (higher
 	// first, unset 0; api/v1alpha2 InferenceObjectiveSpec.Priority). An
-	// x-prefixlb-priority header wins over it.
+	// x-prefixlb-priority header wins over it. SetObjectives (the cluster's
+	// objectives, watched) overrides these.
 	Objectives map[string]int
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
@@ -242,14 +243,15 @@ type Picker struct {
 	nextID atomic.Uint64
 	pool   *cluster.Pool
 
-	mu       *sync.Mutex // the core's Mu: guards everything below
-	rt       *router.Router
-	allowed  []int // scratch: the replicas a decision may choose (pickLocked)
-	decoders []int // scratch: those of allowed that decode, the answer's candidates
-	flights  map[uint64]*flight
-	others   map[string]router.ExternalLoad // last good Shared.Others
-	rw       rewriter                       // the pool's model rewrites (rewrite.go)
-	gate     *cluster.Gate                  // the router-side queue (nil: none)
+	mu         *sync.Mutex // the core's Mu: guards everything below
+	rt         *router.Router
+	allowed    []int // scratch: the replicas a decision may choose (pickLocked)
+	decoders   []int // scratch: those of allowed that decode, the answer's candidates
+	flights    map[uint64]*flight
+	others     map[string]router.ExternalLoad // last good Shared.Others
+	rw         rewriter                       // the pool's model rewrites (rewrite.go)
+	objectives objectives                     // InferenceObjective priorities (objectives.go)
+	gate       *cluster.Gate                  // the router-side queue (nil: none)
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
 }
@@ -278,6 +280,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 		flights: make(map[uint64]*flight),
 	}
 	p.rw.rng = rand.New(rand.NewPCG(cfg.Seed, 0x6d6f64656c))
+	p.objectives.init(cfg.Objectives)
 	p.m = newMetrics(p)
 	p.pool, err = cluster.NewPool(core, p.m.Metrics, cluster.PoolConfig{Kind: cfg.BackendKind,
 		ScrapeInterval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout, Logger: cfg.Logger})

@@ -31,7 +31,7 @@ func (p *Picker) admitPick(ctx context.Context, req *policy.Request, model strin
 		return pick, nil, fmt.Errorf("%w: %w", openai.ErrBadRequest, err)
 	}
 	if obj := get(ObjectiveHeader); obj != "" && get(cluster.PriorityHeader) == "" {
-		if prio, ok := p.cfg.Objectives[obj]; ok {
+		if prio, ok := p.objectives.priority(obj); ok {
 			w.Ticket.Priority = prio
 		}
 	}

@@ -47,6 +47,10 @@ type RunConfig struct {
 	// --discovery inferencepool's namespace in the cluster, as GIE's own
 	// picker does, instead of a file: each change applies at once.
 	WatchModelRewrites bool
+	// WatchObjectives follows the InferenceObjective objects of the
+	// --discovery inferencepool's namespace: the priority of each naming
+	// the pool (over Picker.Objectives').
+	WatchObjectives bool
 	// State is the Redis URL of the shared in-flight state ("": none);
 	// StateTTL how long a dead router's counts outlive it; RouterID this
 	// router's id in it ("": $POD_NAME, else hostname-pid); Pool its key
@@ -101,6 +105,17 @@ func Run(ctx context.Context, rc RunConfig) error {
 			return errors.New("epp: give one of --model-rewrites and --watch-model-rewrites")
 		}
 		w, err := rewriteWatcher(rc.Discovery, rc.Kubeconfig, p, log)
+		if err != nil {
+			return err
+		}
+		runners = append(runners, w.Run)
+	}
+	if rc.WatchObjectives {
+		ns, pool, dyn, err := clusterPool("--watch-objectives", rc.Discovery, rc.Kubeconfig)
+		if err != nil {
+			return err
+		}
+		w, err := watchObjectives(dyn, ns, pool, p, log)
 		if err != nil {
 			return err
 		}
@@ -246,30 +261,56 @@ func redactURL(u string) string {
 // rewriteWatcher follows the InferenceModelRewrites of target's namespace
 // ("inferencepool:NS/NAME") and installs those naming its pool on p.
 func rewriteWatcher(target, kubeconfig string, p *Picker, log *slog.Logger) (*discovery.ObjectWatcher, error) {
-	kind, ns, pool, err := discovery.ParseTarget(target)
-	if err != nil || kind != "inferencepool" {
-		return nil, fmt.Errorf("epp: --watch-model-rewrites needs --discovery inferencepool:NS/NAME (got %q)", target)
-	}
-	dyn, err := discovery.DynamicClient(kubeconfig)
+	ns, pool, dyn, err := clusterPool("--watch-model-rewrites", target, kubeconfig)
 	if err != nil {
 		return nil, err
 	}
 	return watchRewrites(dyn, ns, pool, p, log)
 }
 
+// clusterPool is the namespace and pool of target ("inferencepool:NS/NAME",
+// which flag needs) and a client of its cluster.
+func clusterPool(flag, target, kubeconfig string) (ns, pool string, dyn dynamic.Interface, err error) {
+	kind, ns, pool, err := discovery.ParseTarget(target)
+	if err != nil || kind != "inferencepool" {
+		return "", "", nil, fmt.Errorf("epp: %s needs --discovery inferencepool:NS/NAME (got %q)", flag, target)
+	}
+	dyn, err = discovery.DynamicClient(kubeconfig)
+	return ns, pool, dyn, err
+}
+
+// watchObjectives follows the InferenceObjectives of ns and installs the
+// priorities of those naming pool on p.
+func watchObjectives(dyn dynamic.Interface, ns, pool string, p *Picker, log *slog.Logger) (*discovery.ObjectWatcher, error) {
+	return discovery.NewObjectWatcher(dyn, discovery.InferenceObjectiveGVR, ns, 0, func(objs []*unstructured.Unstructured) {
+		prio, errs := ObjectivesFromObjects(objectsJSON(objs, log), pool)
+		for _, err := range errs {
+			log.Warn("epp: inference objective skipped", "err", err)
+		}
+		p.SetObjectives(prio)
+		log.Info("epp: inference objectives from the cluster", "namespace", ns, "pool", pool, "objectives", len(prio), "invalid", len(errs))
+	}, log)
+}
+
+// objectsJSON is each object's JSON (one that cannot be written is logged
+// and left out).
+func objectsJSON(objs []*unstructured.Unstructured, log *slog.Logger) [][]byte {
+	raw := make([][]byte, 0, len(objs))
+	for _, o := range objs {
+		js, err := o.MarshalJSON()
+		if err != nil {
+			log.Warn("epp: cluster object", "kind", o.GetKind(), "name", o.GetName(), "err", err)
+			continue
+		}
+		raw = append(raw, js)
+	}
+	return raw
+}
+
 // watchRewrites is rewriteWatcher over a given client (tests give a fake).
 func watchRewrites(dyn dynamic.Interface, ns, pool string, p *Picker, log *slog.Logger) (*discovery.ObjectWatcher, error) {
 	return discovery.NewObjectWatcher(dyn, discovery.InferenceModelRewriteGVR, ns, 0, func(objs []*unstructured.Unstructured) {
-		raw := make([][]byte, 0, len(objs))
-		for _, o := range objs {
-			js, err := o.MarshalJSON()
-			if err != nil {
-				log.Warn("epp: model rewrite", "name", o.GetName(), "err", err)
-				continue
-			}
-			raw = append(raw, js)
-		}
-		rs, errs := ModelRewritesFromObjects(raw, pool)
+		rs, errs := ModelRewritesFromObjects(objectsJSON(objs, log), pool)
 		for _, err := range errs {
 			log.Warn("epp: model rewrite skipped", "err", err)
 		}
