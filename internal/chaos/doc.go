@@ -8,10 +8,15 @@
 // KV-event stream cut, delayed, or gapped (messages dropped by a ZeroMQ
 // relay on a connection that stays up), the router restarted.
 //
+// TestChaosOverload sends a burst at twice the cluster's measured capacity
+// at a TTFT SLO, with two priorities and two tenants, through serve with
+// and without its router-side queue (issue 18; docs/overload.md).
+//
 // Every request must either complete or end in a clean, attributable error;
 // none may be lost. docs/reliability.md has the measured fault matrix and
 // the commands:
 //
 //	go test ./internal/chaos/ -run Chaos -v          # the fault matrix
 //	go test ./internal/chaos/ -run Soak -soak=1h -v  # the soak test
+//	go test ./internal/chaos/ -run TestChaosOverload -v  # the overload burst
 package chaos

@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
 	"net"
 	"net/http"
@@ -137,6 +138,7 @@ type engine struct {
 	http, kvPort, replay int
 	timeScale            float64
 	role                 string // --role ("": both)
+	profile              string // --profile ("": llama3.1-8b-h100)
 	p                    *proc
 }
 
@@ -168,7 +170,7 @@ func (e *engine) start(t testing.TB) {
 	t.Helper()
 	// Every socket binds loopback only (--kv-bind: bind without '*').
 	args := []string{"--listen", "127.0.0.1:" + strconv.Itoa(e.http),
-		"--profile", "llama3.1-8b-h100",
+		"--profile", cmp.Or(e.profile, "llama3.1-8b-h100"),
 		"--time-scale", strconv.FormatFloat(e.timeScale, 'f', -1, 64),
 		"--kv-events", e.kvEndpoint(), "--kv-bind",
 		"--kv-replay", e.replayEndpoint(),
