@@ -110,6 +110,8 @@ pod its own speed (docs/calibration.md).`,
 	fs.IntVar(&q.MaxWaiting, "queue-max-waiting", q.MaxWaiting, "a replica with this many requests waiting in its engine is saturated (0: not judged by it)")
 	fs.Float64Var(&q.MaxKVUsage, "queue-max-kv-usage", q.MaxKVUsage, "a replica at this KV-cache usage is saturated (0: not judged by it)")
 	fs.DurationVar(&q.MaxQueuedPrefill, "queue-max-queued-prefill", q.MaxQueuedPrefill, "a replica with this much prefill queued (e2's estimate) is saturated (0: not judged by it)")
+	fs.DurationVar(&q.MaxPredictedWait, "queue-max-predicted-wait", q.MaxPredictedWait, "a replica where a new request would wait this long for its first token (queued prefill stretched by decode interference, plus the engine queue's wait) is saturated (0: not judged by it)")
+	fs.DurationVar(&q.LIFOAfter, "queue-lifo-after", q.LIFOAfter, "adaptive LIFO within a tenant once its oldest request has waited this long (0: FIFO)")
 	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
 	fs.StringToIntVar(&f.objectives, "objective-priority", nil, "InferenceObjective=priority,...: the spec.priority of the objectives requests name in x-gateway-inference-objective")
 	fs.StringVar(&f.modelRewrites, "model-rewrites", "", "file of InferenceModelRewrite manifests (GIE's model aliases, fallbacks and weighted splits) for this pool: a request's model is rewritten before it is routed")

@@ -91,6 +91,10 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 			c.Queue.Admission.MaxQueuedPrefill = f.cfg.Queue.Admission.MaxQueuedPrefill
 		},
 		"queue-max-inflight": func() { c.Queue.Admission.MaxInFlight = f.cfg.Queue.Admission.MaxInFlight },
+		"queue-max-predicted-wait": func() {
+			c.Queue.Admission.MaxPredictedWait = f.cfg.Queue.Admission.MaxPredictedWait
+		},
+		"queue-lifo-after": func() { c.Queue.Admission.LIFOAfter = f.cfg.Queue.Admission.LIFOAfter },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -218,6 +222,8 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	fs.IntVar(&q.MaxWaiting, "queue-max-waiting", q.MaxWaiting, "a replica with this many requests waiting in its engine is saturated (0: not judged by it)")
 	fs.Float64Var(&q.MaxKVUsage, "queue-max-kv-usage", q.MaxKVUsage, "a replica at this KV-cache usage is saturated (0: not judged by it)")
 	fs.DurationVar(&q.MaxQueuedPrefill, "queue-max-queued-prefill", q.MaxQueuedPrefill, "a replica with this much prefill queued (e2's estimate) is saturated (0: not judged by it)")
+	fs.DurationVar(&q.MaxPredictedWait, "queue-max-predicted-wait", q.MaxPredictedWait, "a replica where a new request would wait this long for its first token (queued prefill stretched by decode interference, plus the engine queue's wait) is saturated (0: not judged by it)")
+	fs.DurationVar(&q.LIFOAfter, "queue-lifo-after", q.LIFOAfter, "adaptive LIFO within a tenant once its oldest request has waited this long (0: FIFO)")
 	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd

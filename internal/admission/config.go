@@ -63,9 +63,15 @@ const (
 	DefaultMaxKVUsage = 0.95
 	// DefaultMaxQueuedPrefill is E2's queued prefill (the GPU time of the
 	// prefills routed to the replica and not done) at which a replica
-	// counts as saturated: a new request there waits at least that long
-	// for its first token.
-	DefaultMaxQueuedPrefill = 2 * time.Second
+	// counts as saturated: 0, off by default since the predicted wait
+	// (DefaultMaxPredictedWait) is that queued prefill stretched by the
+	// running decodes, never less.
+	DefaultMaxQueuedPrefill = 0
+	// DefaultMaxPredictedWait is the predicted wait for a first token
+	// (Estimator: the queued prefill stretched by the running decodes'
+	// share of each chunked-prefill iteration) at which a replica counts
+	// as saturated.
+	DefaultMaxPredictedWait = 2 * time.Second
 )
 
 // Errors of Config.Validate.
@@ -91,6 +97,18 @@ type Config struct {
 	// MaxQueuedPrefill is the queued prefill (policy.Replica.
 	// PendingPrefill) at which a replica is saturated; 0 turns it off.
 	MaxQueuedPrefill time.Duration
+	// MaxPredictedWait is the predicted wait for a new request's first
+	// token on a replica, before its own prefill (Estimator.Wait: queued
+	// prefill stretched by decode interference), at which the replica is
+	// saturated; 0 turns it off.
+	MaxPredictedWait time.Duration
+	// LIFOAfter turns on adaptive LIFO within a tenant: while the oldest
+	// request of a flow has waited at least this long, the flow gives its
+	// newest request first (it has the most slack to its deadline), as in
+	// Facebook's server queues (Maurer, "Fail at Scale", ACM Queue 13(8),
+	// 2015: controlled delay with adaptive LIFO); the old ones are shed
+	// by their deadline or timeout. 0: first come first served always.
+	LIFOAfter time.Duration
 	// MaxInFlight is the requests in flight on a replica (routed by this
 	// router, not finished: policy.Replica.InFlight) at which it is
 	// saturated, GIE's concurrency detector
@@ -109,7 +127,7 @@ type Config struct {
 // not engage below saturation.
 func Default() Config {
 	return Config{MaxQueue: DefaultMaxQueue, Timeout: DefaultTimeout, MaxWaiting: DefaultMaxWaiting,
-		MaxKVUsage: DefaultMaxKVUsage, MaxQueuedPrefill: DefaultMaxQueuedPrefill}
+		MaxKVUsage: DefaultMaxKVUsage, MaxQueuedPrefill: DefaultMaxQueuedPrefill, MaxPredictedWait: DefaultMaxPredictedWait}
 }
 
 // Validate reports the first invalid field, by its name.
@@ -125,10 +143,14 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: max kv usage must be in [0,1], got %v", ErrConfig, c.MaxKVUsage)
 	case c.MaxQueuedPrefill < 0:
 		return fmt.Errorf("%w: max queued prefill must be ≥ 0, got %v", ErrConfig, c.MaxQueuedPrefill)
+	case c.MaxPredictedWait < 0:
+		return fmt.Errorf("%w: max predicted wait must be ≥ 0, got %v", ErrConfig, c.MaxPredictedWait)
+	case c.LIFOAfter < 0:
+		return fmt.Errorf("%w: lifo after must be ≥ 0, got %v", ErrConfig, c.LIFOAfter)
 	case c.MaxInFlight < 0:
 		return fmt.Errorf("%w: max in flight must be ≥ 0, got %d", ErrConfig, c.MaxInFlight)
-	case c.MaxWaiting == 0 && c.MaxKVUsage == 0 && c.MaxQueuedPrefill == 0 && c.MaxInFlight == 0:
-		return fmt.Errorf("%w: every saturation threshold is off (max waiting, max kv usage, max queued prefill, max in flight)", ErrConfig)
+	case c.MaxWaiting == 0 && c.MaxKVUsage == 0 && c.MaxQueuedPrefill == 0 && c.MaxPredictedWait == 0 && c.MaxInFlight == 0:
+		return fmt.Errorf("%w: every saturation threshold is off (max waiting, max kv usage, max queued prefill, max predicted wait, max in flight)", ErrConfig)
 	}
 	for t, w := range c.Weights {
 		if !(w > 0) || math.IsInf(w, 0) {
@@ -146,10 +168,11 @@ func (c *Config) weight(t string) float64 {
 	return 1
 }
 
-// ReplicaSaturated reports whether replica r is at one of the thresholds:
-// GIE's roofline score max(waiting/MaxWaiting, kv/MaxKVUsage,
-// queued/MaxQueuedPrefill) ≥ 1.
-func (c *Config) ReplicaSaturated(r *policy.Replica) bool {
+// ReplicaSaturated reports whether replica r, whose predicted wait for a
+// first token is wait (Estimator.Wait), is at one of the thresholds: GIE's
+// roofline score max(waiting/MaxWaiting, kv/MaxKVUsage,
+// queued/MaxQueuedPrefill, wait/MaxPredictedWait) ≥ 1.
+func (c *Config) ReplicaSaturated(r *policy.Replica, wait time.Duration) bool {
 	if c.MaxWaiting > 0 && r.Queue() >= c.MaxWaiting {
 		return true
 	}
@@ -157,6 +180,9 @@ func (c *Config) ReplicaSaturated(r *policy.Replica) bool {
 		return true
 	}
 	if c.MaxInFlight > 0 && r.InFlight >= c.MaxInFlight {
+		return true
+	}
+	if c.MaxPredictedWait > 0 && wait >= c.MaxPredictedWait {
 		return true
 	}
 	return c.MaxQueuedPrefill > 0 && r.PendingPrefill >= c.MaxQueuedPrefill
@@ -169,27 +195,39 @@ type Pool struct {
 	Up int
 	// Saturated says every one of them is at a threshold.
 	Saturated bool
-	// MinQueuedPrefill is the least queued prefill among them: the
-	// shortest time a request routed now waits for its first token
-	// (E2's queued prefill; 0 when none is up).
+	// MinQueuedPrefill is the least queued prefill among them (E2's
+	// queued prefill; 0 when none is up).
 	MinQueuedPrefill time.Duration
+	// MinWait is the least predicted wait for a first token among them
+	// (Estimator.Wait; the queued prefill without an estimator): the
+	// shortest time a request routed now waits before its own prefill.
+	MinWait time.Duration
+	// Best is the replica with that least wait (-1 when none is up).
+	Best int
 }
 
-// Judge reads the pool's replicas (the router's live view) and judges it.
-// It does not allocate.
-func (c *Config) Judge(reps []policy.Replica) Pool {
-	p := Pool{Saturated: true}
-	first := true
+// Judge reads the pool's replicas (the router's live view) and judges it,
+// each replica's wait predicted by est (nil: its queued prefill). It does
+// not allocate.
+func (c *Config) Judge(reps []policy.Replica, est Estimator) Pool {
+	p := Pool{Saturated: true, Best: -1}
 	for i := range reps {
 		r := &reps[i]
 		if !r.Up || r.Role == policy.RolePrefill {
 			continue
 		}
-		p.Up++
-		if first || r.PendingPrefill < p.MinQueuedPrefill {
-			p.MinQueuedPrefill, first = r.PendingPrefill, false
+		wait := r.PendingPrefill
+		if est != nil {
+			wait = est.Wait(i, r)
 		}
-		if p.Saturated && !c.ReplicaSaturated(r) {
+		if p.Up == 0 || r.PendingPrefill < p.MinQueuedPrefill {
+			p.MinQueuedPrefill = r.PendingPrefill
+		}
+		if p.Up == 0 || wait < p.MinWait {
+			p.MinWait, p.Best = wait, i
+		}
+		p.Up++
+		if p.Saturated && !c.ReplicaSaturated(r, wait) {
 			p.Saturated = false
 		}
 	}
@@ -197,4 +235,27 @@ func (c *Config) Judge(reps []policy.Replica) Pool {
 		p.Saturated = false
 	}
 	return p
+}
+
+// Room appends to dst the IDs of the replicas of reps that take requests
+// and are not saturated (est predicts their waits; nil: queued prefill):
+// the replicas that pass GIE's saturation Filter, where a request the
+// queue dispatches may go. Routing a dispatched request among them only,
+// not among all, keeps the policy from sending it to a saturated replica
+// while another has room (the room that let it out).
+func (c *Config) Room(reps []policy.Replica, est Estimator, dst []int) []int {
+	for i := range reps {
+		r := &reps[i]
+		if !r.Up || r.Role == policy.RolePrefill {
+			continue
+		}
+		wait := r.PendingPrefill
+		if est != nil {
+			wait = est.Wait(i, r)
+		}
+		if !c.ReplicaSaturated(r, wait) {
+			dst = append(dst, r.ID)
+		}
+	}
+	return dst
 }

@@ -20,7 +20,7 @@ const (
 	// Timeout: the request waited Config.Timeout.
 	Timeout
 	// Deadline: the request can no longer meet its TTFT deadline (the
-	// least queued prefill of the pool says so).
+	// pool's least predicted wait and its own prefill say so).
 	Deadline
 	// PoolDown: no replica of the pool takes requests.
 	PoolDown
@@ -68,9 +68,11 @@ type Ticket struct {
 	// Deadline is when its first token is due (arrival + its TTFT SLO);
 	// zero: none.
 	Deadline time.Time
-	// Service is the caller's estimate of the request's own time to first
-	// token once it starts (0: unknown, counted as none: the queue sheds by
-	// deadline only a request that cannot make it even so).
+	// Service is the estimate of the request's own time to first token
+	// once it starts (0: unknown, counted as none: the queue sheds by
+	// deadline only a request that cannot make it even so). When it is 0
+	// and the request has a deadline and is not let straight through,
+	// Arrive asks the queue's Estimator (SetEstimator).
 	Service time.Duration
 	// Reason is why it was shed (valid after a Shed verdict or a shed
 	// callback).
@@ -146,6 +148,19 @@ func (f *flow) popHead() *Ticket {
 	return nil
 }
 
+// peekHead returns the oldest waiting ticket, dropping the done ones
+// before it.
+func (f *flow) peekHead() *Ticket {
+	for f.head < len(f.items) {
+		if t := f.items[f.head]; t.state == stateQueued {
+			return t
+		}
+		f.items[f.head] = nil
+		f.head++
+	}
+	return nil
+}
+
 // popTail removes and returns the newest waiting ticket.
 func (f *flow) popTail() *Ticket {
 	for len(f.items) > f.head {
@@ -186,7 +201,20 @@ type Queue struct {
 	dq    dHeap // by due (Deadline − Service)
 	stats Stats
 	spare []*flow // emptied flows, reused
+	est   Estimator
 }
+
+// SetEstimator makes e predict the replicas' waits for the saturation test
+// and the deadline shed, and the requests' own Service (nil: the queued
+// prefill, and the Service the caller gave).
+func (q *Queue) SetEstimator(e Estimator) { q.est = e }
+
+// Room is Config.Room under the queue's estimator: where a dispatched
+// request may go.
+func (q *Queue) Room(reps []policy.Replica, dst []int) []int { return q.cfg.Room(reps, q.est, dst) }
+
+// Judge is the pool's saturation test under the queue's estimator.
+func (q *Queue) Judge(reps []policy.Replica) Pool { return q.cfg.Judge(reps, q.est) }
 
 // New returns an empty queue.
 func New(cfg Config) (*Queue, error) {
@@ -215,7 +243,7 @@ func (q *Queue) Stats() Stats { return q.stats }
 // caller to answer.
 func (q *Queue) Arrive(t *Ticket, reps []policy.Replica, now time.Time) (v Verdict, displaced *Ticket) {
 	q.stats.Arrived++
-	p := q.cfg.Judge(reps)
+	p := q.Judge(reps)
 	switch {
 	case p.Up == 0:
 		return q.refuse(t, PoolDown), nil
@@ -223,8 +251,14 @@ func (q *Queue) Arrive(t *Ticket, reps []policy.Replica, now time.Time) (v Verdi
 		q.stats.Passed++
 		t.state = stateDone
 		return Pass, nil
-	case !t.Deadline.IsZero() && !now.Add(p.MinQueuedPrefill+t.Service).Before(t.Deadline):
-		return q.refuse(t, Deadline), nil
+	}
+	if !t.Deadline.IsZero() {
+		if t.Service == 0 && q.est != nil {
+			t.Service = q.est.Service(t, p.Best)
+		}
+		if !now.Add(p.MinWait + t.Service).Before(t.Deadline) {
+			return q.refuse(t, Deadline), nil
+		}
 	}
 	if q.n >= q.cfg.MaxQueue {
 		displaced = q.displace(t.Priority)
@@ -366,21 +400,23 @@ func (q *Queue) Next(reps []policy.Replica, now time.Time, shed func(*Ticket)) *
 	if q.n == 0 {
 		return nil
 	}
-	p := q.cfg.Judge(reps)
+	p := q.Judge(reps)
 	q.expire(p, now, shed)
 	if q.n == 0 || p.Saturated || p.Up == 0 {
 		return nil
 	}
 	b := q.bands[0]
-	t := q.popBand(b)
+	t := q.popBand(b, now)
 	q.remove(t)
 	q.stats.Dispatched++
 	return t
 }
 
 // popBand picks band b's next ticket by deficit round robin (quantum: the
-// flow's weight; cost: one request) and takes it off its flow's FIFO.
-func (q *Queue) popBand(b *band) *Ticket {
+// flow's weight; cost: one request) and takes it off its flow's FIFO: the
+// oldest, or with adaptive LIFO (Config.LIFOAfter) the newest while the
+// oldest has waited that long.
+func (q *Queue) popBand(b *band, now time.Time) *Ticket {
 	for {
 		f := b.active[b.cur]
 		if !f.visited {
@@ -389,7 +425,15 @@ func (q *Queue) popBand(b *band) *Ticket {
 		}
 		if f.deficit >= 1 {
 			f.deficit--
-			t := f.popHead()
+			var t *Ticket
+			if q.cfg.LIFOAfter > 0 {
+				if h := f.peekHead(); h != nil && now.Sub(h.Arrival) >= q.cfg.LIFOAfter {
+					t = f.popTail()
+				}
+			}
+			if t == nil {
+				t = f.popHead()
+			}
 			if f.deficit < 1 && f.n > 1 {
 				// Its turn is over: the next flow's comes.
 				f.visited = false
@@ -403,14 +447,14 @@ func (q *Queue) popBand(b *band) *Ticket {
 }
 
 // Expire sheds, through shed, every waiting request past its timeout, every
-// one that can no longer meet its deadline (now + the pool's least queued
-// prefill + its Service at or past its Deadline), and every one when no
+// one that can no longer meet its deadline (now + the pool's least
+// predicted wait + its Service at or past its Deadline), and every one when no
 // replica is up. After it, NextDue is after now. Next calls it; call it too from a timer at NextDue.
 func (q *Queue) Expire(reps []policy.Replica, now time.Time, shed func(*Ticket)) {
 	if q.n == 0 {
 		return
 	}
-	q.expire(q.cfg.Judge(reps), now, shed)
+	q.expire(q.Judge(reps), now, shed)
 }
 
 func (q *Queue) expire(p Pool, now time.Time, shed func(*Ticket)) {
@@ -423,7 +467,7 @@ func (q *Queue) expire(p Pool, now time.Time, shed func(*Ticket)) {
 	for len(q.tq) > 0 && !q.tq[0].expires.After(now) {
 		q.shed(q.tq[0], Timeout, shed)
 	}
-	horizon := now.Add(p.MinQueuedPrefill)
+	horizon := now.Add(p.MinWait)
 	for len(q.dq) > 0 && !q.dq[0].due.After(horizon) {
 		q.shed(q.dq[0], Deadline, shed)
 	}
@@ -451,14 +495,14 @@ func (q *Queue) Cancel(t *Ticket) bool {
 
 // NextDue is when Expire next has something to shed if nothing else
 // changes: the earliest timeout, or the earliest deadline less the pool's
-// least queued prefill. ok is false when nothing waits.
+// least predicted wait. ok is false when nothing waits.
 func (q *Queue) NextDue(reps []policy.Replica) (at time.Time, ok bool) {
 	if q.n == 0 {
 		return time.Time{}, false
 	}
 	at = q.tq[0].expires
 	if len(q.dq) > 0 {
-		d := q.dq[0].due.Add(-q.cfg.Judge(reps).MinQueuedPrefill)
+		d := q.dq[0].due.Add(-q.Judge(reps).MinWait)
 		if d.Before(at) {
 			at = d
 		}

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
 )
 
@@ -45,7 +46,9 @@ func TestValidate(t *testing.T) {
 		{"waiting", func(c *Config) { c.MaxWaiting = -1 }, false},
 		{"kv", func(c *Config) { c.MaxKVUsage = 1.5 }, false},
 		{"prefill", func(c *Config) { c.MaxQueuedPrefill = -time.Second }, false},
-		{"all off", func(c *Config) { c.MaxWaiting, c.MaxKVUsage, c.MaxQueuedPrefill = 0, 0, 0 }, false},
+		{"all off", func(c *Config) { c.MaxWaiting, c.MaxKVUsage, c.MaxQueuedPrefill, c.MaxPredictedWait = 0, 0, 0, 0 }, false},
+		{"predicted wait", func(c *Config) { c.MaxPredictedWait = -1 }, false},
+		{"lifo", func(c *Config) { c.LIFOAfter = -1 }, false},
 		{"weight", func(c *Config) { c.Weights = map[string]float64{"a": 0} }, false},
 		{"weights", func(c *Config) { c.Weights = map[string]float64{"a": 2, "b": 0.5} }, true},
 	} {
@@ -77,7 +80,11 @@ func TestJudge(t *testing.T) {
 		{"prefill role skipped", []policy.Replica{{Up: true, Waiting: 8}, {Up: true, Role: policy.RolePrefill}}, Pool{Up: 1, Saturated: true}},
 		{"none up", []policy.Replica{{Up: false}}, Pool{}},
 	} {
-		if got := c.Judge(tc.reps); got != tc.want {
+		// Without an estimator the predicted wait is the queued prefill.
+		tc.want.MinWait = tc.want.MinQueuedPrefill
+		got := c.Judge(tc.reps, nil)
+		got.Best = 0
+		if got != tc.want {
 			t.Errorf("%s: Judge = %+v, want %+v", tc.name, got, tc.want)
 		}
 	}
@@ -363,5 +370,89 @@ func TestAccounting(t *testing.T) {
 				t.Fatalf("seed %d step %d: %d tickets waiting, Len %d", seed, step, waiting, q.Len())
 			}
 		}
+	}
+}
+
+// fakeEst predicts each replica's wait from a table.
+type fakeEst struct {
+	wait    []time.Duration
+	service time.Duration
+}
+
+func (e *fakeEst) Wait(i int, _ *policy.Replica) time.Duration { return e.wait[i] }
+func (e *fakeEst) Service(*Ticket, int) time.Duration          { return e.service }
+
+func TestEstimatorSaturation(t *testing.T) {
+	q := newQueue(t, func(c *Config) { c.MaxWaiting, c.MaxKVUsage = 0, 0 })
+	reps := pool(2, 0)
+	est := &fakeEst{wait: []time.Duration{3 * time.Second, time.Second}}
+	q.SetEstimator(est)
+	if p := q.Judge(reps); p.Saturated || p.MinWait != time.Second || p.Best != 1 {
+		t.Fatalf("Judge = %+v, want not saturated, min wait 1s at replica 1", p)
+	}
+	if room := q.Room(reps, nil); len(room) != 1 || room[0] != 1 {
+		t.Errorf("Room = %v, want [1]", room)
+	}
+	est.wait[1] = 2 * time.Second
+	if p := q.Judge(reps); !p.Saturated {
+		t.Fatalf("Judge = %+v, want saturated (both at the 2s default)", p)
+	}
+	// A request whose own prefill at the best replica would miss its
+	// deadline is shed on arrival; the same without a Service waits.
+	est.service = 500 * time.Millisecond
+	tk := &Ticket{ID: 1, Arrival: t0, Deadline: t0.Add(2400 * time.Millisecond)}
+	if v, _ := q.Arrive(tk, reps, t0); v != Shed || tk.Reason != Deadline {
+		t.Errorf("Arrive = %v (%v), want shed for deadline", v, tk.Reason)
+	}
+	est.service = 0
+	tk = &Ticket{ID: 2, Arrival: t0, Deadline: t0.Add(2400 * time.Millisecond)}
+	if v, _ := q.Arrive(tk, reps, t0); v != Queued {
+		t.Errorf("Arrive = %v, want queued", v)
+	}
+}
+
+func TestAdaptiveLIFO(t *testing.T) {
+	q := newQueue(t, func(c *Config) { c.LIFOAfter = time.Second })
+	busy, idle := pool(2, 10), pool(2, 0)
+	tks := make([]Ticket, 3)
+	for i := range tks {
+		tks[i] = Ticket{ID: uint64(i), Arrival: t0.Add(time.Duration(i) * 100 * time.Millisecond)}
+		if v, _ := q.Arrive(&tks[i], busy, tks[i].Arrival); v != Queued {
+			t.Fatalf("Arrive %d = %v", i, v)
+		}
+	}
+	// The oldest has waited under a second: first come first served.
+	if got := q.Next(idle, t0.Add(500*time.Millisecond), nil); got.ID != 0 {
+		t.Errorf("Next = %d, want 0 (FIFO)", got.ID)
+	}
+	// Past it: the newest first.
+	if got := q.Next(idle, t0.Add(1500*time.Millisecond), nil); got.ID != 2 {
+		t.Errorf("Next = %d, want 2 (LIFO)", got.ID)
+	}
+}
+
+func TestDecodeAware(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &DecodeAware{Profile: func(int) costmodel.Profile { return prof }}
+	idle := policy.Replica{Up: true, PendingPrefill: time.Second, Waiting: 0}
+	if got := e.Wait(0, &idle); got != time.Second {
+		t.Errorf("no decodes: Wait = %v, want the queued prefill 1s", got)
+	}
+	dec := idle
+	dec.Decoding, dec.DecodeContextTokens = 64, 64*2048
+	w := e.Wait(0, &dec)
+	if w <= time.Second {
+		t.Errorf("64 decodes: Wait = %v, want > 1s (interference)", w)
+	}
+	full := dec
+	full.Waiting, full.Running, full.InFlight, full.DecodeTokens = 4, 64, 68, 68*200
+	if got := e.Wait(0, &full); got <= w {
+		t.Errorf("engine queue: Wait = %v, want > %v (admission wait)", got, w)
+	}
+	if allocs := testing.AllocsPerRun(100, func() { e.Wait(0, &full) }); allocs != 0 {
+		t.Errorf("Wait allocates %v times", allocs)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/prefixlb/prefixlb/internal/admission"
+	"github.com/prefixlb/prefixlb/internal/policy"
 )
 
 // Request headers that class a request for the router-side queue (both
@@ -167,6 +168,16 @@ type Waiter struct {
 	// moment the queue lets it through, so that the policy decides with
 	// the cluster as it is then.
 	Dispatch func(now time.Time)
+	// Request is the request as the router prices it (nil: unknown): a
+	// request that waits with a deadline is shed when even its own
+	// prefill at the least loaded replica would miss it
+	// (Router.PrefillEstimate).
+	Request *policy.Request
+	// Room, when Dispatch runs for a request that waited, lists the
+	// replicas with room (admission.Queue.Room: GIE's saturation Filter);
+	// Dispatch routes among them only (router.Constraint.Only). nil for a
+	// request let straight through: any replica.
+	Room []int
 
 	done chan struct{}
 	shed bool
@@ -189,6 +200,10 @@ type Gate struct {
 	n       atomic.Int64 // q.Len(), readable without the lock
 	m       *GateMetrics
 	shedFn  func(*admission.Ticket)
+	est     admission.DecodeAware
+	// arriving is the waiter ArriveLocked is offering (its Request prices
+	// its Service).
+	arriving *Waiter
 }
 
 // NewGate returns the gate of core (cfg validated), its metrics in m (nil:
@@ -206,7 +221,18 @@ func NewGate(core *Core, cfg QueueConfig, m *GateMetrics) (*Gate, error) {
 	}
 	g := &Gate{core: core, cfg: cfg, q: q, waiters: map[uint64]*Waiter{}, m: m}
 	g.shedFn = g.shedLocked
+	g.est = admission.DecodeAware{Profile: core.Router.PricedProfile, Reps: core.Router.Load, Prefill: g.prefill}
+	q.SetEstimator(&g.est)
 	return g, nil
+}
+
+// prefill is the arriving request's own prefill on replica i.
+func (g *Gate) prefill(t *admission.Ticket, i int) time.Duration {
+	w := g.arriving
+	if w == nil || &w.Ticket != t || w.Request == nil {
+		return 0
+	}
+	return g.core.Router.PrefillEstimate(w.Request, i)
 }
 
 // Config returns the gate's configuration.
@@ -216,7 +242,9 @@ func (g *Gate) Config() *QueueConfig { return &g.cfg }
 // it now, as without a queue), Queued (Wait for it, after releasing the
 // lock) or Shed.
 func (g *Gate) ArriveLocked(w *Waiter, now time.Time) admission.Verdict {
+	g.arriving = w
 	v, displaced := g.q.Arrive(&w.Ticket, g.core.Router.Load(), now)
+	g.arriving = nil
 	if displaced != nil {
 		g.shedLocked(displaced)
 	}
@@ -281,6 +309,7 @@ func (g *Gate) KickLocked(now time.Time) {
 		w := g.waiters[t.ID]
 		delete(g.waiters, t.ID)
 		g.m.dispatched(t, now)
+		w.Room = g.q.Room(g.core.Router.Load(), nil)
 		w.Dispatch(now)
 		close(w.done)
 	}
@@ -337,7 +366,7 @@ type GateState struct {
 func (g *Gate) StateLocked() GateState {
 	st := g.q.Stats()
 	s := GateState{Waiting: g.q.Len(), Stats: st, Flows: g.q.Flows(nil), Config: g.cfg.Admission, Classes: g.cfg.Classes,
-		Shed: map[string]int64{}, Pool: g.cfg.Admission.Judge(g.core.Router.Load())}
+		Shed: map[string]int64{}, Pool: g.q.Judge(g.core.Router.Load())}
 	for _, r := range admission.Reasons() {
 		s.Shed[r.String()] = st.Shed[r]
 	}

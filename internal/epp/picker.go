@@ -246,6 +246,7 @@ type Picker struct {
 	mu         *sync.Mutex // the core's Mu: guards everything below
 	rt         *router.Router
 	allowed    []int // scratch: the replicas a decision may choose (pickLocked)
+	room       []int // the replicas with room for a request the queue held (nil: any)
 	decoders   []int // scratch: those of allowed that decode, the answer's candidates
 	flights    map[uint64]*flight
 	others     map[string]router.ExternalLoad // last good Shared.Others
@@ -456,6 +457,21 @@ func (p *Picker) pickLocked(req *policy.Request, subset []string, others map[str
 			if m.Up() {
 				p.allowed = append(p.allowed, m.ID)
 			}
+		}
+	}
+	if p.room != nil {
+		// A request the router-side queue held goes only where there is
+		// room (cluster.Waiter.Room), when some allowed replica has it.
+		n := 0
+		for _, id := range p.allowed {
+			if slices.Contains(p.room, id) {
+				p.allowed[n] = id
+				n++
+			}
+		}
+		if n > 0 {
+			p.allowed = p.allowed[:n]
+			within.Only = p.allowed
 		}
 	}
 	// The answer's endpoints (the primary, fallbacks) decode; a prefill

@@ -35,7 +35,12 @@ func (p *Picker) admitPick(ctx context.Context, req *policy.Request, model strin
 			w.Ticket.Priority = prio
 		}
 	}
-	w.Dispatch = func(time.Time) { pick, f, err = p.pickLocked(req, in.Subset, others) }
+	w.Request = req
+	w.Dispatch = func(time.Time) {
+		p.room = w.Room
+		pick, f, err = p.pickLocked(req, in.Subset, others)
+		p.room = nil
+	}
 	p.mu.Lock()
 	switch p.gate.ArriveLocked(w, now) {
 	case admission.Pass:

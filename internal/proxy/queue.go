@@ -25,14 +25,14 @@ var ErrShed = cluster.ErrShed
 // routed then, or shed. Its class comes from r's headers and model.
 func (p *Proxy) admitRoute(ctx context.Context, r *http.Request, model string, req policy.Request) (d policy.Decision, b, prefill *backend, err error) {
 	now := time.Now()
-	w := &cluster.Waiter{Ticket: admission.Ticket{ID: req.ID, Arrival: now}}
+	w := &cluster.Waiter{Ticket: admission.Ticket{ID: req.ID, Arrival: now}, Request: &req}
 	if err := p.gate.Config().Classify(&w.Ticket, model, r.Header.Get); err != nil {
 		return d, nil, nil, fmt.Errorf("proxy: %w: %w", openai.ErrBadRequest, err)
 	}
 	at := now
 	w.Dispatch = func(now time.Time) {
 		at = now
-		d, err = p.rt.RouteWithin(req, now, router.Constraint{})
+		d, err = p.rt.RouteWithin(req, now, router.Constraint{Only: w.Room})
 		if err == nil {
 			b = p.pool.Member(d.Replica).Front.(*backend)
 			if d.Disaggregated {

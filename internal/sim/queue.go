@@ -8,7 +8,9 @@ import (
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/admission"
+	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/replica"
+	"github.com/prefixlb/prefixlb/internal/router"
 )
 
 // QueueConfig configures the simulator's router-side queue: the same
@@ -52,7 +54,8 @@ func (c *QueueConfig) slo(p int) time.Duration {
 
 // ParseQueueConfig parses `prefixlb sim --router-queue`: "on" (or "") for
 // the defaults, else comma-separated KEY=VALUE of max (requests), timeout,
-// max_waiting, max_kv_usage, max_queued_prefill, max_inflight, ttft_slo, and
+// max_waiting, max_kv_usage, max_queued_prefill, max_predicted_wait,
+// lifo_after, max_inflight, ttft_slo, and
 // ttft_slo.PRIORITY (an integer or high, normal, low) for one priority;
 // "off" among them runs no queue and keeps the SLOs to report goodput by.
 func ParseQueueConfig(s string) (QueueConfig, error) {
@@ -87,6 +90,10 @@ func ParseQueueConfig(s string) (QueueConfig, error) {
 			c.Admission.MaxInFlight, err = strconv.Atoi(v)
 		case k == "max_queued_prefill":
 			c.Admission.MaxQueuedPrefill, err = time.ParseDuration(v)
+		case k == "max_predicted_wait":
+			c.Admission.MaxPredictedWait, err = time.ParseDuration(v)
+		case k == "lifo_after":
+			c.Admission.LIFOAfter, err = time.ParseDuration(v)
 		case k == "ttft_slo":
 			c.TTFTSLO, err = time.ParseDuration(v)
 		case strings.HasPrefix(k, "ttft_slo."):
@@ -101,7 +108,7 @@ func ParseQueueConfig(s string) (QueueConfig, error) {
 				}
 			}
 		default:
-			return c, fmt.Errorf("sim: --router-queue: unknown key %q (max, timeout, max_waiting, max_kv_usage, max_queued_prefill, max_inflight, ttft_slo, ttft_slo.PRIORITY)", k)
+			return c, fmt.Errorf("sim: --router-queue: unknown key %q (max, timeout, max_waiting, max_kv_usage, max_queued_prefill, max_predicted_wait, lifo_after, max_inflight, ttft_slo, ttft_slo.PRIORITY)", k)
 		}
 		if err != nil {
 			return c, fmt.Errorf("sim: --router-queue: %s: %w", k, err)
@@ -131,14 +138,29 @@ type simQueue struct {
 	tickets []admission.Ticket
 	armed   time.Time // the earliest evQueue pending (zero: none)
 	shed    func(*admission.Ticket)
+	est     admission.DecodeAware
+	room    []int
 }
 
-func newSimQueue(c *QueueConfig, n int) (*simQueue, error) {
+func (rn *runner) newSimQueue(c *QueueConfig, n int) (*simQueue, error) {
 	q, err := admission.New(c.Admission)
 	if err != nil {
 		return nil, fmt.Errorf("sim: queue: %w", err)
 	}
-	return &simQueue{cfg: c, q: q, tickets: make([]admission.Ticket, n)}, nil
+	sq := &simQueue{cfg: c, q: q, tickets: make([]admission.Ticket, n)}
+	sq.est = admission.DecodeAware{Profile: rn.rt.PricedProfile, Reps: rn.rt.Load, Prefill: rn.prefillEstimate}
+	q.SetEstimator(&sq.est)
+	return sq, nil
+}
+
+// prefillEstimate is request t's own prefill on replica id, priced by the
+// router as if routed there now.
+func (rn *runner) prefillEstimate(t *admission.Ticket, id int) time.Duration {
+	i := int(t.ID)
+	w := &rn.reqs[i]
+	req := policy.Request{ID: t.ID, Keys: rn.st[i].keys, PromptTokens: len(w.Tokens), OutputTokens: max(w.OutputTokens, 1),
+		Session: w.Session, Adapter: w.Adapter}
+	return rn.rt.PrefillEstimate(&req, id)
 }
 
 // queueArrive offers request i, arriving at now, to the queue: routed now,
@@ -176,7 +198,9 @@ func (rn *runner) queueDispatch(now time.Time) {
 		sq.shed = rn.shedRequest
 	}
 	for t := sq.q.Next(rn.rt.Load(), now, sq.shed); t != nil; t = sq.q.Next(rn.rt.Load(), now, sq.shed) {
-		rn.route(int(t.ID), now)
+		// Only among the replicas with room (GIE's saturation Filter).
+		sq.room = sq.q.Room(rn.rt.Load(), sq.room[:0])
+		rn.routeWithin(int(t.ID), now, router.Constraint{Only: sq.room})
 	}
 	rn.armQueue()
 }

@@ -396,7 +396,7 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		rn.updateLoad(i)
 	}
 	if cfg.Queue != nil {
-		if rn.q, err = newSimQueue(cfg.Queue, len(reqs)); err != nil {
+		if rn.q, err = rn.newSimQueue(cfg.Queue, len(reqs)); err != nil {
 			return nil, err
 		}
 	}
@@ -466,12 +466,15 @@ func (rn *runner) arrive(i int, now time.Time) {
 }
 
 // route routes request i (arrived) at now and submits it.
-func (rn *runner) route(i int, now time.Time) {
+func (rn *runner) route(i int, now time.Time) { rn.routeWithin(i, now, router.Constraint{}) }
+
+// routeWithin is route with the decision held to c.
+func (rn *runner) routeWithin(i int, now time.Time, c router.Constraint) {
 	w := &rn.reqs[i]
 	s := &rn.st[i]
 	out := max(w.OutputTokens, 1)
-	d, err := rn.rt.Route(policy.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens),
-		OutputTokens: out, Session: w.Session, Adapter: w.Adapter}, now)
+	d, err := rn.rt.RouteWithin(policy.Request{ID: uint64(i), Keys: s.keys, PromptTokens: len(w.Tokens),
+		OutputTokens: out, Session: w.Session, Adapter: w.Adapter}, now, c)
 	if err != nil {
 		s.err = err.Error()
 		rn.done++
