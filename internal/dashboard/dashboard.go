@@ -51,6 +51,42 @@ type Snapshot struct {
 	Totals Totals `json:"totals"`
 	// Recent lists the latest decisions, newest first.
 	Recent []Decision `json:"recent"`
+	// Queue is the router-side queue (docs/overload.md); absent when the
+	// queue is off.
+	Queue *Queue `json:"queue,omitempty"`
+}
+
+// Queue is the router-side queue's state.
+type Queue struct {
+	// Saturated says the pool is saturated now: arrivals wait.
+	Saturated bool `json:"saturated"`
+	// Waiting counts the requests waiting now.
+	Waiting int `json:"waiting"`
+	// MinWaitS is the least predicted wait for a first token among the
+	// replicas that take requests, in seconds.
+	MinWaitS float64 `json:"min_wait_s"`
+	// Flows are the waiting requests per priority and tenant, highest
+	// priority first.
+	Flows []QueueFlow `json:"flows"`
+	// Passed, Queued, Dispatched and Cancelled count requests since start:
+	// let through at once, made to wait, let through after waiting, left by
+	// their client while waiting.
+	Passed     int64 `json:"passed"`
+	Queued     int64 `json:"queued"`
+	Dispatched int64 `json:"dispatched"`
+	Cancelled  int64 `json:"cancelled"`
+	// Shed counts requests shed since start, per reason (queue_full,
+	// timeout, deadline, pool_down).
+	Shed map[string]int64 `json:"shed"`
+}
+
+// QueueFlow is one priority and tenant's waiting requests.
+type QueueFlow struct {
+	Priority int    `json:"priority"`
+	Tenant   string `json:"tenant"`
+	Waiting  int    `json:"waiting"`
+	// OldestWaitS is how long the oldest of them has waited, in seconds.
+	OldestWaitS float64 `json:"oldest_wait_s"`
 }
 
 // Replica is one replica's state.

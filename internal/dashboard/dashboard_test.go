@@ -38,6 +38,8 @@ func sampleSnapshot() Snapshot {
 		CachePrediction: CachePrediction{PredictedTokens: 1000, ReportedTokens: 900, Checked: 10, ExactRatio: 0.9},
 		Totals:          Totals{Routed: 20, Finished: 17, InFlight: 3},
 		Recent:          []Decision{{Time: at, Replica: "r0", Branch: "exploit", MatchedTokens: 4096, PromptTokens: 4200, Explain: "branch=exploit; matched=4096"}},
+		Queue: &Queue{Saturated: true, Waiting: 3, MinWaitS: 2.5, Flows: []QueueFlow{{Priority: 1, Tenant: "a", Waiting: 3, OldestWaitS: 0.75}},
+			Passed: 10, Queued: 5, Dispatched: 2, Shed: map[string]int64{"deadline": 1, "timeout": 0}},
 	}
 }
 
@@ -101,7 +103,11 @@ func TestStateJSONSchema(t *testing.T) {
 	}
 	check("snapshot", doc, want{"time": "string", "policy": "string", "replicas": "array", "prefixes": "array",
 		"branches": "object", "decisions_per_s": "number", "rate_window_s": "number", "cache_prediction": "object",
-		"totals": "object", "recent": "array"})
+		"totals": "object", "recent": "array", "queue": "object"})
+	check("queue", doc["queue"], want{"saturated": "bool", "waiting": "number", "min_wait_s": "number", "flows": "array",
+		"passed": "number", "queued": "number", "dispatched": "number", "cancelled": "number", "shed": "object"})
+	check("queue.flows[0]", doc["queue"].(map[string]any)["flows"].([]any)[0], want{"priority": "number", "tenant": "string",
+		"waiting": "number", "oldest_wait_s": "number"})
 	check("replicas[0]", doc["replicas"].([]any)[0], want{"name": "string", "up": "bool", "in_flight": "number",
 		"waiting": "number", "running": "number", "kv_usage": "number", "hit_ratio": "number", "load_seconds": "number",
 		"pending_prefill_s": "number", "cached_blocks": "number", "kind": "string", "slots": "number",

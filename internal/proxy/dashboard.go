@@ -11,6 +11,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/dashboard"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/prefixtree"
@@ -161,9 +162,14 @@ func (p *Proxy) Snapshot() dashboard.Snapshot {
 	})
 	ringFull := p.dash.n >= dashRingSize
 	p.dash.mu.Unlock()
+	var queue *cluster.GateState
+	if p.gate != nil {
+		st := p.gate.StateLocked()
+		queue = &st
+	}
 	p.mu.Unlock()
 
-	s := dashboard.Snapshot{Time: now, Policy: p.policy, Branches: map[string]float64{}}
+	s := dashboard.Snapshot{Time: now, Policy: p.policy, Branches: map[string]float64{}, Queue: dashQueue(queue, now)}
 	for i, rp := range reps {
 		if names[i] == "" {
 			continue
@@ -292,4 +298,19 @@ func keepHot(hot []hotPrefix, n *prefixtree.Node, count, replicas, blockTokens i
 		hot = hot[:dashPrefixes]
 	}
 	return hot
+}
+
+// dashQueue is the dashboard's view of the queue's state (nil: off).
+func dashQueue(st *cluster.GateState, now time.Time) *dashboard.Queue {
+	if st == nil {
+		return nil
+	}
+	q := &dashboard.Queue{Saturated: st.Pool.Saturated, Waiting: st.Waiting, MinWaitS: st.Pool.MinWait.Seconds(),
+		Flows: make([]dashboard.QueueFlow, 0, len(st.Flows)), Passed: st.Stats.Passed, Queued: st.Stats.Queued,
+		Dispatched: st.Stats.Dispatched, Cancelled: st.Stats.Cancelled, Shed: st.Shed}
+	for _, f := range st.Flows {
+		q.Flows = append(q.Flows, dashboard.QueueFlow{Priority: f.Priority, Tenant: f.Tenant, Waiting: f.Waiting,
+			OldestWaitS: max(now.Sub(f.Oldest), 0).Seconds()})
+	}
+	return q
 }

@@ -131,6 +131,15 @@ func TestDashboardSnapshot(t *testing.T) {
 	if s.CachePrediction.Checked > s.Totals.Finished || s.CachePrediction.ExactRatio < 0 || s.CachePrediction.ExactRatio > 1 {
 		t.Errorf("cache prediction %+v", s.CachePrediction)
 	}
+	// The queue (on by default) let all four through at once.
+	if q := s.Queue; q == nil || q.Passed != 4 || q.Waiting != 0 || q.Saturated || q.Queued != 0 || len(q.Shed) == 0 {
+		t.Errorf("queue %+v, want 4 passed, none waiting, shed reasons listed", q)
+	}
+	cfg.Queue.On = false
+	_, off := startProxy(t, cfg)
+	if _, body := getState(t, off.URL+"/ui/state.json", "s3cret"); strings.Contains(string(body), `"queue"`) {
+		t.Errorf("queue off: state.json has a queue: %s", body)
+	}
 
 	// A replica ejected shows down.
 	p.checked(p.backendAt(1), false, true)

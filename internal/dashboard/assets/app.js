@@ -38,7 +38,7 @@
   }
 
   // History of the charted series: name -> array of [t, v].
-  const hist = { inflight: {}, branches: {}, cache: {}, hit: {} };
+  const hist = { inflight: {}, branches: {}, cache: {}, hit: {}, queue: {} };
   function push(group, name, t, v) {
     const s = group[name] || (group[name] = []);
     s.push([t, v]);
@@ -301,6 +301,32 @@
         el("td", { class: "explain" }, d.explain))));
   }
 
+  // renderQueue shows the router-side queue (absent when it is off): what
+  // waits now per priority and tenant, and the requests shed by reason.
+  function renderQueue(s, t) {
+    const q = s.queue;
+    $("queue-card").hidden = !q;
+    if (!q) return;
+    $("queue-state").textContent = q.saturated ? "saturated: arrivals wait" : "not saturated: requests pass";
+    $("queue-waiting").textContent = human(q.waiting);
+    $("queue-dispatched").textContent = human(q.dispatched);
+    const shed = Object.values(q.shed || {}).reduce((a, b) => a + b, 0);
+    $("queue-shed").textContent = human(shed);
+    $("queue-flows").tBodies[0].replaceChildren(...q.flows.slice(0, 20).map((f) =>
+      el("tr", null,
+        el("td", { class: "num" }, String(f.priority)),
+        el("td", null, f.tenant),
+        el("td", { class: "num" }, String(f.waiting)),
+        el("td", { class: "num" }, f.oldest_wait_s.toFixed(2)))));
+    $("queue-shed-reasons").textContent = "shed by reason: " + Object.entries(q.shed || {}).map(([r, n]) => r + " " + n).join(" · ") +
+      " · cancelled " + q.cancelled + " · passed " + q.passed;
+    const byPrio = {};
+    for (const f of q.flows) byPrio["priority " + f.priority] = (byPrio["priority " + f.priority] || 0) + f.waiting;
+    for (const n of Object.keys(hist.queue)) if (!(n in byPrio)) push(hist.queue, n, t, 0);
+    for (const [n, v] of Object.entries(byPrio)) push(hist.queue, n, t, v);
+    lineChart($("chart-queue"), $("legend-queue"), hist.queue, colorOf, { integer: true, fmt: (v) => v.toFixed(0) });
+  }
+
   function render(s) {
     const t = Date.parse(s.time) || Date.now();
     $("policy").textContent = "policy " + s.policy;
@@ -310,6 +336,7 @@
     renderReplicas(s);
     renderPrefixes(s, t);
     renderRecent(s);
+    renderQueue(s, t);
     for (const r of s.replicas) {
       push(hist.inflight, r.name, t, r.in_flight);
       push(hist.hit, r.name, t, r.hit_ratio);
