@@ -221,3 +221,16 @@ func (p *E2) placedWork(q int, ns int64) float64 {
 	}
 	return l
 }
+
+// AdapterSet returns the replicas assigned to LoRA adapter a, in ID order
+// (nil when a was never routed): E2's adapter placement, for reports and
+// tests.
+func (p *E2) AdapterSet(a string) []int {
+	st := p.adapters[a]
+	if st == nil {
+		return nil
+	}
+	var out []int
+	st.set.Each(func(r int) { out = append(out, r) })
+	return out
+}
