@@ -752,15 +752,19 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 		}
 		node.Assigned.Add(r)
 	}
-	// Adapter placement sizes an adapter's set by its share of the
-	// cluster's work, base-model requests' included (no base-model
-	// decision reads it).
-	work := e.prefill
-	if req.OutputTokens > 1 {
-		rp := &v.Replicas[r]
-		work += float64(req.OutputTokens-1) * p.stepMemo(v, r, rp.InFlight+1, decodeContext(rp, req))
+	if req.Adapter != "" || p.adapterList != nil {
+		// Adapter placement sizes an adapter's set by its share of the
+		// cluster's work, base-model requests' included from the first
+		// adapter's request on (no base-model decision reads it, and a run
+		// without adapters never calls the cost model here: its decisions
+		// and results stay bit-identical).
+		work := e.prefill
+		if req.OutputTokens > 1 {
+			rp := &v.Replicas[r]
+			work += float64(req.OutputTokens-1) * p.stepMemo(v, r, rp.InFlight+1, decodeContext(rp, req))
+		}
+		p.placeAdapter(req.Adapter, r, work, v, ns)
 	}
-	p.placeAdapter(req.Adapter, r, work, v, ns)
 	p.routed++
 	if (p.cfg.Rebalance || p.cfg.Replicate) && p.routed >= p.cfg.WarmupPerReplica*max(v.Up(), 1) &&
 		(p.cfg.RebalanceInterval == 0 || !p.rebalanced || ns-p.lastReb >= int64(p.cfg.RebalanceInterval)) {

@@ -46,7 +46,10 @@ func TestE2AdapterPlacement(t *testing.T) {
 			cfg := policy.DefaultE2Config()
 			cfg.AdapterCascadeWeight = tt.weight
 			p := mustE2(t, cfg)
-			for i := range 40 { // base-model work: b and a need one replica each
+			// Base-model work (counted from the first adapter's request
+			// on): b and a need one replica each.
+			routeAdapter(t, c, p, "c", toks(6, 64), -2)
+			for i := range 40 {
 				routeAdapter(t, c, p, "", toks(uint64(100+i), 64), -1+0.01*float64(i))
 			}
 			n := 0.0
@@ -96,6 +99,7 @@ func TestE2AdapterPlacement(t *testing.T) {
 func TestE2AdapterCascadeVictim(t *testing.T) {
 	c := loraCluster(t, []string{"b", "x"}, []string{"c", "y"}, []string{"d"})
 	p := mustE2(t, policy.DefaultE2Config())
+	routeAdapter(t, c, p, "c", toks(6, 64), -2)
 	for i := range 40 {
 		routeAdapter(t, c, p, "", toks(uint64(100+i), 64), -1+0.01*float64(i))
 	}
