@@ -106,11 +106,11 @@ type E2Config struct {
 	// adapters: vLLM admits it only once one of them drains (term
 	// adapter_wait, part of L; 0 for the base model).
 	AdapterWaitWeight float64 `json:"adapter_wait_weight"`
-	// AdapterCascadeWeight weighs the reloads a request's adapter load on a
-	// replica outside the adapter's assigned set causes the adapter placed
-	// there that it evicts (term adapter_cascade, part of M; 0 for the base
-	// model). E2 keeps each adapter's assigned set sized to its load
-	// (e2adapter.go); 0 turns the preference for the set off.
+	// AdapterCascadeWeight weighs the reloads a request's adapter load
+	// causes the adapter placed on that replica that it evicts (term
+	// adapter_cascade, part of M; 0 for the base model). E2 keeps each
+	// adapter's assigned set sized to its load (e2adapter.go); 0 turns the
+	// placement's price off.
 	AdapterCascadeWeight float64 `json:"adapter_cascade_weight"`
 	// Mixing enables the prefill/decode mixing rule.
 	Mixing bool `json:"mixing"`
@@ -257,7 +257,7 @@ func PrebleE2Config() E2Config {
 //	adapter_eviction  1       w·T_load(r) if r lacks the adapter, slots full     prefixlb
 //	adapter_load      1       w·T_load(r) if r lacks the adapter                 prefixlb
 //	adapter_wait      1       w·(wait for r's running adapters to free a slot)   prefixlb
-//	adapter_cascade   1       w·n_b(r)·T_load(r) if r ∉ set(a) evicts b placed on r  prefixlb
+//	adapter_cascade   1       w·n_b(r)·T_load(r) if a load on r evicts b placed on r  prefixlb
 //
 // ρ_r is r's windowed prefill rate (prefill that arrives meanwhile shares
 // this request's decode) and s_r the share of each chunked-prefill iteration
@@ -278,8 +278,7 @@ func PrebleE2Config() E2Config {
 // adapter_wait the wait vLLM imposes when r's running requests already use
 // max_loras other adapters (adapterWaitTerm); adapter_cascade the reloads
 // of an adapter b placed on r (b's requests there in the window, each a load)
-// that a load of this request's adapter evicts when r is outside the
-// adapter's assigned set (adapterCascadeTerm). E2 keeps each adapter's set
+// that a load of this request's adapter there evicts (adapterCascadeTerm). E2 keeps each adapter's set
 // sized to its load, as it assigns a hot prefix (placeAdapter, e2adapter.go).
 // All are 0 for the base model.
 //
