@@ -153,3 +153,64 @@ func TestE2AdapterSetSize(t *testing.T) {
 		t.Errorf("a never-routed adapter's set %v, want nil", got)
 	}
 }
+
+// TestE2AdapterRouteAllocs: pricing adapter_cascade allocates nothing: a
+// decision for an adapter's request on full slots allocates only its
+// Candidates, as a base-model decision does.
+func TestE2AdapterRouteAllocs(t *testing.T) {
+	c := loraCluster(t, []string{"a", "x"}, []string{"c", "b"})
+	p := mustE2(t, policy.DefaultE2Config())
+	for i := range 10 {
+		routeAdapter(t, c, p, "b", toks(7, 64), 0.1*float64(i))
+	}
+	req, v := c.request(toks(9, 64), at(2))
+	req.Adapter = "y"
+	if n := testing.AllocsPerRun(100, func() {
+		if _, err := p.Route(req, v, at(2)); err != nil {
+			t.Fatal(err)
+		}
+	}); n > 1 {
+		t.Errorf("Route allocates %v times, want 1", n)
+	}
+}
+
+// BenchmarkE2AdapterRouted: one decision and its Routed (placement
+// included) for requests of 32 adapters on 8 replicas with 4 slots each.
+func BenchmarkE2AdapterRouted(b *testing.B) {
+	t := &testing.T{} // loraCluster fails only on a bad tree config, which this one is not
+	held := make([][]string, 8)
+	names := make([]string, 32)
+	for i := range names {
+		names[i] = "adapter-" + string(rune('A'+i))
+	}
+	for r := range held {
+		held[r] = names[4*r : 4*r+4]
+	}
+	c := loraCluster(t, held...)
+	for r := range c.reps {
+		c.reps[r].MaxAdapters = 4
+	}
+	p, err := policy.NewE2(policy.DefaultE2Config())
+	if err != nil {
+		b.Fatal(err)
+	}
+	prompts := make([][]uint32, 32)
+	for i := range prompts {
+		prompts[i] = toks(uint64(i+1), 256)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		a := i % 32
+		now := at(float64(i) * 0.01)
+		req, v := c.request(prompts[a], now)
+		req.Adapter = names[a]
+		d, err := p.Route(req, v, now)
+		if err != nil {
+			b.Fatal(err)
+		}
+		p.Routed(req, &d, v, now)
+		p.Finished(req.ID, d.Replica, 100, true, now)
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1e3, "µs/decision")
+}
