@@ -38,6 +38,7 @@ type eppFlags struct {
 	maxPromptTokens          int
 	kvLinkGbps               float64
 	loraAdapters             []string
+	loraAdapterBytes         int64
 	modelRewrites            string
 	watchModelRewrites       bool
 	watchObjectives          bool
@@ -117,6 +118,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringVar(&f.modelRewrites, "model-rewrites", "", "file of InferenceModelRewrite manifests (GIE's model aliases, fallbacks and weighted splits) for this pool: a request's model is rewritten before it is routed")
 	fs.BoolVar(&f.watchModelRewrites, "watch-model-rewrites", false, "follow the InferenceModelRewrite objects of the --discovery inferencepool's namespace in the cluster (GIE's model aliases, fallbacks and splits; needs RBAC to list and watch them) instead of --model-rewrites")
 	fs.BoolVar(&f.watchObjectives, "watch-objectives", false, "follow the InferenceObjective objects of the --discovery inferencepool's namespace: the priority at which requests naming one in x-gateway-inference-objective are queued (over --objective-priority; needs RBAC to list and watch them)")
+	fs.Int64Var(&f.loraAdapterBytes, "lora-adapter-bytes", 0, "size of each LoRA adapter's weights in bytes, which prices a load on a replica that lacks it (engine's --lora-adapter-bytes); 0: the profile's fixed cost alone")
 	fs.StringSliceVar(&f.loraAdapters, "lora-adapters", nil, "model names that are LoRA adapters (vLLM's --lora-modules), comma-separated: keyed apart from the base model's and each other's")
 	fs.Float64Var(&f.kvLinkGbps, "kv-link-gbps", 400, "with a P/D policy and pods labelled llm-d.ai/role=prefill: each pod's KV-transfer link, Gbit/s, as the policy prices a transfer")
 	fs.DurationVar(&f.kvLinkLatency, "kv-link-latency", time.Millisecond, "with a P/D policy: one KV transfer's fixed latency")
@@ -155,7 +157,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	cfg := epp.Config{Policy: f.policy, Profile: f.profile, NoCalibrate: !f.calibrate, BlockTokens: f.blockTokens, Seed: f.seed,
 		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, MaxPromptTokens: f.maxPromptTokens, ScrapeInterval: f.scrape,
 		KVLink:       policy.KVLink{BytesPerSecond: f.kvLinkGbps * 1e9 / 8, Latency: f.kvLinkLatency},
-		LoRAAdapters: f.loraAdapters, Tokenizer: f.tokenizer,
+		LoRAAdapters: f.loraAdapters, LoRAAdapterBytes: f.loraAdapterBytes, Tokenizer: f.tokenizer,
 		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Objectives: f.objectives}
 	if f.queue.On {
 		q := f.queue

@@ -74,6 +74,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"discovery":               func() { c.Discovery = f.cfg.Discovery },
 		"kv-link-gbps":            func() { c.KVLinkGbps = f.cfg.KVLinkGbps },
 		"lora-adapters":           func() { c.LoRAAdapters = f.cfg.LoRAAdapters },
+		"lora-adapter-bytes":      func() { c.LoRAAdapterBytes = f.cfg.LoRAAdapterBytes },
 		"ignore-cache-tiers":      func() { c.IgnoreCacheTiers = f.cfg.IgnoreCacheTiers },
 		"kv-link-latency":         func() { c.KVLinkLatency = f.cfg.KVLinkLatency },
 		"kubeconfig":              func() { c.Kubeconfig = f.cfg.Kubeconfig },
@@ -175,6 +176,7 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	fs.StringVar(&d.Listen, "listen", d.Listen, "address to listen on")
 	fs.StringVar(&f.backends, "backend", "", "replica base URLs, comma-separated (replaces the config file's backends)")
 	fs.BoolVar(&d.IgnoreCacheTiers, "ignore-cache-tiers", false, "drop KV events of slower cache tiers (CPU offloading, disk) instead of pricing their blocks at their load time")
+	fs.Int64Var(&d.LoRAAdapterBytes, "lora-adapter-bytes", 0, "size of each LoRA adapter's weights in bytes, which prices a load on a replica that lacks it (engine's --lora-adapter-bytes); 0: the profile's fixed cost alone")
 	fs.StringSliceVar(&d.LoRAAdapters, "lora-adapters", nil, "model names that are LoRA adapters (vLLM's --lora-modules), comma-separated: their requests are keyed apart from the base model's and each other's, as vLLM caches them")
 	fs.StringVar(&f.prefill, "prefill-backend", "", "prefill replicas' base URLs, comma-separated: requests are disaggregated, their prefill run there and their KV moved to a --backend replica that decodes (vLLM's P/D protocol; the policy defaults to e2-pd)")
 	fs.Float64Var(&d.KVLinkGbps, "kv-link-gbps", d.KVLinkGbps, "with prefill replicas: each replica's KV-transfer link, Gbit/s, as the policies price a transfer")

@@ -66,6 +66,11 @@ type Settings struct {
 	// adapter's seed (blocks.AdapterSeed), as vLLM hashes the adapter into
 	// its blocks and its KV events name it (lora_name).
 	Adapters []string
+	// AdapterBytes is the size of an adapter's weights (engine's and the
+	// workload's --lora-adapter-bytes), which with the profile's
+	// costmodel.AdapterLoad prices loading one on a replica
+	// (policy.Replica.AdapterBytes); 0 prices the fixed cost alone.
+	AdapterBytes int64
 }
 
 // ErrPromptTooLong is returned by Key for a prompt over
@@ -97,9 +102,10 @@ type Core struct {
 	// Keyer keys prompts; safe for concurrent use.
 	Keyer keying.Keyer
 
-	maxPrompt   int
-	adapters    map[string]bool
-	ignoreTiers bool
+	maxPrompt    int
+	adapters     map[string]bool
+	adapterBytes int64
+	ignoreTiers  bool
 }
 
 // New resolves s (profile, policy, keyer) and builds the router. Errors
@@ -134,6 +140,10 @@ func New(s Settings) (*Core, error) {
 		return nil, fmt.Errorf("router: %w", err)
 	}
 	c := &Core{Router: rt, Profile: prof, Policy: pol.Name(), Keyer: keyer, maxPrompt: s.MaxPromptTokens, ignoreTiers: s.IgnoreTiers}
+	if s.AdapterBytes < 0 {
+		return nil, fmt.Errorf("adapter bytes %d: must be ≥ 0", s.AdapterBytes)
+	}
+	c.adapterBytes = s.AdapterBytes
 	for _, a := range s.Adapters {
 		if a == "" {
 			return nil, errors.New("adapters: an empty adapter name")

@@ -342,6 +342,7 @@ func (p *Pool) add(r Replica) (up, changed bool) {
 		}
 		_ = p.Router.SetProfile(m.ID, prof)
 	}
+	_ = p.Router.SetAdapterBytes(m.ID, p.adapterBytes) // ≥ 0: New checked it
 	_ = p.Router.SetUp(m.ID, m.Up(), now)
 	m.role, _ = policy.ParseRole(r.Role) // validated
 	_ = p.Router.SetRole(m.ID, m.role)

@@ -142,6 +142,9 @@ type Config struct {
 	// LoRAAdapters are the model names that are LoRA adapters: their
 	// requests are keyed from the adapter's seed (cluster.Settings.Adapters).
 	LoRAAdapters []string
+	// LoRAAdapterBytes is the size of an adapter's weights, which prices
+	// an adapter load (engine's --lora-adapter-bytes; 0: the fixed cost).
+	LoRAAdapterBytes int64
 	// Queue, when set and On, is the router-side queue (cluster.Gate, as
 	// prefixlb serve runs it): while every replica is saturated a request's
 	// ext_proc stream is held until the queue dispatches it, or answered
@@ -271,7 +274,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
 		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
 		TreeMaxBlocks: cfg.TreeMaxBlocks, DefaultOutputTokens: cfg.DefaultOutputTokens, Calibrate: cal,
-		MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink, Adapters: cfg.LoRAAdapters})
+		MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink, Adapters: cfg.LoRAAdapters, AdapterBytes: cfg.LoRAAdapterBytes})
 	if err != nil {
 		return nil, fmt.Errorf("epp: %w", err)
 	}

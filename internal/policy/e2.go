@@ -106,6 +106,12 @@ type E2Config struct {
 	// adapters: vLLM admits it only once one of them drains (term
 	// adapter_wait, part of L; 0 for the base model).
 	AdapterWaitWeight float64 `json:"adapter_wait_weight"`
+	// AdapterCascadeWeight weighs the reloads a request's adapter load
+	// causes the adapter placed on that replica that it evicts (term
+	// adapter_cascade, part of M; 0 for the base model). E2 keeps each
+	// adapter's assigned set sized to its load (e2adapter.go); 0 turns the
+	// placement's price off.
+	AdapterCascadeWeight float64 `json:"adapter_cascade_weight"`
 	// Mixing enables the prefill/decode mixing rule.
 	Mixing bool `json:"mixing"`
 	// Rebalance enables migration of prefixes off a heavy replica, and
@@ -192,6 +198,7 @@ const (
 //	adapter_eviction  1       (prefixlb's: LoRA adapters, e2cost.go)
 //	adapter_load      1       (prefixlb's: LoRA adapters, e2cost.go)
 //	adapter_wait      1       (prefixlb's: LoRA adapters, e2cost.go)
+//	adapter_cascade   1       (prefixlb's: LoRA adapter placement, e2adapter.go)
 func PrebleE2Config() E2Config {
 	return E2Config{
 		Name:                "e2-preble",
@@ -218,6 +225,7 @@ func PrebleE2Config() E2Config {
 		AdapterLoadWeight:     1,
 		AdapterEvictionWeight: 1,
 		AdapterWaitWeight:     1,
+		AdapterCascadeWeight:  1,
 		Rebalance:             true,
 		Replicate:             true,
 	}
@@ -233,7 +241,7 @@ func PrebleE2Config() E2Config {
 //
 //	cost(r) = L + M + P
 //	L = decode + history + pending + interference + self_decode + prefill_slowdown + slot_wait + adapter_wait
-//	M = eviction + adapter_eviction
+//	M = eviction + adapter_eviction + adapter_cascade
 //	P = prefill + adapter_load
 //
 //	term              weight  on replica r, w the weight                         from
@@ -249,6 +257,7 @@ func PrebleE2Config() E2Config {
 //	adapter_eviction  1       w·T_load(r) if r lacks the adapter, slots full     prefixlb
 //	adapter_load      1       w·T_load(r) if r lacks the adapter                 prefixlb
 //	adapter_wait      1       w·(wait for r's running adapters to free a slot)   prefixlb
+//	adapter_cascade   1       w·n_b(r)·T_load(r) if a load on r evicts b placed on r  prefixlb
 //
 // ρ_r is r's windowed prefill rate (prefill that arrives meanwhile shares
 // this request's decode) and s_r the share of each chunked-prefill iteration
@@ -267,7 +276,11 @@ func PrebleE2Config() E2Config {
 // lacks it (part of P_r, so interference charges it to r's running decodes
 // too), adapter_eviction the reload of the adapter that load evicts, and
 // adapter_wait the wait vLLM imposes when r's running requests already use
-// max_loras other adapters (adapterWaitTerm); all are 0 for the base model.
+// max_loras other adapters (adapterWaitTerm); adapter_cascade the reloads
+// of an adapter b placed on r (b's requests there in the window, each a load)
+// that a load of this request's adapter there evicts (adapterCascadeTerm). E2 keeps each adapter's set
+// sized to its load, as it assigns a hot prefix (placeAdapter, e2adapter.go).
+// All are 0 for the base model.
 //
 // Rebalancing and replication run on movable (windowed prefill) load at most
 // once a second with a per-prefix cooldown; with exploit over every replica
@@ -339,6 +352,8 @@ func (c E2Config) Validate() error {
 		return fmt.Errorf("policy: e2 %s: tier_credit must be %q, %q or %q, got %q", c.Name, TierCreditLoad, TierCreditFixed, TierCreditNone, c.TierCredit)
 	case !finite(c.AdapterWaitWeight) || c.AdapterWaitWeight < 0:
 		return fmt.Errorf("policy: e2 %s: adapter_wait_weight must be ≥ 0, got %v", c.Name, c.AdapterWaitWeight)
+	case !finite(c.AdapterCascadeWeight) || c.AdapterCascadeWeight < 0:
+		return fmt.Errorf("policy: e2 %s: adapter_cascade_weight must be ≥ 0, got %v", c.Name, c.AdapterCascadeWeight)
 	case c.RebalanceInterval < 0:
 		return fmt.Errorf("policy: e2 %s: rebalance_interval must be ≥ 0, got %v", c.Name, c.RebalanceInterval)
 	case c.MoveCooldown < 0:
@@ -426,6 +441,14 @@ type E2 struct {
 	order             []int
 	lrb               []float64
 	drains            []float64 // adapterWaitTerm's running adapters
+	// adapters is each LoRA adapter's placement (e2adapter.go), adapterList
+	// the same in the order first routed; adapterWork is the decayed
+	// GPU-seconds of every request routed, as of adapterAt; nowNS is the
+	// time of the decision being priced.
+	adapters         map[string]*e2Adapter
+	adapterList      []*e2Adapter
+	adapterWork      float64
+	adapterAt, nowNS int64
 	// Moves and Replications count rebalancing actions (for reports).
 	Moves, Replications, Shrinks int
 }
@@ -547,6 +570,7 @@ func memoPut(memo *[]memoEntry, prof costmodel.Profile, a, b int, x float64) {
 // Route implements Policy (Algorithm 1 of the paper).
 func (p *E2) Route(req *Request, v *View, now time.Time) (Decision, error) {
 	p.pfMemo, p.stepMemos = p.pfMemo[:0], p.stepMemos[:0]
+	p.nowNS = now.UnixNano()
 	p.expire(now.UnixNano())
 	if v.Up() == 0 {
 		return Decision{}, ErrNoReplica
@@ -727,6 +751,19 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 		}
 		node.Assigned.Add(r)
 	}
+	if req.Adapter != "" || p.adapterList != nil {
+		// Adapter placement sizes an adapter's set by its share of the
+		// cluster's work, base-model requests' included from the first
+		// adapter's request on (no base-model decision reads it, and a run
+		// without adapters never calls the cost model here: its decisions
+		// and results stay bit-identical).
+		work := e.prefill
+		if req.OutputTokens > 1 {
+			rp := &v.Replicas[r]
+			work += float64(req.OutputTokens-1) * p.stepMemo(v, r, rp.InFlight+1, decodeContext(rp, req))
+		}
+		p.placeAdapter(req.Adapter, r, work, v, ns)
+	}
 	p.routed++
 	if (p.cfg.Rebalance || p.cfg.Replicate) && p.routed >= p.cfg.WarmupPerReplica*max(v.Up(), 1) &&
 		(p.cfg.RebalanceInterval == 0 || !p.rebalanced || ns-p.lastReb >= int64(p.cfg.RebalanceInterval)) {
@@ -791,6 +828,9 @@ func (p *E2) Finished(id uint64, replica int, outputTokens int, ok bool, now tim
 func (p *E2) ReplicaDown(r int, now time.Time) {
 	for _, n := range p.active {
 		n.Assigned.Remove(r)
+	}
+	for _, st := range p.adapterList {
+		st.set.Remove(r)
 	}
 	if r < len(p.reps) {
 		p.reps[r].tpot = p.reps[r].tpot[:0]

@@ -192,8 +192,8 @@ func TestE2CostUnchanged(t *testing.T) {
 		}
 	}
 	for term := range policy.NumE2Terms {
-		if term == policy.E2AdapterEviction || term == policy.E2AdapterLoad || term == policy.E2AdapterWait {
-			continue // base-model requests only here: TestE2AdapterTerms, TestE2AdapterWait
+		if term == policy.E2AdapterEviction || term == policy.E2AdapterLoad || term == policy.E2AdapterWait || term == policy.E2AdapterCascade {
+			continue // base-model requests only here: TestE2AdapterTerms, TestE2AdapterWait, TestE2AdapterPlacement
 		}
 		if nonzero&(1<<term) == 0 {
 			t.Errorf("term %v is 0 in every decision: the checksums do not cover it", term)

@@ -79,7 +79,7 @@ func checkE2Doc(doc string, cfg E2Config) []string {
 	for t := range NumE2Terms {
 		p := "L"
 		switch t {
-		case E2Eviction, E2AdapterEviction:
+		case E2Eviction, E2AdapterEviction, E2AdapterCascade:
 			p = "M"
 		case E2Prefill, E2AdapterLoad:
 			p = "P"

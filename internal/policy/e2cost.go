@@ -17,7 +17,7 @@ import (
 // prices a replica as L + M + P: its load, the eviction the request causes
 // and the request's own prefill. Here L is the sum of the terms from
 // E2Decode to E2SlotWait, M is E2Eviction plus E2AdapterEviction and P is
-// E2Prefill plus E2AdapterLoad (the adapter terms are 0 for the base model
+// E2Prefill plus E2AdapterLoad (E2AdapterCascade joins M last; the adapter terms are 0 for the base model
 // and where adapter slots are unknown; E2AdapterWait, an adapter's wait
 // for a slot, is part of L, summed last for the same reason); each term is
 // one method (…Term) whose doc comment gives its formula, the weights come
@@ -41,6 +41,7 @@ const (
 	E2AdapterEviction               // M: evicting another LoRA adapter (prefixlb)
 	E2AdapterLoad                   // P: loading this request's LoRA adapter (prefixlb)
 	E2AdapterWait                   // L: waiting for the running adapters to free a slot (prefixlb)
+	E2AdapterCascade                // M: reloads of an adapter placed where this one would evict it (prefixlb)
 	NumE2Terms
 )
 
@@ -59,6 +60,7 @@ var e2TermNames = [NumE2Terms]string{
 	E2AdapterEviction: "adapter_eviction",
 	E2AdapterLoad:     "adapter_load",
 	E2AdapterWait:     "adapter_wait",
+	E2AdapterCascade:  "adapter_cascade",
 }
 
 // String returns the term's name ("pending", "self_decode", ...).
@@ -126,6 +128,9 @@ func (t *E2Terms) sum() (load, cost float64) {
 		load += t[E2AdapterWait]
 		cost += t[E2AdapterEviction] + t[E2AdapterLoad] + t[E2AdapterWait]
 	}
+	if t[E2AdapterCascade] != 0 {
+		cost += t[E2AdapterCascade]
+	}
 	return load, cost
 }
 
@@ -156,6 +161,7 @@ func (c *E2Config) termWeights() [NumE2Terms]float64 {
 	w[E2AdapterEviction] = c.AdapterEvictionWeight
 	w[E2AdapterLoad] = c.AdapterLoadWeight
 	w[E2AdapterWait] = c.AdapterWaitWeight
+	w[E2AdapterCascade] = c.AdapterCascadeWeight
 	return w
 }
 
@@ -190,11 +196,12 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	t[E2AdapterEviction] = adapterEvictionTerm(w[E2AdapterEviction], r, req, v)
 	t[E2AdapterLoad] = adapterLoadTerm(w[E2AdapterLoad], r, req, v)
 	t[E2AdapterWait] = p.adapterWaitTerm(w[E2AdapterWait], r, req, v)
+	t[E2AdapterCascade] = p.adapterCascadeTerm(w[E2AdapterCascade], r, req, v)
 	c.Replica, c.MatchedTokens = r, m
 	c.Load, c.Score = t.sum()
 	c.Eviction, c.Prefill = t[E2Eviction], t[E2Prefill]
-	if t[E2AdapterEviction] != 0 || t[E2AdapterLoad] != 0 {
-		c.Eviction += t[E2AdapterEviction]
+	if t[E2AdapterEviction] != 0 || t[E2AdapterLoad] != 0 || t[E2AdapterCascade] != 0 {
+		c.Eviction += t[E2AdapterEviction] + t[E2AdapterCascade]
 		c.Prefill += t[E2AdapterLoad]
 	}
 }

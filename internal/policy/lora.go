@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"slices"
 	"time"
 )
 
@@ -22,23 +23,26 @@ const DefaultGIELoRAWeight = 1
 //
 //	score(r) = 3·prefix(r) + 2·kv(r) + 2·queue(r) + LoRAWeight·lora(r)
 //
-// lora scores the replica for the request's adapter (its target model):
+// lora scores the replica for the request's target model, the first case
+// that holds, in GIE's order:
 //
-//	1.0  the adapter is active on r
-//	0.8  r has room to load one more: |active| + |waiting| < max
-//	0.6  the adapter is waiting on r
+//	1.0  the model is active on r (in its running adapters)
+//	0.8  r has room: |active| + |waiting| < max
+//	0.6  the model is waiting on r (in its waiting adapters)
 //	0    otherwise
 //
-// GIE reads active and waiting adapters from vLLM's
-// vllm:lora_requests_info gauge (running_lora_adapters,
-// waiting_lora_adapters, max_lora). The router gives policies the adapters
-// a replica holds in its slots (Replica.Adapters) and not the waiting ones,
-// so here "active" is "held" (a superset of running: it also credits an
-// idle resident adapter, which GIE's data would not show), and the 0.6
-// case does not arise. A base-model request, or a replica whose slots are
-// unknown (MaxAdapters 0), scores 1: every replica serves the base model.
-// GIE's older lora-affinity filter (pkg/epp/scheduling/framework/plugins/
-// filter/lora_affinity_filter.go, since removed) is not modelled.
+// GIE's metrics extractor fills active, waiting and max from vLLM's
+// vllm:lora_requests_info gauge: running_lora_adapters, waiting_lora_adapters
+// and max_lora (pkg/epp/framework/plugins/datalayer/extractor/metrics/
+// extractor.go @ 95ad8d606e1fa47ffb1a9891502b36225c16e6b6), which the view
+// carries as Replica.RunningAdapters, WaitingAdapters and MaxAdapters. An
+// adapter held in an idle slot is not active (vLLM does not report it). A
+// base-model request's target model is the base model, which the gauge never
+// lists: it scores 0.8 where there is room and 0 elsewhere, as in GIE. A
+// replica without the gauge (MaxAdapters 0) has no room: 0. The order makes
+// a waiting model on a replica with room score 0.8, not 0.6. GIE's older
+// lora-affinity filter (pkg/epp/scheduling/framework/plugins/filter/
+// lora_affinity_filter.go, since removed) is not modelled.
 type GIELoRA struct {
 	// LoRAWeight weighs the lora-affinity scorer.
 	LoRAWeight float64
@@ -53,15 +57,18 @@ func NewGIELoRA(w float64) *GIELoRA { return &GIELoRA{LoRAWeight: w} }
 // Name implements Policy.
 func (p *GIELoRA) Name() string { return "gie-lora" }
 
-// loraAffinity is GIE's lora-affinity score of replica rp for adapter a.
+// loraAffinity is GIE's lora-affinity score of replica rp for adapter a
+// (LoraAffinityScorer.Score; see GIELoRA).
 func loraAffinity(rp *Replica, a string) float64 {
+	active := a != "" && slices.Contains(rp.RunningAdapters, a)
+	waiting := a != "" && slices.Contains(rp.WaitingAdapters, a)
 	switch {
-	case a == "" || rp.MaxAdapters <= 0:
+	case active:
 		return 1
-	case rp.HoldsAdapter(a):
-		return 1
-	case len(rp.Adapters) < rp.MaxAdapters:
+	case len(rp.RunningAdapters)+len(rp.WaitingAdapters) < rp.MaxAdapters:
 		return 0.8
+	case waiting:
+		return 0.6
 	}
 	return 0
 }

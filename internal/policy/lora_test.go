@@ -1,6 +1,7 @@
 package policy_test
 
 import (
+	"math"
 	"testing"
 	"time"
 
@@ -77,26 +78,61 @@ func TestE2AdapterLoadOutweighed(t *testing.T) {
 	}
 }
 
-// TestGIELoRA: GIE's lora-affinity scores 1 for a holder, 0.8 with a free
-// slot, 0 when full; other scorers equal, the holder wins, then the replica
-// with a free slot.
+// TestGIELoRA: GIE's lora-affinity, case by case as its scorer orders
+// them (running → 1, room |running|+|waiting| < max → 0.8, waiting → 0.6,
+// else 0), added at weight 1 to equal prefix/KV/queue scores (3·0 + 2·1 +
+// 2·1); an adapter held idle in a slot is not active, the base model is
+// never active, a replica without max_lora has no room.
 func TestGIELoRA(t *testing.T) {
+	for _, tt := range []struct {
+		name             string
+		adapter          string
+		held             []string
+		running, waiting []string
+		max              int
+		want             float64
+	}{
+		{"running", "a", []string{"a", "b"}, []string{"a", "b"}, nil, 2, 1},
+		{"room", "a", []string{"b"}, []string{"b"}, nil, 2, 0.8},
+		{"waiting, room", "a", []string{"b"}, []string{"b"}, []string{"a"}, 3, 0.8},
+		{"waiting, no room", "a", []string{"b"}, []string{"b"}, []string{"a"}, 2, 0.6},
+		{"full", "a", []string{"b", "c"}, []string{"b", "c"}, nil, 2, 0},
+		{"held idle, full with waiting", "a", []string{"a", "b"}, []string{"b"}, []string{"c"}, 2, 0},
+		{"held idle, room", "a", []string{"a", "b"}, []string{"b"}, nil, 2, 0.8},
+		{"base model, room", "", []string{"b"}, []string{"b"}, nil, 2, 0.8},
+		{"base model, full", "", []string{"b", "c"}, []string{"b", "c"}, nil, 2, 0},
+		{"no gauge", "a", nil, nil, nil, 0, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c := loraCluster(t, tt.held)
+			c.reps[0].RunningAdapters, c.reps[0].WaitingAdapters, c.reps[0].MaxAdapters = tt.running, tt.waiting, tt.max
+			req, v := c.request(toks(2, 300), t0)
+			req.Adapter = tt.adapter
+			d, err := policy.NewGIELoRA(1).Route(req, v, t0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := d.Candidates[0].Score; math.Abs(got-(4+tt.want)) > 1e-12 {
+				t.Errorf("score %v, want %v", got, 4+tt.want)
+			}
+		})
+	}
+	// The adapter's running replica wins over one with room, which wins
+	// over one where it only waits.
 	c := loraCluster(t, []string{"b", "c"}, []string{"b"}, []string{"a", "b"})
-	p := policy.NewGIELoRA(1)
+	c.reps[0].RunningAdapters, c.reps[0].WaitingAdapters = []string{"b"}, []string{"a"}
+	c.reps[1].RunningAdapters = []string{"b"}
+	c.reps[2].RunningAdapters = []string{"a"}
+	c.reps[1].MaxAdapters = 3
 	req, v := c.request(toks(2, 300), t0)
 	req.Adapter = "a"
-	d, err := p.Route(req, v, t0)
-	if err != nil {
-		t.Fatal(err)
+	p := policy.NewGIELoRA(1)
+	if d, _ := p.Route(req, v, t0); d.Replica != 2 {
+		t.Errorf("chose r%d, want r2 (running)", d.Replica)
 	}
-	want := []float64{4, 4.8, 5} // 3·0 + 2·1 + 2·1 + lora
-	for _, cd := range d.Candidates {
-		if cd.Score != want[cd.Replica] {
-			t.Errorf("r%d: score %v, want %v", cd.Replica, cd.Score, want[cd.Replica])
-		}
-	}
-	if d.Replica != 2 {
-		t.Errorf("chose r%d, want r2", d.Replica)
+	v.Replicas[2].Up = false
+	if d, _ := p.Route(req, v, t0); d.Replica != 1 {
+		t.Errorf("chose r%d, want r1 (room)", d.Replica)
 	}
 	if got, err := policy.New("gie-lora", policy.DefaultOptions()); err != nil || got.Name() != "gie-lora" {
 		t.Errorf(`New("gie-lora") = %v, %v`, got, err)

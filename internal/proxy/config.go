@@ -190,6 +190,11 @@ type Config struct {
 	// adapter's cached blocks for them (vLLM hashes the adapter into each
 	// block; its KV events name it in lora_name).
 	LoRAAdapters []string
+	// LoRAAdapterBytes is the size of an adapter's weights, which prices
+	// loading one on a replica that lacks it (bytes over the profile's
+	// host-to-device bandwidth plus its fixed cost; engine's
+	// --lora-adapter-bytes). 0 prices the fixed cost alone.
+	LoRAAdapterBytes int64
 
 	// KVLinkGbps and KVLinkLatency are the network between prefill and
 	// decode replicas that disaggregating policies price a KV transfer on:
@@ -554,6 +559,7 @@ type fileConfig struct {
 	KVLinkGbps            *float64          `json:"kv_link_gbps"`
 	Pools                 []json.RawMessage `json:"pools"`
 	LoRAAdapters          *[]string         `json:"lora_adapters"`
+	LoRAAdapterBytes      *int64            `json:"lora_adapter_bytes"`
 	IgnoreCacheTiers      *bool             `json:"ignore_cache_tiers"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
 	Queue                 *fileQueue        `json:"queue"`
@@ -712,6 +718,9 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	}
 	if f.LoRAAdapters != nil {
 		c.LoRAAdapters = append([]string(nil), *f.LoRAAdapters...)
+	}
+	if f.LoRAAdapterBytes != nil {
+		c.LoRAAdapterBytes = *f.LoRAAdapterBytes
 	}
 	if f.KVLinkGbps != nil {
 		c.KVLinkGbps = *f.KVLinkGbps

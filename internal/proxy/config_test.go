@@ -76,3 +76,15 @@ func TestConfigValidate(t *testing.T) {
 		t.Errorf("unknown profile: %v", err)
 	}
 }
+
+// TestParseConfigLoRA: the config file's lora_adapters and
+// lora_adapter_bytes reach the config (serve --lora-adapter-bytes's key).
+func TestParseConfigLoRA(t *testing.T) {
+	c, err := ParseConfig([]byte("backends:\n  - url: http://10.0.0.1:8000\nlora_adapters: [sql]\nlora_adapter_bytes: 88080384\n"), DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.LoRAAdapters) != 1 || c.LoRAAdapters[0] != "sql" || c.LoRAAdapterBytes != 84<<20 {
+		t.Errorf("lora_adapters %v, lora_adapter_bytes %d", c.LoRAAdapters, c.LoRAAdapterBytes)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -32,6 +33,7 @@ func TestLoRAOverEngine(t *testing.T) {
 	ec.Replica.MaxLoras = 2
 	ec.TimeScale = 50
 	ec.LoRAModules = []string{"sql"}
+	ec.LoRAAdapterBytes = 84 << 20
 	ec.Logger = slog.New(slog.DiscardHandler)
 	pub := kvevents.NewPublisher(kvevents.PublisherConfig{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0",
 		Topic: "kv@lora@prefixlb-sim"})
@@ -51,6 +53,7 @@ func TestLoRAOverEngine(t *testing.T) {
 	cfg := testConfig()
 	cfg.Backends = []Backend{{Name: "e0", URL: esrv.URL, KVEvents: pub.Endpoint(), KVReplay: pub.ReplayEndpoint()}}
 	cfg.LoRAAdapters = []string{"sql"}
+	cfg.LoRAAdapterBytes = ec.LoRAAdapterBytes // serve --lora-adapter-bytes, as the engine's
 	cfg.SpeculativeTTL = -1                    // only the engine's events say what is cached
 	cfg.ScrapeInterval = 20 * time.Millisecond // vllm:lora_requests_info
 	p, srv := startProxy(t, cfg)
@@ -117,6 +120,12 @@ func TestLoRAOverEngine(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("e2 never priced the adapter's load: the adapter or the engine's slots did not reach the policy")
 		}
+	}
+	// Priced at the adapter's size (--lora-adapter-bytes), not the fixed
+	// cost alone.
+	if got, want := adapterLoad("sql"), costmodel.AdapterLoadOf(prof).Time(ec.LoRAAdapterBytes).Seconds(); math.Abs(got-want) > 1e-9 ||
+		want <= costmodel.AdapterLoadOf(prof).Time(0).Seconds() {
+		t.Errorf("adapter_load %v, want %v (%d bytes)", got, want, ec.LoRAAdapterBytes)
 	}
 	if l := adapterLoad("prefixlb-sim"); l != 0 {
 		t.Errorf("the base model's request: adapter_load %v, want 0", l)

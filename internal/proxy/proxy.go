@@ -127,7 +127,7 @@ func New(cfg Config) (*Proxy, error) {
 	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
 		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
 		TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal, MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink(),
-		Adapters: cfg.LoRAAdapters, IgnoreTiers: cfg.IgnoreCacheTiers})
+		Adapters: cfg.LoRAAdapters, AdapterBytes: cfg.LoRAAdapterBytes, IgnoreTiers: cfg.IgnoreCacheTiers})
 	if err != nil {
 		return nil, fmt.Errorf("proxy: config: %w", err)
 	}
