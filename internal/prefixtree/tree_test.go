@@ -295,7 +295,7 @@ func TestNodeLayout(t *testing.T) {
 		got, want uintptr
 	}{
 		{"Node", unsafe.Sizeof(Node{}), 160},
-		{"repState", unsafe.Sizeof(repState{}), 40}, // +16: the unreferenced list (EachUnreferencedLRU)
+		{"repState", unsafe.Sizeof(repState{}), 48}, // +16: the unreferenced list (EachUnreferencedLRU); +8: the owner's stamp (SetStamp)
 		{"Set", unsafe.Sizeof(Set{}), 16},
 		{"indexSlot", unsafe.Sizeof(indexSlot{}), 16},
 	} {
