@@ -62,7 +62,7 @@ func (c Config) Validate() error {
 }
 
 // repState is one replica's view of one node. Whether the replica caches
-// the node is Node.cachedBy's bit, not a field here: 40 bytes a replica.
+// the node is Node.cachedBy's bit, not a field here: 48 bytes a replica.
 type repState struct {
 	ref int32 // in-flight requests on the replica through the node
 	// cachedKids counts the node's children the replica caches, so that an
@@ -72,6 +72,9 @@ type repState struct {
 	// uprev, unext link the node in the replica's list of unreferenced
 	// cached nodes (cached, ref 0), in the LRU list's order.
 	uprev, unext *Node
+	// stamp is the owner's mark on the replica's copy of the node while
+	// the replica caches it (0: none; Tree.SetStamp).
+	stamp int64
 }
 
 // Node is a run of consecutive block keys shared by every prompt that passes
@@ -187,6 +190,8 @@ type replicaInfo struct {
 	// references, in the same order (EachUnreferencedLRU).
 	uhead, utail *Node
 	cachedBlocks int
+	// stampedBlocks sums Own over the cached nodes with a stamp.
+	stampedBlocks int
 	// activeBlocks sums Own over the nodes that at least one in-flight
 	// request on the replica references (ref > 0): AddRef counts a node when
 	// its ref goes 0→1 and uncounts it on 1→0. A split gives both halves the
@@ -588,7 +593,7 @@ func (t *Tree) split(n *Node, at int) *Node {
 		low.rs = make([]repState, len(n.rs))
 		for r := range n.rs {
 			s := &n.rs[r]
-			low.rs[r] = repState{ref: s.ref, cachedKids: s.cachedKids}
+			low.rs[r] = repState{ref: s.ref, cachedKids: s.cachedKids, stamp: s.stamp}
 			s.cachedKids = 0
 			if n.cachedBy.Has(r) {
 				s.cachedKids = 1
@@ -609,11 +614,21 @@ func (t *Tree) split(n *Node, at int) *Node {
 // AddRef adds delta to replica r's in-flight count on every node of path
 // (a count never goes below 0), keeping ActiveBlocks(r) up to date. A
 // replica index outside [0, Replicas()) is ignored.
+//
+// A release (delta < 0) goes up the path, deepest node first: a path's
+// nodes sit in r's LRU list parent before child (Touch), so each node
+// released finds the child released just before it as its older neighbour
+// in the unreferenced list (uplace) instead of stepping over the rest of
+// its own, still referenced, path. The lists end the same in either order.
 func (t *Tree) AddRef(path []*Node, r int, delta int) {
 	if r < 0 || r >= len(t.reps) || delta == 0 {
 		return
 	}
-	for _, n := range path {
+	for i := range path {
+		n := path[i]
+		if delta < 0 {
+			n = path[len(path)-1-i]
+		}
 		if n.Evicted() {
 			continue
 		}
@@ -672,6 +687,7 @@ func (t *Tree) SetCached(n *Node, r int, cached bool) {
 		t.pushFront(r, n)
 		t.reps[r].cachedBlocks += len(n.keys)
 	} else {
+		t.clearStamp(n, r)
 		t.unlink(r, n)
 		n.cachedBy.Remove(r)
 		t.reps[r].cachedBlocks -= len(n.keys)
@@ -706,13 +722,24 @@ func (t *Tree) Isolate(key blocks.Key) (*Node, bool) {
 	if !ok {
 		return nil, false
 	}
+	n, _ = t.IsolateAt(n, off)
+	return n, true
+}
+
+// IsolateAt is Isolate for the key at offset off of n's run (Find's
+// answer), without looking the key up again: it returns the node that
+// holds just that key and the node that now holds the rest of n's run
+// after it (nil when the key was the run's last), so that a caller
+// isolating consecutive keys steps from one to the next without a lookup.
+// off must be in [0, n.Own()).
+func (t *Tree) IsolateAt(n *Node, off int) (key, rest *Node) {
 	if off > 0 {
 		n = t.split(n, off)
 	}
 	if len(n.keys) > 1 {
-		t.split(n, 1)
+		rest = t.split(n, 1)
 	}
-	return n, true
+	return n, rest
 }
 
 // EachLRU calls fn for the nodes replica r caches, least recently used first,
@@ -794,7 +821,7 @@ func (t *Tree) ClearReplica(r int) {
 	for n := t.reps[r].head; n != nil; {
 		s := &n.rs[r]
 		next := s.next
-		s.prev, s.next, s.uprev, s.unext = nil, nil, nil, nil
+		s.prev, s.next, s.uprev, s.unext, s.stamp = nil, nil, nil, nil, 0
 		n.cachedBy.Remove(r)
 		t.release(n)
 		t.addCachedKid(n.parent, r, -1)
@@ -802,6 +829,65 @@ func (t *Tree) ClearReplica(r int) {
 	}
 	t.reps[r].head, t.reps[r].tail, t.reps[r].cachedBlocks = nil, nil, 0
 	t.reps[r].uhead, t.reps[r].utail = nil, nil
+	t.reps[r].stampedBlocks = 0
+}
+
+// Stamp is the owner's mark on replica r's copy of n: 0 unless SetStamp
+// gave it one while r caches n. A split gives both halves the stamp.
+func (n *Node) Stamp(r int) int64 {
+	if r < 0 || r >= len(n.rs) {
+		return 0
+	}
+	return n.rs[r].stamp
+}
+
+// SetStamp marks replica r's copy of n with v (0 clears the mark). It is
+// the router's speculative deadline (internal/router, speculate.go): a
+// mark per node and replica, split with the node, and dropped when r
+// stops caching n, so that marking a prompt's path costs one store per
+// node rather than a map entry per block. A node r does not cache takes
+// no mark.
+func (t *Tree) SetStamp(n *Node, r int, v int64) {
+	if n.Evicted() || r < 0 || r >= len(t.reps) || !n.cachedBy.Has(r) {
+		return
+	}
+	s := &n.rs[r]
+	switch {
+	case s.stamp == 0 && v != 0:
+		t.reps[r].stampedBlocks += len(n.keys)
+	case s.stamp != 0 && v == 0:
+		t.reps[r].stampedBlocks -= len(n.keys)
+	}
+	s.stamp = v
+}
+
+// clearStamp drops replica r's mark on n, which r caches.
+func (t *Tree) clearStamp(n *Node, r int) {
+	if s := &n.rs[r]; s.stamp != 0 {
+		t.reps[r].stampedBlocks -= len(n.keys)
+		s.stamp = 0
+	}
+}
+
+// StampedBlocks is the number of blocks replica r caches in nodes that
+// carry a stamp. O(1).
+func (t *Tree) StampedBlocks(r int) int {
+	if r < 0 || r >= len(t.reps) {
+		return 0
+	}
+	return t.reps[r].stampedBlocks
+}
+
+// ClearStamps drops every mark on replica r, in time proportional to the
+// number of nodes r caches.
+func (t *Tree) ClearStamps(r int) {
+	if r < 0 || r >= len(t.reps) || t.reps[r].stampedBlocks == 0 {
+		return
+	}
+	for n := t.reps[r].head; n != nil; n = n.rs[r].next {
+		n.rs[r].stamp = 0
+	}
+	t.reps[r].stampedBlocks = 0
 }
 
 // --- per-replica LRU list ---
@@ -889,15 +975,29 @@ func (t *Tree) ulinkBefore(r int, n, q *Node) {
 
 // uplace puts n, cached on r and no longer referenced, in r's unreferenced
 // list at its place in the LRU order: before the first unreferenced node
-// older than it. A node released is usually old (its request was routed
-// long ago) and the nodes older than it released before it, so the walk
-// is short.
+// older than it, which is the one after the first unreferenced node newer
+// than it. It looks both ways in the LRU list, a step each in turn, and
+// stops at the first unreferenced node either way, so the walk is as short
+// as the shorter of the referenced runs around n: a loaded replica's LRU
+// list holds long runs of the paths of its queued requests on one side or
+// the other.
 func (t *Tree) uplace(r int, n *Node) {
-	q := n.rs[r].next
-	for q != nil && q.rs[r].ref > 0 {
-		q = q.rs[r].next
+	older, newer := n.rs[r].next, n.rs[r].prev
+	for {
+		if older == nil || older.rs[r].ref == 0 {
+			t.ulinkBefore(r, n, older)
+			return
+		}
+		if newer == nil {
+			t.ulinkBefore(r, n, t.reps[r].uhead)
+			return
+		}
+		if newer.rs[r].ref == 0 {
+			t.ulinkBefore(r, n, newer.rs[r].unext)
+			return
+		}
+		older, newer = older.rs[r].next, newer.rs[r].prev
 	}
-	t.ulinkBefore(r, n, q)
 }
 
 // linkAfter puts low right after n (towards the LRU end) in r's list.

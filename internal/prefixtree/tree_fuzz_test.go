@@ -16,6 +16,8 @@ type naive struct {
 	present map[blocks.Key]bool
 	cached  []map[blocks.Key]bool
 	refs    []map[blocks.Key]int
+	// stamps[r][k] is the stamp (SetStamp) of cached key k on r, if any.
+	stamps []map[blocks.Key]int64
 }
 
 func newNaive(reps int) *naive {
@@ -23,6 +25,7 @@ func newNaive(reps int) *naive {
 	for i := 0; i < reps; i++ {
 		m.cached = append(m.cached, map[blocks.Key]bool{})
 		m.refs = append(m.refs, map[blocks.Key]int{})
+		m.stamps = append(m.stamps, map[blocks.Key]int64{})
 	}
 	return m
 }
@@ -109,6 +112,18 @@ func runTreeOps(t *testing.T, data []byte, maxBlocks int) {
 			}
 			if op%8 == 1 {
 				cachePath(mt.Path, r)
+				if arg&8 != 0 {
+					// Stamp the path as the router's speculation does.
+					for _, n := range mt.Path {
+						tr.SetStamp(n, r, int64(op)+1)
+						if n.Evicted() {
+							continue
+						}
+						for _, k := range n.Keys() {
+							m.stamps[r][k] = int64(op) + 1
+						}
+					}
+				}
 			}
 			prompts = append(prompts, keys)
 		case 2: // remove one cached block of an earlier prompt from r
@@ -183,6 +198,13 @@ func runTreeOps(t *testing.T, data []byte, maxBlocks int) {
 			}
 			slices.Reverse(tail)
 			cachePath(tail, r)
+			// Settle the stored tail's stamps, as the router's CacheStored does.
+			for _, n := range tail {
+				tr.SetStamp(n, r, 0)
+				for _, k := range n.Keys() {
+					delete(m.stamps[r], k)
+				}
+			}
 			prompts = append(prompts, keys)
 		case 5: // a request on r holds an earlier prompt's path
 			if len(prompts) == 0 {
@@ -249,7 +271,15 @@ func runTreeOps(t *testing.T, data []byte, maxBlocks int) {
 			}
 		}
 		now = now.Add(time.Millisecond)
+		for r := range m.stamps {
+			for k := range m.stamps[r] {
+				if !m.cached[r][k] {
+					delete(m.stamps[r], k) // an uncached block loses its stamp
+				}
+			}
+		}
 		checkTree(t, i/2, tr, m, prompts, holds, maxBlocks)
+		checkStamps(t, i/2, tr, m)
 	}
 }
 
@@ -485,6 +515,26 @@ func checkUnreferenced(t *testing.T, tr *Tree) {
 		}
 		if i != -1 {
 			t.Fatalf("replica %d: forward links stop %d nodes early", r, i+1)
+		}
+	}
+}
+
+// checkStamps checks every cached block's stamp and each replica's count of
+// stamped blocks against the model.
+func checkStamps(t *testing.T, op int, tr *Tree, m *naive) {
+	t.Helper()
+	for r := range m.cached {
+		for k := range m.cached[r] {
+			n, _, ok := tr.Find(k)
+			if !ok {
+				t.Fatalf("op %d: cached key %x left the tree", op, k)
+			}
+			if got, want := n.Stamp(r), m.stamps[r][k]; got != want {
+				t.Fatalf("op %d: key %x on replica %d has stamp %d, want %d", op, k, r, got, want)
+			}
+		}
+		if got, want := tr.StampedBlocks(r), len(m.stamps[r]); got != want {
+			t.Fatalf("op %d: StampedBlocks(%d) = %d, want %d", op, r, got, want)
 		}
 	}
 }

@@ -295,7 +295,7 @@ func TestNodeLayout(t *testing.T) {
 		got, want uintptr
 	}{
 		{"Node", unsafe.Sizeof(Node{}), 160},
-		{"repState", unsafe.Sizeof(repState{}), 40}, // +16: the unreferenced list (EachUnreferencedLRU)
+		{"repState", unsafe.Sizeof(repState{}), 48}, // +16: the unreferenced list (EachUnreferencedLRU); +8: the owner's stamp (SetStamp)
 		{"Set", unsafe.Sizeof(Set{}), 16},
 		{"indexSlot", unsafe.Sizeof(indexSlot{}), 16},
 	} {
@@ -442,5 +442,59 @@ func TestActiveBlocks(t *testing.T) {
 	}
 	if tr.ActiveBlocks(2) != 0 || tr.ActiveBlocks(-1) != 0 {
 		t.Error("ActiveBlocks of a bad replica is not 0")
+	}
+}
+
+// TestStamps: a stamp marks a cached node on one replica, splits with the
+// node, is counted in StampedBlocks, and goes when the replica stops
+// caching the node or is cleared; IsolateAt hands back the rest of the run.
+func TestStamps(t *testing.T) {
+	tr := newTree(t, 2, 0)
+	var m Match
+	now := time.Unix(0, 0)
+	keys := ks(1, 2, 3, 4, 5, 6)
+	tr.Insert(keys, now, &m)
+	n := m.Path[0]
+	tr.SetStamp(n, 0, 7) // not cached on 0: no mark
+	if n.Stamp(0) != 0 || tr.StampedBlocks(0) != 0 {
+		t.Fatalf("an uncached node took a stamp: %d, %d blocks", n.Stamp(0), tr.StampedBlocks(0))
+	}
+	tr.SetPathCached(m.Path, 0, now)
+	tr.SetPathCached(m.Path, 1, now)
+	tr.SetStamp(n, 0, 7)
+	if n.Stamp(0) != 7 || n.Stamp(1) != 0 || tr.StampedBlocks(0) != 6 || tr.StampedBlocks(1) != 0 {
+		t.Fatalf("stamps %d/%d, stamped blocks %d/%d; want 7/0, 6/0", n.Stamp(0), n.Stamp(1), tr.StampedBlocks(0), tr.StampedBlocks(1))
+	}
+	x, rest := tr.IsolateAt(n, 2) // keys[2] alone; keys[3:] after it
+	if x.Own() != 1 || x.Keys()[0] != keys[2] || rest == nil || rest.Own() != 3 || rest.Keys()[0] != keys[3] {
+		t.Fatalf("IsolateAt(n, 2) = %d keys, rest %v", x.Own(), rest)
+	}
+	for _, k := range keys {
+		if nd, _, _ := tr.Find(k); nd.Stamp(0) != 7 {
+			t.Fatalf("key %x lost its stamp in the split: %d", k, nd.Stamp(0))
+		}
+	}
+	if tr.StampedBlocks(0) != 6 {
+		t.Fatalf("StampedBlocks after splits = %d, want 6", tr.StampedBlocks(0))
+	}
+	if last, r := tr.IsolateAt(rest, 2); r != nil || last.Own() != 1 || last.Keys()[0] != keys[5] || last.Stamp(0) != 7 {
+		t.Fatalf("IsolateAt of a run's last block: %d keys, rest %v", last.Own(), r)
+	}
+	tr.SetCached(x, 0, false)
+	if x.Stamp(0) != 0 || tr.StampedBlocks(0) != 5 {
+		t.Fatalf("uncached node kept stamp %d; StampedBlocks %d, want 5", x.Stamp(0), tr.StampedBlocks(0))
+	}
+	tr.SetStamp(rest, 0, 0) // keys[3:5] now
+	if tr.StampedBlocks(0) != 3 {
+		t.Fatalf("StampedBlocks after clearing one node = %d, want 3", tr.StampedBlocks(0))
+	}
+	tr.SetStamp(n, 1, 9)
+	tr.ClearStamps(0)
+	if tr.StampedBlocks(0) != 0 || n.Stamp(0) != 0 || n.Stamp(1) != 9 {
+		t.Fatalf("ClearStamps(0): %d blocks left, stamps %d/%d", tr.StampedBlocks(0), n.Stamp(0), n.Stamp(1))
+	}
+	tr.ClearReplica(1)
+	if tr.StampedBlocks(1) != 0 || n.Stamp(1) != 0 {
+		t.Fatalf("ClearReplica(1) left stamp %d, %d blocks", n.Stamp(1), tr.StampedBlocks(1))
 	}
 }

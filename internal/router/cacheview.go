@@ -87,8 +87,7 @@ func (r *Router) SetCacheSlots(id, slots int) error {
 	if r.cache[id].slots.n() == slots {
 		return nil
 	}
-	r.tree.ClearReplica(id)
-	r.spec.forget(id)
+	r.tree.ClearReplica(id) // and its speculation
 	r.cache[id].slots = newSlotCache(slots)
 	r.reps[id].Slots = slots
 	// Requests in flight keep their accounting; they hold no slot in the

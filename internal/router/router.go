@@ -447,7 +447,7 @@ func (r *Router) SetEvents(id int, on bool) error {
 		r.tree.ClearReplica(id)
 	}
 	if !on {
-		r.spec.forget(id) // the mirror keeps what was marked
+		r.forget(id) // the mirror keeps what was marked
 	}
 	r.events[id] = on
 	return nil
@@ -976,13 +976,18 @@ func (r *Router) CacheStored(id int, parent blocks.Key, hasParent bool, keys []b
 	if err := r.tree.InsertBelow(parent, hasParent, keys, now, &r.scratch); err != nil {
 		return err
 	}
-	r.spec.confirm(id, keys)
-	// Mark the nodes that hold keys: the tail of the path, len(keys) blocks.
-	need := len(keys)
-	for i := len(r.scratch.Path) - 1; i >= 0 && need > 0; i-- {
-		n := r.scratch.Path[i]
-		r.tree.SetCached(n, id, true)
-		need -= n.Own()
+	// Mark the nodes that hold keys: the tail of the path, len(keys)
+	// blocks (InsertBelow cut the path on the keys' ends), settling their
+	// speculation.
+	need, i := len(keys), len(r.scratch.Path)
+	for i > 0 && need > 0 {
+		i--
+		need -= r.scratch.Path[i].Own()
+	}
+	tail := r.scratch.Path[i:]
+	r.confirm(id, tail)
+	for j := len(tail) - 1; j >= 0; j-- {
+		r.tree.SetCached(tail[j], id, true)
 	}
 	return nil
 }
@@ -993,9 +998,8 @@ func (r *Router) CacheRemoved(id int, keys []blocks.Key) error {
 	if id < 0 || id >= len(r.reps) {
 		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
 	}
-	r.spec.confirm(id, keys)
 	for _, k := range keys {
-		r.uncache(id, k)
+		r.uncache(id, k) // settles its speculation too
 	}
 	return nil
 }
@@ -1015,8 +1019,7 @@ func (r *Router) CacheCleared(id int) error {
 	if id < 0 || id >= len(r.reps) {
 		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
 	}
-	r.tree.ClearReplica(id)
-	r.spec.forget(id)
+	r.tree.ClearReplica(id) // and its speculation
 	if id < len(r.cache) {
 		r.cache[id].slots.clear()
 	}

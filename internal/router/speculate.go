@@ -21,81 +21,104 @@ import (
 // Expiry is checked whenever the router is given the time (Route,
 // CacheStored, ExpireSpeculative): the router has no clock of its own.
 
-// specKey is one block on one replica.
-type specKey struct {
-	replica int
-	key     blocks.Key
-}
+// The marks live on the tree's nodes (prefixtree.Tree.SetStamp): a node
+// the request's path passes through carries, for the replica, the stamp of
+// the latest speculation that marked it, one store per node where a map
+// entry per block (specKey, before) cost a fifth of an overloaded e2 run
+// (docs/performance.md, "E2 on full caches"). Every block of a node shares
+// its node's state, as the per-block map's entries did: a speculation marks
+// whole nodes (the path of an inserted prompt ends on a node boundary), an
+// event confirms whole nodes (CacheStored's keys are the tail of their
+// path) or single isolated blocks (CacheRemoved), and a split gives both
+// halves the stamp.
 
 // specEntry is one routed request's speculative blocks.
 type specEntry struct {
-	replica  int
+	replica int
+	// keys are the request's keys (not a copy: the router keeps them for
+	// the request's flight too), spans the runs of them marked, in path
+	// order: the runs of the nodes marked, which later splits may cut into
+	// more nodes.
 	keys     []blocks.Key
+	spans    []span
 	deadline time.Time
+	stamp    int64
 }
+
+// span is keys[from:to] of a specEntry.
+type span struct{ from, to int }
 
 // speculation is the router's pending speculative marks: a FIFO of entries
 // in deadline order (the TTL is fixed, and the router is told the time in
-// order) and, per block and replica, the deadline of its latest speculation.
-// A block whose pending deadline is not its entry's was confirmed, settled,
-// or speculated again later.
+// order). A node whose stamp on the entry's replica is not the entry's was
+// confirmed, settled, or speculated again with a later deadline.
 type speculation struct {
-	fifo    []specEntry
-	head    int
-	pending map[specKey]time.Time
+	fifo []specEntry
+	head int
+	// stamp numbers the deadlines given out: entries with equal deadlines
+	// share one, as they shared the per-block map's deadline value.
+	stamp int64
+	last  time.Time
 }
 
-func newSpeculation() speculation {
-	return speculation{pending: make(map[specKey]time.Time)}
-}
+func newSpeculation() speculation { return speculation{} }
 
 // speculate marks the blocks of path (keys, as routed) that replica id does
 // not hold as cached on it until now + SpeculativeTTL; blocks already
 // pending get the new deadline.
 func (r *Router) speculate(id int, keys []blocks.Key, path []*prefixtree.Node, now time.Time) {
+	s := &r.spec
 	deadline := now.Add(r.cfg.SpeculativeTTL)
-	var mine []blocks.Key
+	if s.stamp == 0 || !deadline.Equal(s.last) {
+		s.stamp++
+		s.last = deadline
+	}
+	var spans []span
 	off := 0
 	for _, n := range path {
 		own := min(n.Own(), len(keys)-off)
-		for _, k := range keys[off : off+own] {
-			sk := specKey{id, k}
-			if _, pend := r.spec.pending[sk]; pend || !n.Cached(id) {
-				r.spec.pending[sk] = deadline
-				mine = append(mine, k)
+		mark := n.Stamp(id) != 0 || !n.Cached(id)
+		if mark {
+			if k := len(spans) - 1; k >= 0 && spans[k].to == off {
+				spans[k].to += own
+			} else {
+				spans = append(spans, span{off, off + own})
 			}
 		}
 		off += own
 		r.tree.SetCached(n, id, true)
+		if mark {
+			r.tree.SetStamp(n, id, s.stamp)
+		}
 	}
-	if len(mine) > 0 {
-		r.spec.fifo = append(r.spec.fifo, specEntry{replica: id, keys: mine, deadline: deadline})
+	if len(spans) > 0 {
+		s.fifo = append(s.fifo, specEntry{replica: id, keys: keys, spans: spans, deadline: deadline, stamp: s.stamp})
 	}
 }
 
-// confirm settles replica id's pending speculation on keys: an event said
-// they were stored (they stay cached) or removed.
-func (s *speculation) confirm(id int, keys []blocks.Key) {
-	if len(s.pending) == 0 {
+// confirm settles replica id's pending speculation on the nodes of path:
+// an event said their blocks were stored (they stay cached).
+func (r *Router) confirm(id int, path []*prefixtree.Node) {
+	if r.tree.StampedBlocks(id) == 0 {
 		return
 	}
-	for _, k := range keys {
-		delete(s.pending, specKey{id, k})
+	for _, n := range path {
+		r.tree.SetStamp(n, id, 0)
 	}
 }
 
 // forget settles every pending speculation on replica id.
-func (s *speculation) forget(id int) {
-	for k := range s.pending {
-		if k.replica == id {
-			delete(s.pending, k)
-		}
-	}
-}
+func (r *Router) forget(id int) { r.tree.ClearStamps(id) }
 
 // Speculative returns the number of blocks marked speculatively and not yet
 // confirmed, on every replica.
-func (r *Router) Speculative() int { return len(r.spec.pending) }
+func (r *Router) Speculative() int {
+	t := 0
+	for id := range r.reps {
+		t += r.tree.StampedBlocks(id)
+	}
+	return t
+}
 
 // ExpireSpeculative unmarks the speculative blocks whose deadline is at or
 // before now and that no event confirmed. Route and CacheStored call it; an
@@ -110,13 +133,7 @@ func (r *Router) expireSpeculative(now time.Time) {
 		if e.deadline.After(now) {
 			break
 		}
-		for _, k := range e.keys {
-			sk := specKey{e.replica, k}
-			if d, ok := s.pending[sk]; ok && d.Equal(e.deadline) {
-				delete(s.pending, sk)
-				r.uncache(e.replica, k)
-			}
-		}
+		r.expire(e)
 		*e = specEntry{}
 		s.head++
 	}
@@ -126,5 +143,46 @@ func (r *Router) expireSpeculative(now time.Time) {
 		n := copy(s.fifo, s.fifo[s.head:])
 		clear(s.fifo[n:])
 		s.fifo, s.head = s.fifo[:n], 0
+	}
+}
+
+// expire unmarks e's blocks that still carry its stamp, one block at a
+// time in path order (each isolated in a node of its own, as a
+// BlockRemoved would be), and steps over the runs of nodes that an event
+// or a later speculation settled without looking their blocks up.
+func (r *Router) expire(e *specEntry) {
+	for _, sp := range e.spans {
+		r.expireSpan(e.replica, e.keys[sp.from:sp.to], e.stamp)
+	}
+}
+
+// expireSpan unmarks the blocks of keys on replica id that carry stamp:
+// for each, what uncache does (isolate it, then uncache it), finding the
+// next key in the rest of the run isolated rather than looking it up.
+func (r *Router) expireSpan(id int, keys []blocks.Key, stamp int64) {
+	for i := 0; i < len(keys) && r.tree.StampedBlocks(id) > 0; {
+		n, off, ok := r.tree.Find(keys[i])
+		if !ok {
+			i++
+			continue
+		}
+		if n.Stamp(id) != stamp {
+			// Settled: so is the rest of n's run that keys hold.
+			nk := n.Keys()
+			for i++; off+1 < len(nk) && i < len(keys) && nk[off+1] == keys[i]; i++ {
+				off++
+			}
+			continue
+		}
+		// Stamped, so cached on id: uncache(id, keys[i]) without its lookups.
+		for {
+			x, rest := r.tree.IsolateAt(n, off)
+			r.tree.SetCached(x, id, false)
+			i++
+			if rest == nil || i == len(keys) || rest.Keys()[0] != keys[i] || rest.Stamp(id) != stamp {
+				break
+			}
+			n, off = rest, 0
+		}
 	}
 }

@@ -1,10 +1,15 @@
 package router
 
 import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/prefixtree"
 )
 
 // matched is the number of leading blocks of keys cached on replica id.
@@ -150,5 +155,177 @@ func TestNoSpeculationWithoutOptIn(t *testing.T) {
 	}
 	if got := matched(r, a.Keys, 0); got != 0 {
 		t.Fatalf("a policy without Speculator got %d speculative blocks, want 0", got)
+	}
+}
+
+// perBlockSpec is the per-block speculation the router kept before its
+// marks moved onto the tree's nodes (a map entry per block and replica,
+// commit 92f5675's speculate.go), kept here as the reference the node
+// stamps must agree with.
+type perBlockSpec struct {
+	fifo    []perBlockEntry
+	pending map[[2]uint64]time.Time
+}
+
+type perBlockEntry struct {
+	id       int
+	keys     []blocks.Key
+	deadline time.Time
+}
+
+func (s *perBlockSpec) speculate(r *Router, id int, keys []blocks.Key, path []*prefixtree.Node, now time.Time) {
+	deadline := now.Add(DefaultSpeculativeTTL)
+	var mine []blocks.Key
+	off := 0
+	for _, n := range path {
+		own := min(n.Own(), len(keys)-off)
+		for _, k := range keys[off : off+own] {
+			sk := [2]uint64{uint64(id), uint64(k)}
+			if _, pend := s.pending[sk]; pend || !n.Cached(id) {
+				s.pending[sk] = deadline
+				mine = append(mine, k)
+			}
+		}
+		off += own
+		r.tree.SetCached(n, id, true)
+	}
+	if len(mine) > 0 {
+		s.fifo = append(s.fifo, perBlockEntry{id, mine, deadline})
+	}
+}
+
+func (s *perBlockSpec) confirm(id int, keys []blocks.Key) {
+	for _, k := range keys {
+		delete(s.pending, [2]uint64{uint64(id), uint64(k)})
+	}
+}
+
+func (s *perBlockSpec) expire(r *Router, now time.Time) {
+	for len(s.fifo) > 0 && !s.fifo[0].deadline.After(now) {
+		e := s.fifo[0]
+		s.fifo = s.fifo[1:]
+		for _, k := range e.keys {
+			sk := [2]uint64{uint64(e.id), uint64(k)}
+			if d, ok := s.pending[sk]; ok && d.Equal(e.deadline) {
+				delete(s.pending, sk)
+				r.uncache(e.id, k)
+			}
+		}
+	}
+}
+
+// TestSpeculationMatchesPerBlock drives a speculating router and a
+// reference router that keeps the per-block map (perBlockSpec) through the
+// same routes, stores, removals, clears and expiries, and checks after
+// every step that both trees cache the same blocks on every replica, cut
+// their prompts into the same nodes, and count the same pending blocks.
+func TestSpeculationMatchesPerBlock(t *testing.T) {
+	for seed := uint64(1); seed <= 20; seed++ {
+		rng := rand.New(rand.NewPCG(seed, 7))
+		const reps = 3
+		got := newRouter(t, speculating{&policy.RoundRobin{}}, 0, true, true, true)
+		ref, err := New(Config{BlockTokens: bt, Profile: profile(t), Policy: &policy.RoundRobin{}, Seed: 1, SpeculativeTTL: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < reps; i++ {
+			ref.AddReplica(fmt.Sprint("replica-", i), true)
+		}
+		spec := perBlockSpec{pending: map[[2]uint64]time.Time{}}
+		var prompts [][]uint32
+		for f := uint64(0); f < 4; f++ {
+			head := toks(100+f, (2+int(f))*bt)
+			for v := uint64(0); v < 4; v++ {
+				prompts = append(prompts, append(slices.Clone(head), toks(seed*1000+f*10+v, (1+int(v))*bt)...))
+			}
+		}
+		now := at(0)
+		id := uint64(0)
+		for step := 0; step < 300; step++ {
+			now = now.Add(time.Duration(rng.IntN(700)) * time.Millisecond)
+			spec.expire(ref, now)
+			got.ExpireSpeculative(now)
+			p := prompts[rng.IntN(len(prompts))]
+			keys := blocks.Keys(nil, p, bt)
+			rep := rng.IntN(reps)
+			switch op := rng.IntN(10); {
+			case op < 5:
+				id++
+				dg, err := got.Route(req(id, p), now)
+				if err != nil {
+					t.Fatal(err)
+				}
+				dr, err := ref.Route(req(id, p), now)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if dg.Replica != dr.Replica {
+					t.Fatalf("seed %d step %d: routed to %d and %d", seed, step, dg.Replica, dr.Replica)
+				}
+				spec.speculate(ref, dr.Replica, req(id, p).Keys, ref.match.Path, now)
+			case op < 8:
+				// Only prompts routed before are in the tree; a store
+				// under an unknown parent fails alike on both.
+				j := rng.IntN(len(keys))
+				k := j + 1 + rng.IntN(len(keys)-j)
+				var parent blocks.Key
+				if j > 0 {
+					parent = keys[j-1]
+				}
+				eg := got.CacheStored(rep, parent, j > 0, keys[j:k], now)
+				er := ref.CacheStored(rep, parent, j > 0, keys[j:k], now)
+				if (eg == nil) != (er == nil) {
+					t.Fatalf("seed %d step %d: CacheStored errors %v and %v", seed, step, eg, er)
+				}
+				if er == nil {
+					spec.confirm(rep, keys[j:k])
+				}
+			case op < 10 && rng.IntN(8) > 0:
+				j := rng.IntN(len(keys))
+				k := j + 1 + rng.IntN(len(keys)-j)
+				if err := got.CacheRemoved(rep, keys[j:k]); err != nil {
+					t.Fatal(err)
+				}
+				spec.confirm(rep, keys[j:k])
+				if err := ref.CacheRemoved(rep, keys[j:k]); err != nil {
+					t.Fatal(err)
+				}
+			default:
+				if err := got.CacheCleared(rep); err != nil {
+					t.Fatal(err)
+				}
+				if err := ref.CacheCleared(rep); err != nil {
+					t.Fatal(err)
+				}
+				for sk := range spec.pending {
+					if sk[0] == uint64(rep) {
+						delete(spec.pending, sk)
+					}
+				}
+			}
+			if g, w := got.Speculative(), len(spec.pending); g != w {
+				t.Fatalf("seed %d step %d: Speculative() = %d, per-block reference %d", seed, step, g, w)
+			}
+			for _, p := range prompts {
+				for _, k := range blocks.Keys(nil, p, bt) {
+					ng, og, okg := got.tree.Find(k)
+					nr, or, okr := ref.tree.Find(k)
+					if okg != okr {
+						t.Fatalf("seed %d step %d: key %x present %v, reference %v", seed, step, k, okg, okr)
+					}
+					if !okg {
+						break
+					}
+					if og != or || ng.Own() != nr.Own() || ng.Depth() != nr.Depth() {
+						t.Fatalf("seed %d step %d: key %x at %d of a %d-block node, reference %d of %d", seed, step, k, og, ng.Own(), or, nr.Own())
+					}
+					for r := 0; r < reps; r++ {
+						if ng.Cached(r) != nr.Cached(r) {
+							t.Fatalf("seed %d step %d: key %x cached on %d: %v, reference %v", seed, step, k, r, ng.Cached(r), nr.Cached(r))
+						}
+					}
+				}
+			}
+		}
 	}
 }
