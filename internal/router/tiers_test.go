@@ -196,3 +196,53 @@ func TestTierPendingFlight(t *testing.T) {
 		t.Errorf("after the first token: pending tier %d tokens, %v, pending %d tokens", rp.PendingTierTokens, rp.PendingTierPrefill, rp.PendingPrefillTokens)
 	}
 }
+
+// TestTierLLMDPrecise: llmd-precise reads the tiers as llm-d's index and
+// LongestPrefixScorer do, a CPU block at 0.8 of a GPU block: a prompt held
+// whole in one replica's CPU tier (0.8 per block) beats 3/4 of it on
+// another's GPU (0.75), and loses to 7/8 of it there (0.875). Without
+// tiers the GPU replica would win both.
+func TestTierLLMDPrecise(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens := make([]uint32, 4096)
+	for i := range tokens {
+		tokens[i] = uint32(i)
+	}
+	keys := blocks.Keys(nil, tokens, 16)
+	for _, tc := range []struct {
+		gpuBlocks, want int
+	}{
+		{len(keys) * 3 / 4, 0},
+		{len(keys) * 7 / 8, 1},
+	} {
+		pol, err := policy.Parse("llmd-precise", policy.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := New(Config{BlockTokens: 16, Profile: prof, Policy: pol, Seed: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddReplica("cpu", true)
+		r.AddReplica("gpu", true)
+		now := time.Now()
+		if err := r.CacheStoredTier(0, costmodel.MediumCPU, keys); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.CacheStored(1, 0, false, keys[:tc.gpuBlocks], now); err != nil {
+			t.Fatal(err)
+		}
+		req := policy.Request{ID: 1, Keys: keys, PromptTokens: len(tokens) + 1, OutputTokens: 8}
+		d, err := r.Predict(req, now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Replica != tc.want {
+			t.Errorf("%d of %d blocks on r1's GPU, all in r0's CPU tier: routed to r%d, want r%d (%s)",
+				tc.gpuBlocks, len(keys), d.Replica, tc.want, d.Explain())
+		}
+	}
+}
