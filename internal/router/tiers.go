@@ -78,6 +78,21 @@ func (r *Router) TierBlocks(id int) int {
 	return len(r.tiers[id])
 }
 
+// TierPrefix is how many leading keys of a chain replica id holds in its
+// slower tiers (a test's and a debug view's question; routing walks the
+// tiers after the GPU match, tierWalk).
+func (r *Router) TierPrefix(id int, keys []blocks.Key) int {
+	if id < 0 || id >= len(r.tiers) {
+		return 0
+	}
+	for n, k := range keys {
+		if _, ok := r.tiers[id][k]; !ok {
+			return n
+		}
+	}
+	return len(keys)
+}
+
 // clearTiers forgets replica id's offloaded blocks (AllBlocksCleared, or
 // another replica in its slot).
 func (r *Router) clearTiers(id int) {
