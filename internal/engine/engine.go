@@ -400,6 +400,7 @@ const (
 	opCancel
 	opReset
 	opPrefix
+	opOffloaded
 )
 
 // op is work a handler queues for Run's goroutine.
@@ -408,8 +409,8 @@ type op struct {
 	st    *stream      // opSubmit
 	id    uint64       // opCancel
 	reply chan error   // opReset; capacity 1
-	keys  []blocks.Key // opPrefix
-	n     chan int     // opPrefix; capacity 1
+	keys  []blocks.Key // opPrefix, opOffloaded
+	n     chan int     // opPrefix, opOffloaded; capacity 1
 }
 
 // enqueue hands o to Run. It fails with ErrStopped once Run has returned.
@@ -455,6 +456,25 @@ func (e *Engine) resetPrefixCache(ctx context.Context) error {
 func (e *Engine) CachedPrefix(ctx context.Context, keys []blocks.Key) (int, error) {
 	n := make(chan int, 1)
 	if err := e.enqueue(op{kind: opPrefix, keys: keys, n: n}); err != nil {
+		return 0, err
+	}
+	select {
+	case v := <-n:
+		if v < 0 {
+			return 0, ErrStopped
+		}
+		return v, nil
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
+// OffloadedPrefix returns how many leading keys of a chain the replica's
+// CPU offload tier holds (Config.Replica.CPUOffloadTokens; 0 without one),
+// as CachedPrefix does for the GPU prefix cache.
+func (e *Engine) OffloadedPrefix(ctx context.Context, keys []blocks.Key) (int, error) {
+	n := make(chan int, 1)
+	if err := e.enqueue(op{kind: opOffloaded, keys: keys, n: n}); err != nil {
 		return 0, err
 	}
 	select {
@@ -746,6 +766,8 @@ func (d *driver) applyOps() {
 			o.reply <- nil
 		case opPrefix:
 			o.n <- d.rep.CachedPrefix(o.keys)
+		case opOffloaded:
+			o.n <- d.rep.OffloadedPrefix(o.keys)
 		}
 		d.ops[i] = op{}
 	}
@@ -826,7 +848,7 @@ func (d *driver) stop() {
 			o.st.update(fail)
 		case opReset:
 			o.reply <- ErrStopped
-		case opPrefix:
+		case opPrefix, opOffloaded:
 			o.n <- -1
 		}
 	}

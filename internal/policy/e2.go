@@ -724,7 +724,7 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 	*e = e2Entry{
 		id: req.ID, at: ns, node: node, replica: int32(r),
 		prompt: sat32(req.PromptTokens), hit: sat32(d.MatchedTokens), out: sat32(req.OutputTokens),
-		prefill: p.prefillMemo(v, r, req.PromptTokens-d.MatchedTokens, v.SeqFor(r, req)),
+		prefill: p.prefillMemo(v, r, p.routedMissed(r, req, d.MatchedTokens, v), v.SeqFor(r, req)),
 		ttft:    -1, live: true, queued: true,
 	}
 	p.queue = append(p.queue, e)

@@ -179,7 +179,7 @@ func (p *E2) cost(c *Candidate, t *E2Terms, r int, req *Request, v *View) {
 	}
 	t[E2Decode] = p.decodeTerm(w[E2Decode], v, r)
 	t[E2History] = p.historyTerm(w[E2History], r)
-	t[E2Pending] = pendingTerm(w[E2Pending], rp)
+	t[E2Pending] = pendingTerm(w[E2Pending], rp) - p.pendingTierCredit(w[E2Pending], rp)
 	t[E2Interference] = interferenceTerm(w[E2Interference], pf, rp)
 	if req.Adapter != "" {
 		t[E2Interference] += adapterInterference(w[E2Interference], r, req, v)
@@ -228,6 +228,42 @@ func (p *E2) tierMissed(r int, req *Request, m int, v *View) (missed int, load f
 	}
 	tier, load := v.TierHitOf(r, req, m)
 	return missed - tier, load
+}
+
+// loadsTiers reports whether P prices a slower tier's blocks at their load
+// (TierCreditLoad, the default).
+func (p *E2) loadsTiers() bool {
+	return p.cfg.TierCredit == "" || p.cfg.TierCredit == TierCreditLoad
+}
+
+// pendingTierCredit is the part of the pending term that is not GPU time
+// under TierCreditLoad: the recompute of the prompt tokens the requests
+// queued on r load from a slower tier instead (Replica.PendingTierPrefill,
+// the router's own in-flight view). P prices such tokens at their copy,
+// which runs beside the batches and delays only the request loading them,
+// so the queue the next request waits behind holds none of their compute
+// (prefixlb's extension; 0 in the other modes, which price them as they
+// did):
+//
+//	pending = w · (Q_r − Q_r^tier)
+func (p *E2) pendingTierCredit(w float64, rp *Replica) float64 {
+	if w <= 0 || rp.PendingTierPrefill <= 0 || !p.loadsTiers() {
+		return 0
+	}
+	return w * min(secs(rp.PendingTierPrefill), secs(max(rp.PendingPrefill, 0)))
+}
+
+// routedMissed is the prompt tokens of req, routed to r with a GPU hit of
+// m tokens, that r computes, as the windowed history H counts their
+// prefill: under TierCreditLoad the tokens r loads from a slower tier are
+// not computed (tierMissed); the other modes count every token past the
+// GPU hit, as they did.
+func (p *E2) routedMissed(r int, req *Request, m int, v *View) int {
+	if !p.loadsTiers() {
+		return req.PromptTokens - m
+	}
+	missed, _ := p.tierMissed(r, req, m, v)
+	return missed
 }
 
 // adapterLoadTerm is the time r takes to load this request's LoRA adapter

@@ -76,7 +76,7 @@ func loraAffinity(rp *Replica, a string) float64 {
 // Route implements Policy: the highest weighted score wins, ties at random
 // (scoreLLMD's rules for the other three scorers).
 func (p *GIELoRA) Route(req *Request, v *View, now time.Time) (Decision, error) {
-	p.prefix = precisePrefixScores(p.prefix, v)
+	p.prefix = precisePrefixScores(p.prefix, req, v)
 	return scoreGIE(req, v, p.prefix, v.Match.PerReplica, 3, 2, 2, p.LoRAWeight,
 		func(rp *Replica) float64 { return loraAffinity(rp, req.Adapter) }, "gie-lora")
 }

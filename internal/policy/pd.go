@@ -229,7 +229,7 @@ func (p *LLMDPD) Disaggregates() bool { return true }
 
 func (p *LLMDPD) profile(req *Request, v *View, prefill bool, branch string) (Decision, error) {
 	w := v.pool(&p.buf, prefill)
-	p.prefix = precisePrefixScores(p.prefix, &w)
+	p.prefix = precisePrefixScores(p.prefix, nil, &w) // its pools renumber replicas: GPU blocks only
 	return scoreLLMD(req, &w, p.prefix, w.Match.PerReplica, p.PrefixWeight, 0, p.QueueWeight, branch)
 }
 

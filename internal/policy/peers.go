@@ -28,7 +28,9 @@ import (
 //	score(r) = 3·prefix(r) + 2·kv(r) + 2·queue(r)
 //
 // prefix: each replica's longest run of the request's blocks from block 0
-// that it holds (llm-d/llm-d-kv-cache pkg/kvcache/kvblock_scorer.go @
+// that it holds, in any cache tier, each block weighted by its tier (gpu
+// 1.0, cpu 0.8; precisePrefixScores) (llm-d/llm-d-kv-cache
+// pkg/kvcache/kvblock_scorer.go @
 // 24d82ea07f5e1b454da8ccd2eef8672c718dfc77, LongestPrefixScorer), normalised
 // min-max over the replicas with any hit (llm-d-inference-scheduler
 // pkg/plugins/scorer/utils.go @ 2202f3ca54371e64d835b2257a4bb802b2184ecb,
@@ -83,34 +85,80 @@ func (p *LLMDPrecise) Speculative() bool { return p.SpeculativeIndexing }
 
 // Route implements Policy.
 func (p *LLMDPrecise) Route(req *Request, v *View, now time.Time) (Decision, error) {
-	p.prefix = precisePrefixScores(p.prefix, v)
+	p.prefix = precisePrefixScores(p.prefix, req, v)
 	return scoreLLMD(req, v, p.prefix, v.Match.PerReplica, p.PrefixWeight, p.KVWeight, p.QueueWeight, "llmd-precise")
 }
 
 // precisePrefixScores fills dst (resized) with the precise scorer's prefix
-// score of each replica: its matched blocks normalised min-max over the up
-// replicas with any (LLMDPrecise's doc comment gives the source).
-func precisePrefixScores(dst []float64, v *View) []float64 {
-	matched := v.Match.PerReplica
-	lo, hi := math.MaxInt, 0
+// score of each replica: its tier-weighted matched blocks normalised min-max
+// over the up replicas with any (LLMDPrecise's doc comment gives the
+// source). llm-d's index keeps each block's medium, lowercased, and its
+// LongestPrefixScorer walks the longest run of the request's blocks from
+// block 0 that a pod holds in any tier, adding per block the largest weight
+// among the tiers holding it (llm-d/llm-d-kv-cache
+// pkg/kvcache/kvblock_scorer.go @ 24d82ea07f5e1b454da8ccd2eef8672c718dfc77,
+// getMaxWeight), with the default weights gpu 1.0 and cpu 0.8 and 1.0 for
+// a medium it has no weight for (pkg/kvcache/backend.go @
+// daca7db40021c590c0fb4354b45e0f08f643dce3, DefaultKVCacheBackendConfig).
+// Here the run is the GPU match, then the blocks after it that the replica
+// holds in slower tiers (View.TierSplit): host memory at 0.8, any other
+// tier at 1.0:
+//
+//	w(r) = gpu blocks + 0.8 · CPU blocks + 1.0 · other-tier blocks
+//
+// A block held on the GPU again after a block held only in a slower tier is
+// not counted (the router's tier walk stops at the first block it does not
+// hold in a tier); with write-through offloading such a block is in the CPU
+// tier too. With req nil (llmd-pd's pools, which renumber the replicas) only
+// the GPU match counts.
+func precisePrefixScores(dst []float64, req *Request, v *View) []float64 {
+	dst = resize(dst, len(v.Replicas))
+	lo, hi := math.Inf(1), 0.0
 	for i := range v.Replicas {
-		if m := at(matched, i); v.Replicas[i].Up && m > 0 {
-			lo, hi = min(lo, m), max(hi, m)
+		dst[i] = 0
+		if !v.Replicas[i].Up {
+			continue
+		}
+		w := llmdTierWeighted(req, v, i)
+		dst[i] = w
+		if w > 0 {
+			lo, hi = min(lo, w), max(hi, w)
 		}
 	}
-	dst = resize(dst, len(v.Replicas))
 	for i := range v.Replicas {
-		m := at(matched, i)
+		w := dst[i]
 		switch {
-		case !v.Replicas[i].Up || m == 0:
+		case !v.Replicas[i].Up || w == 0:
 			dst[i] = 0
 		case hi == lo:
 			dst[i] = 1
 		default:
-			dst[i] = float64(m-lo) / float64(hi-lo)
+			dst[i] = (w - lo) / (hi - lo)
 		}
 	}
 	return dst
+}
+
+// LLMDCPUTierWeight is llm-d's default scoring weight of a block held in
+// CPU memory, against 1.0 on the GPU and for a medium without a weight
+// (llm-d/llm-d-kv-cache pkg/kvcache/backend.go @
+// daca7db40021c590c0fb4354b45e0f08f643dce3, DefaultKVCacheBackendConfig).
+const LLMDCPUTierWeight = 0.8
+
+// llmdTierWeighted is replica r's tier-weighted longest prefix in blocks
+// (precisePrefixScores); without tier sets, its GPU-matched blocks.
+func llmdTierWeighted(req *Request, v *View, r int) float64 {
+	m := at(v.Match.PerReplica, r)
+	w := float64(m)
+	if v.TierSplit == nil || req == nil {
+		return w
+	}
+	bt := v.BlockTokens()
+	host, other := v.TierSplitOf(r, req, m*bt)
+	if host == 0 && other == 0 {
+		return w
+	}
+	return w + (LLMDCPUTierWeight*float64(host)+float64(other))/float64(bt)
 }
 
 // scoreLLMD sums GIE's weighted scorers, given each replica's prefix score

@@ -74,6 +74,15 @@ type Replica struct {
 	// PendingPrefillTokens is the number of prompt tokens those requests
 	// still have to compute (not cached on the replica when routed).
 	PendingPrefillTokens int
+	// PendingTierPrefill is the part of PendingPrefill that is the
+	// recompute of prompt tokens the router expected the replica to load
+	// from a slower cache tier when it routed them (View.TierHit; their
+	// count is PendingTierTokens): the replica copies them beside its
+	// batches instead of computing them (vLLM's OffloadingConnector), so
+	// a tier-aware policy takes them out of the queue's GPU time. 0
+	// without tier sets.
+	PendingTierPrefill time.Duration
+	PendingTierTokens  int
 	// DecodeTokens is the number of output tokens still owed by in-flight
 	// requests (their expected output minus what they produced).
 	DecodeTokens int

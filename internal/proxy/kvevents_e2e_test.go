@@ -32,6 +32,8 @@ type kvEngine struct {
 	replayEP string
 	cancel   context.CancelFunc
 	done     chan error
+	// configure, when set, changes the engine's configuration.
+	configure func(*engine.Config)
 }
 
 // kvEngineCapacity is small (64 blocks of 16 tokens) so the load evicts.
@@ -54,6 +56,9 @@ func (k *kvEngine) start(pubEP, replayEP string) {
 		Endpoint: pubEP, ReplayEndpoint: replayEP, Topic: "kv@" + k.name + "@prefixlb-sim",
 	})
 	ec.KVPublisher = pub
+	if k.configure != nil {
+		k.configure(&ec)
+	}
 	e, err := engine.New(ec)
 	if err != nil {
 		k.t.Fatal(err)
@@ -79,11 +84,20 @@ func (k *kvEngine) stop() {
 	}
 }
 
-func startKVEngines(t *testing.T, n int) []*kvEngine {
+func startKVEngines(t *testing.T, n int, configure ...func(*engine.Config)) []*kvEngine {
 	t.Helper()
 	var out []*kvEngine
 	for i := range n {
 		k := &kvEngine{t: t, name: fmt.Sprintf("engine-%d", i)}
+		for _, f := range configure {
+			prev := k.configure
+			k.configure = func(c *engine.Config) {
+				if prev != nil {
+					prev(c)
+				}
+				f(c)
+			}
+		}
 		k.start("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
 		k.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			(*k.handler.Load()).ServeHTTP(w, r)

@@ -118,6 +118,10 @@ type Event struct {
 	// (Config.CPUOffloadTokens; offload.go): the request waits for their
 	// copy before it prefills the rest.
 	TierTokens int
+	// LoadEnd (Admitted, TierTokens > 0) is when the copy of those tokens
+	// ends, after the copies queued before it on the replica's
+	// host-to-device link: the request prefills from then on.
+	LoadEnd time.Time
 	// Resumed (Admitted) is true when the request was preempted before.
 	Resumed bool
 	// N (FirstToken, Token, Finished, Preempted, Cancelled) is the number of

@@ -635,6 +635,7 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 		// The blocks after its GPU hit come from the CPU tier: no chunk
 		// until they land (offload.go).
 		r.startLoad(s, hit, tier, now)
+		(*ev)[len(*ev)-1].LoadEnd = s.loadEnd
 		return true
 	}
 	if s.req.RemoteKV && !s.kvDone {

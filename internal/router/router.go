@@ -115,9 +115,14 @@ type flight struct {
 	matched        int
 	pendingTokens  int
 	pendingPrefill time.Duration
-	out            int
-	routedAt       time.Time
-	prefilled      bool
+	// tierTokens of pendingTokens were expected to load from a slower
+	// cache tier when routed (tierHit); tierPrefill is their share of
+	// pendingPrefill (Replica.PendingTierPrefill).
+	tierTokens  int
+	tierPrefill time.Duration
+	out         int
+	routedAt    time.Time
+	prefilled   bool
 	// contended: when routed, another request in flight on the replica
 	// used the matched prefix, so a report of fewer cached tokens may be
 	// concurrency (blocks still being computed), not eviction.
@@ -686,6 +691,9 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 		pendingTokens: missed, pendingPrefill: r.priced[id].Prefill(missed, r.view.SeqFor(id, req)),
 		out: req.OutputTokens, routedAt: now, slot: noSlot,
 	}
+	if !d.Disaggregated {
+		r.flightTiers(f, id, req)
+	}
 	if mb := r.match.PerReplica[id]; mb > 0 && !r.events[id] {
 		// The node holding the last matched block: another request on
 		// this replica through it makes the match contended.
@@ -721,6 +729,8 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	rp.Prefilling++
 	rp.PendingPrefill += f.pendingPrefill
 	rp.PendingPrefillTokens += f.pendingTokens
+	rp.PendingTierPrefill += f.tierPrefill
+	rp.PendingTierTokens += f.tierTokens
 	rp.DecodeTokens += f.out
 	f.adapter = req.Adapter
 	r.addAdapterFlight(id, f.adapter, 1, f.out)
@@ -839,6 +849,8 @@ func (r *Router) FirstToken(id uint64, now time.Time) error {
 	rp.Prefilling--
 	rp.PendingPrefill -= f.pendingPrefill
 	rp.PendingPrefillTokens -= f.pendingTokens
+	rp.PendingTierPrefill -= f.tierPrefill
+	rp.PendingTierTokens -= f.tierTokens
 	rp.Decoding++
 	rp.DecodeContextTokens += f.prompt + f.out/2
 	if r.obs != nil {
@@ -898,6 +910,8 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 		rp.Prefilling--
 		rp.PendingPrefill -= f.pendingPrefill
 		rp.PendingPrefillTokens -= f.pendingTokens
+		rp.PendingTierPrefill -= f.tierPrefill
+		rp.PendingTierTokens -= f.tierTokens
 	} else {
 		rp := &r.reps[f.replica]
 		rp.Decoding--

@@ -78,6 +78,21 @@ func (r *Router) TierBlocks(id int) int {
 	return len(r.tiers[id])
 }
 
+// TierPrefix is how many leading keys of a chain replica id holds in its
+// slower tiers (a test's and a debug view's question; routing walks the
+// tiers after the GPU match, tierWalk).
+func (r *Router) TierPrefix(id int, keys []blocks.Key) int {
+	if id < 0 || id >= len(r.tiers) {
+		return 0
+	}
+	for n, k := range keys {
+		if _, ok := r.tiers[id][k]; !ok {
+			return n
+		}
+	}
+	return len(keys)
+}
+
 // clearTiers forgets replica id's offloaded blocks (AllBlocksCleared, or
 // another replica in its slot).
 func (r *Router) clearTiers(id int) {
@@ -143,4 +158,22 @@ func (r *Router) tierWalk(rep int, req *policy.Request, gpu int, fn func(tier ui
 		done += n
 		fn(t, n)
 	}
+}
+
+// flightTiers records in f (routed to replica rep) the prompt tokens after
+// its GPU match that rep holds in slower tiers, which rep will load rather
+// than compute, and their share of f's pending prefill: the prefill of all
+// its missed tokens less that of the ones left to compute, at the context
+// they are computed in. They stay in PendingPrefill (every policy sees the
+// queue as before) and are also counted in Replica.PendingTierPrefill, for a
+// tier-aware policy to take out.
+func (r *Router) flightTiers(f *flight, rep int, req *policy.Request) {
+	f.tierTokens, f.tierPrefill = 0, 0
+	tier, _ := r.tierHit(rep, req, f.matched)
+	tier = min(tier, f.pendingTokens)
+	if tier <= 0 {
+		return
+	}
+	rest := r.priced[rep].Prefill(f.pendingTokens-tier, r.view.SeqFor(rep, req))
+	f.tierTokens, f.tierPrefill = tier, max(f.pendingPrefill-rest, 0)
 }

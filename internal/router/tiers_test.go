@@ -137,3 +137,112 @@ func TestTierCreditModes(t *testing.T) {
 		t.Errorf("dynamo prefill blocks %v, want %v, %v, %v", dyn, blocks, blocks*0.25, blocks-0.25*blocks/2)
 	}
 }
+
+// TestTierPendingFlight: a request routed to a replica that holds its
+// prompt in a CPU tier is counted in the replica's pending prefill as
+// before, and the share of it the replica loads instead of computing in
+// PendingTierPrefill/Tokens, until its first token; a request the replica
+// must compute adds none.
+func TestTierPendingFlight(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol, err := policy.Parse("e2", policy.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(Config{BlockTokens: 16, Profile: prof, Policy: pol, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddReplica("a", true)
+	tokens := make([]uint32, 4096)
+	for i := range tokens {
+		tokens[i] = uint32(i)
+	}
+	keys := blocks.Keys(nil, tokens, 16)
+	// The tier holds all but the last 64 blocks.
+	if err := r.CacheStoredTier(0, costmodel.MediumCPU, keys[:len(keys)-64]); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	if _, err := r.Route(policy.Request{ID: 1, Keys: keys, PromptTokens: len(tokens), OutputTokens: 8}, now); err != nil {
+		t.Fatal(err)
+	}
+	rp := r.reps[0]
+	tier := len(tokens) - 64*16
+	wantTier := prof.Prefill(len(tokens), len(tokens)) - prof.Prefill(64*16, len(tokens))
+	if rp.PendingPrefillTokens != len(tokens) || rp.PendingPrefill != prof.Prefill(len(tokens), len(tokens)) {
+		t.Errorf("pending %d tokens, %v; want the whole prompt, as before", rp.PendingPrefillTokens, rp.PendingPrefill)
+	}
+	if rp.PendingTierTokens != tier || rp.PendingTierPrefill != wantTier {
+		t.Errorf("pending tier %d tokens, %v; want %d, %v", rp.PendingTierTokens, rp.PendingTierPrefill, tier, wantTier)
+	}
+	other := make([]uint32, 512)
+	for i := range other {
+		other[i] = uint32(1<<20 + i)
+	}
+	if _, err := r.Route(policy.Request{ID: 2, Keys: blocks.Keys(nil, other, 16), PromptTokens: len(other), OutputTokens: 8}, now); err != nil {
+		t.Fatal(err)
+	}
+	if rp := r.reps[0]; rp.PendingTierTokens != tier || rp.PendingTierPrefill != wantTier {
+		t.Errorf("a computed request changed the pending tier: %d tokens, %v", rp.PendingTierTokens, rp.PendingTierPrefill)
+	}
+	if err := r.FirstToken(1, now.Add(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if rp := r.reps[0]; rp.PendingTierTokens != 0 || rp.PendingTierPrefill != 0 || rp.PendingPrefillTokens != len(other) {
+		t.Errorf("after the first token: pending tier %d tokens, %v, pending %d tokens", rp.PendingTierTokens, rp.PendingTierPrefill, rp.PendingPrefillTokens)
+	}
+}
+
+// TestTierLLMDPrecise: llmd-precise reads the tiers as llm-d's index and
+// LongestPrefixScorer do, a CPU block at 0.8 of a GPU block: a prompt held
+// whole in one replica's CPU tier (0.8 per block) beats 3/4 of it on
+// another's GPU (0.75), and loses to 7/8 of it there (0.875). Without
+// tiers the GPU replica would win both.
+func TestTierLLMDPrecise(t *testing.T) {
+	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens := make([]uint32, 4096)
+	for i := range tokens {
+		tokens[i] = uint32(i)
+	}
+	keys := blocks.Keys(nil, tokens, 16)
+	for _, tc := range []struct {
+		gpuBlocks, want int
+	}{
+		{len(keys) * 3 / 4, 0},
+		{len(keys) * 7 / 8, 1},
+	} {
+		pol, err := policy.Parse("llmd-precise", policy.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := New(Config{BlockTokens: 16, Profile: prof, Policy: pol, Seed: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddReplica("cpu", true)
+		r.AddReplica("gpu", true)
+		now := time.Now()
+		if err := r.CacheStoredTier(0, costmodel.MediumCPU, keys); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.CacheStored(1, 0, false, keys[:tc.gpuBlocks], now); err != nil {
+			t.Fatal(err)
+		}
+		req := policy.Request{ID: 1, Keys: keys, PromptTokens: len(tokens) + 1, OutputTokens: 8}
+		d, err := r.Predict(req, now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Replica != tc.want {
+			t.Errorf("%d of %d blocks on r1's GPU, all in r0's CPU tier: routed to r%d, want r%d (%s)",
+				tc.gpuBlocks, len(keys), d.Replica, tc.want, d.Explain())
+		}
+	}
+}

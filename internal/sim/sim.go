@@ -199,6 +199,24 @@ type Result struct {
 	// Queue counts what the router-side queue did (Config.Queue; nil
 	// otherwise).
 	Queue *admission.Stats `json:",omitempty"`
+	// Tiers has, per request in request order, where its TTFT went on a
+	// replica with a CPU offload tier (Replica.CPUOffloadTokens > 0; nil
+	// otherwise).
+	Tiers []TierRecord `json:",omitempty"`
+}
+
+// TierRecord splits one request's TTFT on a replica with a CPU offload
+// tier: the wait for admission, the CPU-tier copy (its own transfer and the
+// copies queued before it on the replica's host-to-device link), then the
+// prefill of the rest and the first token. Times are from the request's
+// arrival at the router; all zero for a request that never ran.
+type TierRecord struct {
+	// GPUTokens and CPUTokens are the prompt tokens found in the GPU cache
+	// and loaded from the CPU tier at its (first) admission.
+	GPUTokens, CPUTokens int
+	// Admitted is the wait from arrival to admission; LoadDone from
+	// arrival to the copy's end (= Admitted when nothing was loaded).
+	Admitted, LoadDone time.Duration
 }
 
 // PDStats counts what disaggregation did in a run.
@@ -280,6 +298,7 @@ type reqState struct {
 	// admittedAt is when its prefill began (the iteration that admitted
 	// it): llama.cpp's timings measure prompt_ms from there.
 	admittedAt time.Time
+	loadEnd    time.Time // its CPU-tier copy's end (tierHit > 0)
 	out        int
 	err        string
 	// lastTok and gaps follow the request's token stream when the router
@@ -650,7 +669,7 @@ func (rn *runner) apply(r int, ev replica.Event) {
 		if !s.admitted {
 			s.admitted = true
 			s.hit, s.tierHit = ev.HitTokens, ev.TierTokens
-			s.admittedAt = ev.At
+			s.admittedAt, s.loadEnd = ev.At, ev.LoadEnd
 		}
 	case replica.FirstToken:
 		s := &rn.st[ev.RequestID]
@@ -780,6 +799,9 @@ func (rn *runner) finish() {
 	res := rn.res
 	var first, last time.Time
 	res.Records = make([]report.RequestRecord, len(rn.reqs))
+	if rn.cfg.Replica.CPUOffloadTokens > 0 {
+		res.Tiers = make([]TierRecord, len(rn.reqs))
+	}
 	for i := range rn.st {
 		s := &rn.st[i]
 		w := &rn.reqs[i]
@@ -787,6 +809,14 @@ func (rn *runner) finish() {
 			ID: i, Replica: replicaName(s.replica), ArrivalS: s.arrival.Sub(epoch).Seconds(),
 			Session: w.Session, Group: w.Group, Priority: w.Priority, Tenant: w.Tenant,
 			PromptTokens: len(w.Tokens), CachedTokens: s.hit + s.tierHit, OutputTokens: s.out, Error: s.err,
+		}
+		if rn.res.Tiers != nil && s.admitted {
+			t := TierRecord{GPUTokens: s.hit, CPUTokens: s.tierHit, Admitted: s.admittedAt.Sub(s.arrival)}
+			t.LoadDone = t.Admitted
+			if s.tierHit > 0 {
+				t.LoadDone = s.loadEnd.Sub(s.arrival)
+			}
+			rn.res.Tiers[i] = t
 		}
 		if s.pd {
 			// The prefill computed what the prefill replica did not hold.

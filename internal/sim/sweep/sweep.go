@@ -7,6 +7,7 @@
 package sweep
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -76,6 +77,10 @@ type Config struct {
 	// gets results.json, requests.csv, chart.svg and report.html.
 	JSONPath string
 	OutDir   string
+	// TierTrace, when set with CPUOffloadTokens, gets every run's requests
+	// as CSV with their TTFT split at admission and at the end of their
+	// CPU-tier copy (sim.TierRecord; WriteTierTrace).
+	TierTrace string
 	// Quiet writes no progress.
 	Quiet bool
 	// Engine is EngineVLLM or EngineLlamaCpp; Slots is llama.cpp's slots
@@ -296,6 +301,7 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	var records []report.RequestRecord
 	var pdLines, loraLines, tierLines, queueLines []string
 	queue := su.queue
+	var trace bytes.Buffer
 	for _, rate := range rates {
 		c.Workload.Arrival.Rate = rate
 		reqs, skipped, err := c.Workload.Load()
@@ -333,6 +339,9 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			}
 			if c.CPUOffloadTokens > 0 {
 				tierLines = append(tierLines, TierLine(name, label, res))
+				if c.TierTrace != "" {
+					WriteTierTrace(&trace, trace.Len() == 0, res)
+				}
 			}
 			if queue != nil || c.Workload.Priorities != "" || c.Workload.Tenants != "" {
 				q := queue
@@ -348,6 +357,11 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	if err := Write(stdout, stderr, c, results, records); err != nil {
 		return err
+	}
+	if c.TierTrace != "" {
+		if err := os.WriteFile(c.TierTrace, trace.Bytes(), 0o644); err != nil {
+			return fmt.Errorf("sim: tier trace: %w", err)
+		}
 	}
 	if len(loraLines) > 0 {
 		fmt.Fprintf(stderr, "\nLoRA adapters (%d slots per replica):\n", c.MaxLoras)
@@ -417,6 +431,26 @@ func TierLine(name string, rate float64, res *sim.Result) string {
 	}
 	return fmt.Sprintf("  %-28s rate %-6.3g GPU hits %5.1f%%  CPU-tier loads %5.1f%% of prompt tokens (%d loads, %.1f s of copies)",
 		name, rate, share(gpu), share(loaded), loads, t.Seconds())
+}
+
+// WriteTierTrace appends res's requests to w as CSV (the header first when
+// header): policy, rate, id, replica, session, group, prompt tokens, the
+// tokens found in the GPU cache and loaded from the CPU tier, and the ms
+// from arrival to admission, to the end of the CPU-tier copy and to the
+// first token (sim.TierRecord).
+func WriteTierTrace(w *bytes.Buffer, header bool, res *sim.Result) {
+	if header {
+		w.WriteString("policy,rate,id,replica,session,group,prompt_tokens,gpu_tokens,cpu_tokens,admitted_ms,load_done_ms,ttft_ms\n")
+	}
+	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	for i, rec := range res.Records {
+		var t sim.TierRecord
+		if i < len(res.Tiers) {
+			t = res.Tiers[i]
+		}
+		fmt.Fprintf(w, "%s,%g,%d,%s,%s,%s,%d,%d,%d,%.3f,%.3f,%.3f\n", rec.Policy, rec.Rate, rec.ID, rec.Replica,
+			rec.Session, rec.Group, rec.PromptTokens, t.GPUTokens, t.CPUTokens, ms(t.Admitted), ms(t.LoadDone), rec.TTFTMs)
+	}
 }
 
 // PDLine renders a run's disaggregation figures: how many requests were
