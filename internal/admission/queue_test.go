@@ -456,3 +456,60 @@ func TestDecodeAware(t *testing.T) {
 		t.Errorf("Wait allocates %v times", allocs)
 	}
 }
+
+// backlogEst predicts one replica's wait as a fluid backlog of work.
+type backlogEst struct{ backlog *time.Duration }
+
+func (e backlogEst) Wait(int, *policy.Replica) time.Duration { return *e.backlog }
+func (e backlogEst) Service(*Ticket, int) time.Duration      { return 0 }
+
+// TestFairDeadlineShed: a heavy and a light tenant at 4:1 against a pool
+// of half their demand, every request due 2 s after it arrives and the
+// pool saturated exactly when its predicted wait reaches 2 s. The light
+// tenant's demand (10 req/s) is under half the capacity (25 req/s), so its
+// max-min fair share of what is dispatched is all of its demand, 40 %.
+// A deadline shed blind to tenants gives it its share of the demand
+// (20 %).
+func TestFairDeadlineShed(t *testing.T) {
+	const (
+		step = 20 * time.Millisecond // one arrival per step: a,a,a,a,b
+		cost = 40 * time.Millisecond // work each routed request adds
+		slo  = 2 * time.Second
+	)
+	var backlog time.Duration
+	q := newQueue(t, nil)
+	q.SetEstimator(backlogEst{&backlog})
+	reps := pool(1, 0)
+	now := t0
+	routed := map[string]int{}
+	route := func(tk *Ticket) { routed[tk.Tenant]++; backlog += cost }
+	for i := 0; i < 3000; i++ {
+		now = now.Add(step)
+		backlog = max(0, backlog-step)
+		tenant := "heavy"
+		if i%5 == 4 {
+			tenant = "light"
+		}
+		tk := &Ticket{ID: uint64(i), Tenant: tenant, Arrival: now, Deadline: now.Add(slo)}
+		if v, _ := q.Arrive(tk, reps, now); v == Pass {
+			route(tk)
+		}
+		for tk := q.Next(reps, now, nil); tk != nil; tk = q.Next(reps, now, nil) {
+			route(tk)
+		}
+		st := q.Stats()
+		if got := st.Passed + st.Dispatched + st.ShedTotal() + st.Cancelled + int64(q.Len()); got != st.Arrived {
+			t.Fatalf("step %d: %d accounted of %d arrived", i, got, st.Arrived)
+		}
+	}
+	total := routed["heavy"] + routed["light"]
+	share := float64(routed["light"]) / float64(total)
+	fair := min(600, float64(total)/2) / float64(total)
+	t.Logf("routed %v, light share %.1f%%, fair %.1f%%, stats %+v", routed, 100*share, 100*fair, q.Stats())
+	if share < 0.9*fair {
+		t.Errorf("light tenant got %.1f%% of the routed requests, want within 10%% of its fair share %.1f%%", 100*share, 100*fair)
+	}
+	if total < 1400 { // capacity: 60 s × 25 req/s = 1500
+		t.Errorf("routed %d, want ≥ 1400 (the pool kept busy)", total)
+	}
+}
