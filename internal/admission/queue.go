@@ -323,7 +323,8 @@ func (q *Queue) count(tenant string, now time.Time) {
 
 // lighter reports whether t, which cannot meet its deadline by the pool's
 // predicted wait, should wait anyway: its own time to first token still
-// fits (now + Service before Deadline), and its tenant's recent demand
+// fits (now + Service before Deadline), it is (or would be) the only
+// ticket waiting in its flow, and its tenant's recent demand
 // (per weight) is below the heaviest tenant's. The deadline shed then
 // falls on the heaviest tenant first, as a fair queue's buffer drops from
 // its longest flow (longest queue drop: Suter et al., "Design
@@ -334,6 +335,18 @@ func (q *Queue) count(tenant string, now time.Time) {
 func (q *Queue) lighter(t *Ticket, now time.Time) bool {
 	if !now.Add(t.Service).Before(t.Deadline) {
 		return false
+	}
+	// Only a flow's lone ticket: a reprieved ticket is dispatched late and
+	// likely misses its deadline, and at its flow's head it would hold
+	// back fresher ones (which then go stale too).
+	if f := t.flow; f != nil {
+		if f.n > 1 {
+			return false
+		}
+	} else if i, ok := q.bandIndex(t.Priority); ok {
+		if f := q.bands[i].flows[t.Tenant]; f != nil && f.n > 0 {
+			return false
+		}
 	}
 	own := -1.0
 	heaviest := 0.0
@@ -401,10 +414,15 @@ func (q *Queue) push(t *Ticket, now time.Time) {
 	}
 }
 
+// bandIndex finds priority p's band, or where it would go.
+func (q *Queue) bandIndex(p int) (int, bool) {
+	// Highest first: band i sorts before p when its priority is higher.
+	return slices.BinarySearchFunc(q.bands, p, func(b *band, p int) int { return cmp.Compare(p, b.prio) })
+}
+
 // band returns priority p's band, made if needed.
 func (q *Queue) band(p int) *band {
-	// Highest first: band i sorts before p when its priority is higher.
-	i, found := slices.BinarySearchFunc(q.bands, p, func(b *band, p int) int { return cmp.Compare(p, b.prio) })
+	i, found := q.bandIndex(p)
 	if found {
 		return q.bands[i]
 	}
