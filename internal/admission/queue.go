@@ -166,6 +166,24 @@ func (f *flow) peekHead() *Ticket {
 	return nil
 }
 
+// popFresh returns the oldest waiting ticket that is not reprieved (see
+// Queue.lighter), else the oldest: a reprieved ticket, dispatched late, is
+// likely to miss its deadline, and ahead of fresher ones it would make
+// them late too. A ticket taken from the middle leaves its slot, skipped
+// once done.
+func (f *flow) popFresh() *Ticket {
+	h := f.peekHead()
+	if h == nil || !h.reprieved {
+		return f.popHead()
+	}
+	for _, t := range f.items[f.head+1:] {
+		if t != nil && t.state == stateQueued && !t.reprieved {
+			return t
+		}
+	}
+	return f.popHead()
+}
+
 // popTail removes and returns the newest waiting ticket.
 func (f *flow) popTail() *Ticket {
 	for len(f.items) > f.head {
@@ -323,8 +341,7 @@ func (q *Queue) count(tenant string, now time.Time) {
 
 // lighter reports whether t, which cannot meet its deadline by the pool's
 // predicted wait, should wait anyway: its own time to first token still
-// fits (now + Service before Deadline), it is (or would be) the only
-// ticket waiting in its flow, and its tenant's recent demand
+// fits (now + Service before Deadline), and its tenant's recent demand
 // (per weight) is below the heaviest tenant's. The deadline shed then
 // falls on the heaviest tenant first, as a fair queue's buffer drops from
 // its longest flow (longest queue drop: Suter et al., "Design
@@ -335,18 +352,6 @@ func (q *Queue) count(tenant string, now time.Time) {
 func (q *Queue) lighter(t *Ticket, now time.Time) bool {
 	if !now.Add(t.Service).Before(t.Deadline) {
 		return false
-	}
-	// Only a flow's lone ticket: a reprieved ticket is dispatched late and
-	// likely misses its deadline, and at its flow's head it would hold
-	// back fresher ones (which then go stale too).
-	if f := t.flow; f != nil {
-		if f.n > 1 {
-			return false
-		}
-	} else if i, ok := q.bandIndex(t.Priority); ok {
-		if f := q.bands[i].flows[t.Tenant]; f != nil && f.n > 0 {
-			return false
-		}
 	}
 	own := -1.0
 	heaviest := 0.0
@@ -414,15 +419,10 @@ func (q *Queue) push(t *Ticket, now time.Time) {
 	}
 }
 
-// bandIndex finds priority p's band, or where it would go.
-func (q *Queue) bandIndex(p int) (int, bool) {
-	// Highest first: band i sorts before p when its priority is higher.
-	return slices.BinarySearchFunc(q.bands, p, func(b *band, p int) int { return cmp.Compare(p, b.prio) })
-}
-
 // band returns priority p's band, made if needed.
 func (q *Queue) band(p int) *band {
-	i, found := q.bandIndex(p)
+	// Highest first: band i sorts before p when its priority is higher.
+	i, found := slices.BinarySearchFunc(q.bands, p, func(b *band, p int) int { return cmp.Compare(p, b.prio) })
 	if found {
 		return q.bands[i]
 	}
@@ -527,7 +527,7 @@ func (q *Queue) Next(reps []policy.Replica, now time.Time, shed func(*Ticket)) *
 
 // popBand picks band b's next ticket by deficit round robin (quantum: the
 // flow's weight; cost: one request) and takes it off its flow's FIFO: the
-// oldest, or with adaptive LIFO (Config.LIFOAfter) the newest while the
+// oldest not reprieved (popFresh), or with adaptive LIFO (Config.LIFOAfter) the newest while the
 // oldest has waited that long.
 func (q *Queue) popBand(b *band, now time.Time) *Ticket {
 	for {
@@ -545,7 +545,7 @@ func (q *Queue) popBand(b *band, now time.Time) *Ticket {
 				}
 			}
 			if t == nil {
-				t = f.popHead()
+				t = f.popFresh()
 			}
 			if f.deficit < 1 && f.n > 1 {
 				// Its turn is over: the next flow's comes.

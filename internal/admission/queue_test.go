@@ -513,3 +513,47 @@ func TestFairDeadlineShed(t *testing.T) {
 		t.Errorf("routed %d, want ≥ 1400 (the pool kept busy)", total)
 	}
 }
+
+// TestReprieve: a light tenant's request that cannot meet its deadline
+// waits while the heaviest tenant's is shed; it is shed once hopeless, and
+// in its flow a fresher request that can still make it goes first.
+func TestReprieve(t *testing.T) {
+	backlog := 3 * time.Second
+	q := newQueue(t, nil)
+	q.SetEstimator(backlogEst{&backlog})
+	reps := pool(1, 0)
+	now := t0
+	for i := 0; i < 4; i++ { // the heavy tenant's recent demand
+		q.Arrive(&Ticket{ID: uint64(i), Tenant: "heavy", Arrival: now, Deadline: now.Add(2 * time.Second)}, reps, now)
+	}
+	if st := q.Stats(); st.Shed[Deadline] != 4 {
+		t.Fatalf("heavy tenant's late requests: %+v, want 4 shed by deadline", st)
+	}
+	stale := &Ticket{ID: 10, Tenant: "light", Arrival: now, Deadline: now.Add(2 * time.Second)}
+	if v, _ := q.Arrive(stale, reps, now); v != Queued {
+		t.Fatalf("light tenant's late request: %v, want Queued (reprieved)", v)
+	}
+	if at, ok := q.NextDue(reps); !ok || !at.Equal(stale.Deadline) {
+		t.Errorf("NextDue = %v, want its deadline %v", at, stale.Deadline)
+	}
+	// The pool drains; a fresh request of the light tenant can make it.
+	now = now.Add(time.Second)
+	backlog = 500 * time.Millisecond
+	fresh := &Ticket{ID: 11, Tenant: "light", Arrival: now, Deadline: now.Add(2 * time.Second)}
+	if v, _ := q.Arrive(fresh, reps, now); v != Queued {
+		t.Fatalf("fresh request: %v, want Queued behind the stale one", v)
+	}
+	backlog = time.Second // room (below the 2 s threshold)
+	if got := q.Next(reps, now, nil); got != fresh {
+		t.Fatalf("dispatched %v, want the fresh request before the reprieved one", got)
+	}
+	var shed []*Ticket
+	q.Expire(reps, now.Add(999*time.Millisecond), func(t *Ticket) { shed = append(shed, t) })
+	if len(shed) != 0 {
+		t.Fatal("reprieved request shed before it was hopeless")
+	}
+	q.Expire(reps, stale.Deadline, func(t *Ticket) { shed = append(shed, t) })
+	if len(shed) != 1 || shed[0] != stale || stale.Reason != Deadline || q.Len() != 0 {
+		t.Fatalf("shed %v, want the reprieved request by deadline once hopeless", shed)
+	}
+}
