@@ -3,6 +3,7 @@ package admission
 import (
 	"cmp"
 	"container/heap"
+	"math"
 	"slices"
 	"time"
 
@@ -82,6 +83,10 @@ type Ticket struct {
 	flow         *flow
 	tIdx, dIdx   int // indexes in the timeout and deadline heaps (-1: not in)
 	expires, due time.Time
+	// reprieved: it could not meet its deadline but its tenant is lighter
+	// than the heaviest, so it waits in rq (due: when it is hopeless)
+	// instead of dq.
+	reprieved bool
 }
 
 type state uint8
@@ -161,6 +166,24 @@ func (f *flow) peekHead() *Ticket {
 	return nil
 }
 
+// popFresh returns the oldest waiting ticket that is not reprieved (see
+// Queue.lighter), else the oldest: a reprieved ticket, dispatched late, is
+// likely to miss its deadline, and ahead of fresher ones it would make
+// them late too. A ticket taken from the middle leaves its slot, skipped
+// once done.
+func (f *flow) popFresh() *Ticket {
+	h := f.peekHead()
+	if h == nil || !h.reprieved {
+		return f.popHead()
+	}
+	for _, t := range f.items[f.head+1:] {
+		if t != nil && t.state == stateQueued && !t.reprieved {
+			return t
+		}
+	}
+	return f.popHead()
+}
+
 // popTail removes and returns the newest waiting ticket.
 func (f *flow) popTail() *Ticket {
 	for len(f.items) > f.head {
@@ -199,9 +222,32 @@ type Queue struct {
 	n     int
 	tq    tHeap // by expiry (Arrival + Timeout)
 	dq    dHeap // by due (Deadline − Service)
+	rq    dHeap // reprieved tickets, by due (Deadline − Service)
 	stats Stats
 	spare []*flow // emptied flows, reused
 	est   Estimator
+	// demand is each tenant's recent demand while the queue is engaged
+	// (an exponentially decayed count of its arrivals past the fast path),
+	// which the deadline shed reads to shed from the heaviest tenant first.
+	demand map[string]*rate
+}
+
+// rate is a decayed arrival count: n·exp(−(now−at)/DemandWindow).
+type rate struct {
+	n  float64
+	at time.Time
+}
+
+// DemandWindow is the time constant of the decayed per-tenant arrival
+// count the deadline shed compares tenants by.
+const DemandWindow = 2 * time.Second
+
+func (r *rate) decay(now time.Time) float64 {
+	if dt := now.Sub(r.at); dt > 0 {
+		r.n *= math.Exp(-dt.Seconds() / DemandWindow.Seconds())
+		r.at = now
+	}
+	return r.n
 }
 
 // SetEstimator makes e predict the replicas' waits for the saturation test
@@ -252,12 +298,17 @@ func (q *Queue) Arrive(t *Ticket, reps []policy.Replica, now time.Time) (v Verdi
 		t.state = stateDone
 		return Pass, nil
 	}
+	q.count(t.Tenant, now)
+	reprieve := false
 	if !t.Deadline.IsZero() {
 		if t.Service == 0 && q.est != nil {
 			t.Service = q.est.Service(t, p.Best)
 		}
 		if !now.Add(p.MinWait + t.Service).Before(t.Deadline) {
-			return q.refuse(t, Deadline), nil
+			if !q.lighter(t, now) {
+				return q.refuse(t, Deadline), nil
+			}
+			reprieve = true
 		}
 	}
 	if q.n >= q.cfg.MaxQueue {
@@ -267,8 +318,66 @@ func (q *Queue) Arrive(t *Ticket, reps []policy.Replica, now time.Time) (v Verdi
 		}
 	}
 	q.push(t, now)
+	if reprieve {
+		q.toReprieve(t)
+	}
 	q.stats.Queued++
 	return Queued, displaced
+}
+
+// count adds an arrival of tenant to its recent demand.
+func (q *Queue) count(tenant string, now time.Time) {
+	if q.demand == nil {
+		q.demand = map[string]*rate{}
+	}
+	r := q.demand[tenant]
+	if r == nil {
+		r = &rate{at: now}
+		q.demand[tenant] = r
+	}
+	r.decay(now)
+	r.n++
+}
+
+// lighter reports whether t, which cannot meet its deadline by the pool's
+// predicted wait, should wait anyway: its own time to first token still
+// fits (now + Service before Deadline), and its tenant's recent demand
+// (per weight) is below the heaviest tenant's. The deadline shed then
+// falls on the heaviest tenant first, as a fair queue's buffer drops from
+// its longest flow (longest queue drop: Suter et al., "Design
+// considerations for supporting TCP with per-flow queueing", INFOCOM
+// 1998), instead of on every tenant in proportion to its demand: a light
+// tenant gets up to its max-min fair share of what is dispatched. Tenants
+// that sent nothing lately are forgotten.
+func (q *Queue) lighter(t *Ticket, now time.Time) bool {
+	if !now.Add(t.Service).Before(t.Deadline) {
+		return false
+	}
+	own := -1.0
+	heaviest := 0.0
+	for k, r := range q.demand {
+		d := r.decay(now) / q.cfg.weight(k)
+		if d < 1e-3 {
+			delete(q.demand, k)
+			continue
+		}
+		if k == t.Tenant {
+			own = d
+		}
+		heaviest = max(heaviest, d)
+	}
+	return own >= 0 && own < heaviest
+}
+
+// toReprieve moves waiting ticket t from the deadline heap to the
+// reprieved one, where it is shed once hopeless (now + Service at its
+// Deadline).
+func (q *Queue) toReprieve(t *Ticket) {
+	if t.dIdx >= 0 {
+		heap.Remove(&q.dq, t.dIdx)
+	}
+	t.reprieved = true
+	heap.Push(&q.rq, t)
 }
 
 func (q *Queue) refuse(t *Ticket, r Reason) Verdict {
@@ -302,7 +411,7 @@ func (q *Queue) push(t *Ticket, now time.Time) {
 	if t.expires.Before(now) {
 		t.expires = now
 	}
-	t.tIdx, t.dIdx = -1, -1
+	t.tIdx, t.dIdx, t.reprieved = -1, -1, false
 	heap.Push(&q.tq, t)
 	if !t.Deadline.IsZero() {
 		t.due = t.Deadline.Add(-t.Service)
@@ -358,7 +467,11 @@ func (q *Queue) remove(t *Ticket) {
 		heap.Remove(&q.tq, t.tIdx)
 	}
 	if t.dIdx >= 0 {
-		heap.Remove(&q.dq, t.dIdx)
+		if t.reprieved {
+			heap.Remove(&q.rq, t.dIdx)
+		} else {
+			heap.Remove(&q.dq, t.dIdx)
+		}
 	}
 	q.n--
 	b := f.band
@@ -414,7 +527,7 @@ func (q *Queue) Next(reps []policy.Replica, now time.Time, shed func(*Ticket)) *
 
 // popBand picks band b's next ticket by deficit round robin (quantum: the
 // flow's weight; cost: one request) and takes it off its flow's FIFO: the
-// oldest, or with adaptive LIFO (Config.LIFOAfter) the newest while the
+// oldest not reprieved (popFresh), or with adaptive LIFO (Config.LIFOAfter) the newest while the
 // oldest has waited that long.
 func (q *Queue) popBand(b *band, now time.Time) *Ticket {
 	for {
@@ -432,7 +545,7 @@ func (q *Queue) popBand(b *band, now time.Time) *Ticket {
 				}
 			}
 			if t == nil {
-				t = f.popHead()
+				t = f.popFresh()
 			}
 			if f.deficit < 1 && f.n > 1 {
 				// Its turn is over: the next flow's comes.
@@ -448,8 +561,9 @@ func (q *Queue) popBand(b *band, now time.Time) *Ticket {
 
 // Expire sheds, through shed, every waiting request past its timeout, every
 // one that can no longer meet its deadline (now + the pool's least
-// predicted wait + its Service at or past its Deadline), and every one when no
-// replica is up. After it, NextDue is after now. Next calls it; call it too from a timer at NextDue.
+// predicted wait + its Service at or past its Deadline) unless its tenant
+// is lighter than the heaviest (see lighter: then it waits until now +
+// its Service reaches its Deadline), and every one when no replica is up. After it, NextDue is after now. Next calls it; call it too from a timer at NextDue.
 func (q *Queue) Expire(reps []policy.Replica, now time.Time, shed func(*Ticket)) {
 	if q.n == 0 {
 		return
@@ -469,7 +583,14 @@ func (q *Queue) expire(p Pool, now time.Time, shed func(*Ticket)) {
 	}
 	horizon := now.Add(p.MinWait)
 	for len(q.dq) > 0 && !q.dq[0].due.After(horizon) {
-		q.shed(q.dq[0], Deadline, shed)
+		if t := q.dq[0]; q.lighter(t, now) {
+			q.toReprieve(t)
+		} else {
+			q.shed(t, Deadline, shed)
+		}
+	}
+	for len(q.rq) > 0 && !q.rq[0].due.After(now) {
+		q.shed(q.rq[0], Deadline, shed)
 	}
 }
 
@@ -506,6 +627,9 @@ func (q *Queue) NextDue(reps []policy.Replica) (at time.Time, ok bool) {
 		if d.Before(at) {
 			at = d
 		}
+	}
+	if len(q.rq) > 0 && q.rq[0].due.Before(at) {
+		at = q.rq[0].due
 	}
 	return at, true
 }

@@ -456,3 +456,104 @@ func TestDecodeAware(t *testing.T) {
 		t.Errorf("Wait allocates %v times", allocs)
 	}
 }
+
+// backlogEst predicts one replica's wait as a fluid backlog of work.
+type backlogEst struct{ backlog *time.Duration }
+
+func (e backlogEst) Wait(int, *policy.Replica) time.Duration { return *e.backlog }
+func (e backlogEst) Service(*Ticket, int) time.Duration      { return 0 }
+
+// TestFairDeadlineShed: a heavy and a light tenant at 4:1 against a pool
+// of half their demand, every request due 2 s after it arrives and the
+// pool saturated exactly when its predicted wait reaches 2 s. The light
+// tenant's demand (10 req/s) is under half the capacity (25 req/s), so its
+// max-min fair share of what is dispatched is all of its demand, 40 %.
+// A deadline shed blind to tenants gives it its share of the demand
+// (20 %).
+func TestFairDeadlineShed(t *testing.T) {
+	const (
+		step = 20 * time.Millisecond // one arrival per step: a,a,a,a,b
+		cost = 40 * time.Millisecond // work each routed request adds
+		slo  = 2 * time.Second
+	)
+	var backlog time.Duration
+	q := newQueue(t, nil)
+	q.SetEstimator(backlogEst{&backlog})
+	reps := pool(1, 0)
+	now := t0
+	routed := map[string]int{}
+	route := func(tk *Ticket) { routed[tk.Tenant]++; backlog += cost }
+	for i := 0; i < 3000; i++ {
+		now = now.Add(step)
+		backlog = max(0, backlog-step)
+		tenant := "heavy"
+		if i%5 == 4 {
+			tenant = "light"
+		}
+		tk := &Ticket{ID: uint64(i), Tenant: tenant, Arrival: now, Deadline: now.Add(slo)}
+		if v, _ := q.Arrive(tk, reps, now); v == Pass {
+			route(tk)
+		}
+		for tk := q.Next(reps, now, nil); tk != nil; tk = q.Next(reps, now, nil) {
+			route(tk)
+		}
+		st := q.Stats()
+		if got := st.Passed + st.Dispatched + st.ShedTotal() + st.Cancelled + int64(q.Len()); got != st.Arrived {
+			t.Fatalf("step %d: %d accounted of %d arrived", i, got, st.Arrived)
+		}
+	}
+	total := routed["heavy"] + routed["light"]
+	share := float64(routed["light"]) / float64(total)
+	fair := min(600, float64(total)/2) / float64(total)
+	t.Logf("routed %v, light share %.1f%%, fair %.1f%%, stats %+v", routed, 100*share, 100*fair, q.Stats())
+	if share < 0.9*fair {
+		t.Errorf("light tenant got %.1f%% of the routed requests, want within 10%% of its fair share %.1f%%", 100*share, 100*fair)
+	}
+	if total < 1400 { // capacity: 60 s × 25 req/s = 1500
+		t.Errorf("routed %d, want ≥ 1400 (the pool kept busy)", total)
+	}
+}
+
+// TestReprieve: a light tenant's request that cannot meet its deadline
+// waits while the heaviest tenant's is shed; it is shed once hopeless, and
+// in its flow a fresher request that can still make it goes first.
+func TestReprieve(t *testing.T) {
+	backlog := 3 * time.Second
+	q := newQueue(t, nil)
+	q.SetEstimator(backlogEst{&backlog})
+	reps := pool(1, 0)
+	now := t0
+	for i := 0; i < 4; i++ { // the heavy tenant's recent demand
+		q.Arrive(&Ticket{ID: uint64(i), Tenant: "heavy", Arrival: now, Deadline: now.Add(2 * time.Second)}, reps, now)
+	}
+	if st := q.Stats(); st.Shed[Deadline] != 4 {
+		t.Fatalf("heavy tenant's late requests: %+v, want 4 shed by deadline", st)
+	}
+	stale := &Ticket{ID: 10, Tenant: "light", Arrival: now, Deadline: now.Add(2 * time.Second)}
+	if v, _ := q.Arrive(stale, reps, now); v != Queued {
+		t.Fatalf("light tenant's late request: %v, want Queued (reprieved)", v)
+	}
+	if at, ok := q.NextDue(reps); !ok || !at.Equal(stale.Deadline) {
+		t.Errorf("NextDue = %v, want its deadline %v", at, stale.Deadline)
+	}
+	// The pool drains; a fresh request of the light tenant can make it.
+	now = now.Add(time.Second)
+	backlog = 500 * time.Millisecond
+	fresh := &Ticket{ID: 11, Tenant: "light", Arrival: now, Deadline: now.Add(2 * time.Second)}
+	if v, _ := q.Arrive(fresh, reps, now); v != Queued {
+		t.Fatalf("fresh request: %v, want Queued behind the stale one", v)
+	}
+	backlog = time.Second // room (below the 2 s threshold)
+	if got := q.Next(reps, now, nil); got != fresh {
+		t.Fatalf("dispatched %v, want the fresh request before the reprieved one", got)
+	}
+	var shed []*Ticket
+	q.Expire(reps, now.Add(999*time.Millisecond), func(t *Ticket) { shed = append(shed, t) })
+	if len(shed) != 0 {
+		t.Fatal("reprieved request shed before it was hopeless")
+	}
+	q.Expire(reps, stale.Deadline, func(t *Ticket) { shed = append(shed, t) })
+	if len(shed) != 1 || shed[0] != stale || stale.Reason != Deadline || q.Len() != 0 {
+		t.Fatalf("shed %v, want the reprieved request by deadline once hopeless", shed)
+	}
+}

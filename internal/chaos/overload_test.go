@@ -264,7 +264,8 @@ func (s burstStats) String() string {
 // router's cost model told the engines' speed (the profile at their time
 // scale), timeouts past the collapse's backlog (a request waits silently
 // in its engine's queue for seconds), and the queue's one
-// time-valued default (max queued prefill 2 s) in the engines' real time.
+// time-valued default threshold (max predicted wait 2 s) in the engines'
+// real time; max queued prefill stays at its default (0: not judged).
 func ovRouterFlags(queue bool) []string {
 	return []string{
 		"--profile", fmt.Sprintf("%s:time_scale=%g", ovProfile, 1/ovTimeScale),
@@ -272,7 +273,7 @@ func ovRouterFlags(queue bool) []string {
 		"--idle-timeout", "60s",
 		"--request-timeout", "80s",
 		"--queue=" + strconv.FormatBool(queue),
-		"--queue-max-queued-prefill", realTime(2 * time.Second).String(),
+		"--queue-max-predicted-wait", realTime(2 * time.Second).String(), // admission.DefaultMaxPredictedWait,
 	}
 }
 

@@ -574,6 +574,8 @@ type fileQueue struct {
 	MaxKVUsage       *float64            `json:"max_kv_usage"`
 	MaxQueuedPrefill *duration           `json:"max_queued_prefill"`
 	MaxInFlight      *int                `json:"max_inflight"`
+	MaxPredictedWait *duration           `json:"max_predicted_wait"`
+	LIFOAfter        *duration           `json:"lifo_after"`
 	Interval         *duration           `json:"interval"`
 	Classes          *[]cluster.Class    `json:"classes"`
 	Weights          *map[string]float64 `json:"weights"`
@@ -602,6 +604,12 @@ func (f *fileQueue) apply(q *cluster.QueueConfig) {
 	}
 	if f.MaxInFlight != nil {
 		a.MaxInFlight = *f.MaxInFlight
+	}
+	if f.MaxPredictedWait != nil {
+		a.MaxPredictedWait = time.Duration(*f.MaxPredictedWait)
+	}
+	if f.LIFOAfter != nil {
+		a.LIFOAfter = time.Duration(*f.LIFOAfter)
 	}
 	if f.Interval != nil {
 		q.Interval = time.Duration(*f.Interval)

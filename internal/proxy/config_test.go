@@ -88,3 +88,21 @@ func TestParseConfigLoRA(t *testing.T) {
 		t.Errorf("lora_adapters %v, lora_adapter_bytes %d", c.LoRAAdapters, c.LoRAAdapterBytes)
 	}
 }
+
+func TestConfigYAMLQueueRoundTwo(t *testing.T) {
+	c, err := ParseConfig([]byte("queue:\n  max_predicted_wait: 1500ms\n  lifo_after: 300ms\n  max_queued_prefill: 0s\n"), DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := c.Queue.Admission
+	if a.MaxPredictedWait != 1500*time.Millisecond || a.LIFOAfter != 300*time.Millisecond || a.MaxQueuedPrefill != 0 {
+		t.Errorf("queue: max_predicted_wait %v lifo_after %v max_queued_prefill %v", a.MaxPredictedWait, a.LIFOAfter, a.MaxQueuedPrefill)
+	}
+	if c, err := ParseConfig([]byte("queue:\n  lifo_after: -1s\n"), DefaultConfig()); err == nil && c.Queue.Admission.Validate() == nil {
+		t.Error("negative lifo_after accepted")
+	}
+	d := DefaultConfig().Queue.Admission
+	if c, err := ParseConfig([]byte("queue:\n  max: 10\n"), DefaultConfig()); err != nil || c.Queue.Admission.MaxPredictedWait != d.MaxPredictedWait {
+		t.Errorf("max_predicted_wait not kept at its default %v: %v", d.MaxPredictedWait, err)
+	}
+}
