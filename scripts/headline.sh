@@ -40,3 +40,11 @@ want coding-agent && run coding-agent --workload coding-agent --replicas 4 --req
 want shared-prefix && run shared-prefix --workload shared-prefix --replicas 8 --profile qwen3-32b-h100x2 --requests 1000 --rate 8
 want lora && run lora --workload lora --replicas 8 --profile llama3.1-8b-h100 --max-loras 4 --requests 1000 --rate 12
 echo "done in $SECONDS s" >&2
+# The README's rows (needs jq): docs/results/headline.md.
+if command -v jq >/dev/null; then
+  { echo "| workload | round-robin | least-load | prefix | llmd-precise | sglang | e2 | e2 vs the best other | e2 / round-robin |"
+    echo "|---|---|---|---|---|---|---|---|---|"
+    for f in "$out"/headline-*.json; do
+      echo "| $(basename "$f" .json | sed 's/^headline-//') | $(jq -r -f scripts/headline-table.jq "$f") |"
+    done; } > "$out/headline.md"
+fi
