@@ -8,21 +8,16 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/prefixlb/prefixlb/internal/advise"
-	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
-	"github.com/prefixlb/prefixlb/internal/sim/sweep"
-	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
 // adviseCmd is `prefixlb advise`: its flags fill an advise.Config, and
 // advise.Run analyses the traffic, searches every policy's capacity at the
 // SLO in the simulator and recommends one.
 func adviseCmd() *cobra.Command {
-	c := &advise.Config{Sim: sweep.DefaultConfig()}
-	c.Sim.Workload = workload.DefaultFlags()
-	c.Sim.Workload.Spec.Name = ""
-	c.Sim.Workload.Spec.Requests = 1000
+	d := advise.DefaultConfig()
+	c := &d
 	cmd := &cobra.Command{
 		Use:   "advise --trace FILE | --workload NAME --replicas N --profile P --slo ttft_p90=2s [--policies a,b] [--html FILE] [--json FILE]",
 		Short: "Which router to run for your traffic: each policy's capacity at an SLO, and the winner",
@@ -59,7 +54,7 @@ the statistics, capacities, recommendation and every simulated run
 	s.Workload.AddFlags(fs)
 	fs.IntVar(&s.Replicas, "replicas", s.Replicas, "number of replicas")
 	fs.StringVar(&s.Profile, "profile", s.Profile, "cost profile: a name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file, optionally :time_scale=X")
-	fs.StringVar(&s.Policies, "policies", advise.DefaultPolicies, "comma-separated policies to compare: "+strings.Join(policy.Names(), ", "))
+	fs.StringVar(&s.Policies, "policies", s.Policies, "comma-separated policies to compare: "+strings.Join(policy.Names(), ", "))
 	fs.StringVar(&s.Local, "local", s.Local, "replicas' local scheduler: fcfs, lpm, priority")
 	fs.IntVar(&s.ChunkBudget, "chunk-budget", 0, "prefill token budget per iteration: vLLM's max_num_batched_tokens (0: each profile's engine default)")
 	fs.IntVar(&s.MaxSeqs, "max-seqs", 0, "most requests running at once per replica: vLLM's max_num_seqs (0: each profile's engine default)")
@@ -68,7 +63,7 @@ the statistics, capacities, recommendation and every simulated run
 	fs.StringVar(&s.SLO, "slo", "", "the objective, e.g. ttft_p90=2s,tpot_p90=100ms (metrics ttft, tpot, e2e; required)")
 	fs.Float64Var(&s.SLOTolerance, "slo-tolerance", s.SLOTolerance, "the search stops when the lowest rate that missed is within this fraction above the highest that met; capacities this close are a tie")
 	fs.Float64Var(&s.SLOMaxRate, "slo-max-rate", 0, "highest rate a search tries (0: 1024 × its start)")
-	fs.IntVar(&c.BlockSize, "block-size", blocks.DefaultBlockSize, "KV block size in tokens for the sharing statistics (Mooncake traces: 512)")
+	fs.IntVar(&c.BlockSize, "block-size", c.BlockSize, "KV block size in tokens for the sharing statistics (Mooncake traces: 512)")
 	fs.StringVar(&c.JSONPath, "json", "", "write the statistics, capacities, recommendation and every run as JSON to FILE (- for stdout, instead of the text)")
 	fs.StringVar(&c.HTMLPath, "html", "", "write a self-contained HTML report to FILE")
 	fs.BoolVarP(&s.Quiet, "quiet", "q", false, "no progress output")

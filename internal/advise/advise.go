@@ -21,9 +21,11 @@ import (
 	"strings"
 
 	"github.com/prefixlb/prefixlb/internal/analyze"
+	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/capacity"
 	"github.com/prefixlb/prefixlb/internal/report"
 	"github.com/prefixlb/prefixlb/internal/sim/sweep"
+	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
 // DefaultPolicies are the policies advise compares unless told otherwise:
@@ -35,8 +37,7 @@ const DefaultPolicies = "round-robin,least-load,prefix,llmd-precise,sglang,e2"
 // Config is one advice: the flags of `prefixlb advise`.
 type Config struct {
 	// Sim is the simulated cluster, the workload or trace (Sim.Workload),
-	// the policies compared and the SLO (Sim.SLO, required); start from
-	// sweep.DefaultConfig.
+	// the policies compared and the SLO (Sim.SLO, required).
 	Sim sweep.Config
 	// BlockSize is the KV block size in tokens for the sharing statistics.
 	BlockSize int
@@ -44,6 +45,19 @@ type Config struct {
 	// the text); HTMLPath a self-contained HTML report ("": none).
 	JSONPath string
 	HTMLPath string
+}
+
+// DefaultConfig is `prefixlb advise`'s defaults: sim's cluster
+// (sweep.DefaultConfig), the DefaultPolicies, no workload chosen yet
+// (give a trace or a generator's name; a generated one has 1,000
+// requests), 16-token blocks for the statistics. SLO is left to the user.
+func DefaultConfig() Config {
+	c := Config{Sim: sweep.DefaultConfig(), BlockSize: blocks.DefaultBlockSize}
+	c.Sim.Policies = DefaultPolicies
+	c.Sim.Workload = workload.DefaultFlags()
+	c.Sim.Workload.Spec.Name = ""
+	c.Sim.Workload.Spec.Requests = 1000
+	return c
 }
 
 // Validate reports the first invalid setting.

@@ -12,8 +12,6 @@ import (
 	"testing"
 
 	"github.com/prefixlb/prefixlb/internal/capacity"
-	"github.com/prefixlb/prefixlb/internal/sim/sweep"
-	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
 func pol(name string, c float64) capacity.Policy {
@@ -67,12 +65,10 @@ func near(a, b float64) bool { return a-b < 1e-9 && b-a < 1e-9 }
 // tokens, 4,096 of them one of 6 system prompts of Zipf-like popularity)
 // on 2 × mistral-7b-a6000.
 func testConfig(t *testing.T) Config {
-	c := Config{Sim: sweep.DefaultConfig(), BlockSize: 16}
-	c.Sim.Workload = workload.DefaultFlags()
-	c.Sim.Workload.Spec.Name = ""
+	c := DefaultConfig()
 	c.Sim.Workload.Trace = filepath.Join("testdata", "shared.jsonl")
 	c.Sim.Workload.TraceOptions.BlockTokens = 1024
-	c.Sim.Replicas, c.Sim.Policies, c.Sim.SLO, c.Sim.Quiet = 2, DefaultPolicies, "ttft_p90=2s", true
+	c.Sim.Replicas, c.Sim.SLO, c.Sim.Quiet = 2, "ttft_p90=2s", true
 	dir := t.TempDir()
 	c.JSONPath, c.HTMLPath = filepath.Join(dir, "advice.json"), filepath.Join(dir, "advice.html")
 	return c
