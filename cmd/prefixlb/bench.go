@@ -40,7 +40,22 @@ for exactly its output length (max_tokens = min_tokens, ignore_eos).
 --duration stops sending after D; when --requests is not given, enough
 requests are generated to fill D at --rate. The table goes to stdout; --json
 writes the results file, --out DIR writes results.json, requests.csv,
-chart.svg and report.html there.`,
+chart.svg and report.html there.
+
+--slo 'ttft_p90=2s[,tpot_p90=100ms]' with --ramp 'rate:duration,...' (rising
+rates; --arrival ramp implied) measures the target's capacity at the
+objective: each ramp stage is one step at its rate, the stages following each
+other without a pause, and a request belongs to the stage it is sent in. As
+each stage's requests finish, a line on stderr gives its offered rate,
+throughput, the SLO's percentiles, whether it met the SLO and its goodput
+(requests/s that met every limit). The first stage that misses ends the run
+(--slo-keep-going runs every stage); capacity_rps is the highest stage rate
+that met the SLO with every lower stage meeting it too. The JSON has one
+result per stage with the fields of sim --slo: slo, slo_met, slo_observed,
+goodput_rps, capacity_rps, at_capacity (docs/capacity.md).`,
+		Example: `  prefixlb bench --target http://127.0.0.1:8080 --workload toolbench --rate 10 --duration 60s --json out.json
+  prefixlb bench --target http://127.0.0.1:8080 --workload toolbench --zipf 1.1 \
+      --slo ttft_p90=2s --ramp 10:60s,20:60s,30:60s,40:60s,50:60s --json capacity.json`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c.RequestsGiven = cmd.Flags().Changed("requests")
@@ -62,6 +77,8 @@ chart.svg and report.html there.`,
 	fs.StringArrayVar(&c.Headers, "header", nil, `extra request header "Name: value" (repeatable), e.g. "Authorization: Bearer KEY"`)
 	fs.StringVar(&c.JSONPath, "json", "", "write the results as JSON to FILE (- for stdout)")
 	fs.StringVar(&c.OutDir, "out", "", "write results.json, requests.csv, chart.svg and report.html to DIR")
+	fs.StringVar(&c.SLO, "slo", "", `measure the capacity at this objective over the --ramp stages, e.g. ttft_p90=2s,tpot_p90=100ms (metrics ttft, tpot, e2e)`)
+	fs.BoolVar(&c.SLOKeepGoing, "slo-keep-going", false, "--slo: run every --ramp stage, also after one missed the objective")
 	_ = cmd.MarkFlagRequired("target")
 	return cmd
 }

@@ -33,27 +33,46 @@ type Document struct {
 	Stats   workload.Stats `json:"stats"`
 }
 
-// Run loads the workload, analyses it and writes the statistics: the JSON
-// document when asked, and the table unless the JSON went to stdout.
-// Skipped malformed lines are listed on stderr.
-func Run(c Config, stdout, stderr io.Writer) error {
+// Analyze loads c's workload and computes its statistics; skipped
+// malformed lines are listed on stderr.
+func Analyze(c Config, stderr io.Writer) (Document, error) {
 	f := c.Workload
 	if (f.Trace == "") == (f.Spec.Name == "") {
-		return fmt.Errorf("analyze: give exactly one of --trace FILE or --workload NAME")
+		return Document{}, fmt.Errorf("analyze: give exactly one of --trace FILE or --workload NAME")
 	}
 	reqs, skipped, err := f.Load()
 	if err != nil {
-		return fmt.Errorf("analyze: %w", err)
+		return Document{}, fmt.Errorf("analyze: %w", err)
 	}
 	for _, le := range skipped {
 		fmt.Fprintf(stderr, "skipped: %v\n", &le)
 	}
 	st, err := workload.Analyze(reqs, c.BlockSize)
 	if err != nil {
+		return Document{}, err
+	}
+	return Document{Source: f.Describe(), Skipped: len(skipped), Stats: st}, nil
+}
+
+// WriteText prints doc as `prefixlb analyze` does: the source, the count
+// of skipped lines and the statistics table.
+func (doc Document) WriteText(w io.Writer) error {
+	fmt.Fprintf(w, "%s\n", doc.Source)
+	if doc.Skipped > 0 {
+		fmt.Fprintf(w, "skipped %d malformed lines\n", doc.Skipped)
+	}
+	return doc.Stats.WriteTable(w)
+}
+
+// Run loads the workload, analyses it and writes the statistics: the JSON
+// document when asked, and the table unless the JSON went to stdout.
+// Skipped malformed lines are listed on stderr.
+func Run(c Config, stdout, stderr io.Writer) error {
+	doc, err := Analyze(c, stderr)
+	if err != nil {
 		return err
 	}
 	if c.JSONPath != "" {
-		doc := Document{Source: f.Describe(), Skipped: len(skipped), Stats: st}
 		if err := WriteJSON(c.JSONPath, stdout, doc); err != nil {
 			return fmt.Errorf("analyze: %w", err)
 		}
@@ -61,11 +80,7 @@ func Run(c Config, stdout, stderr io.Writer) error {
 			return nil
 		}
 	}
-	fmt.Fprintf(stdout, "%s\n", f.Describe())
-	if len(skipped) > 0 {
-		fmt.Fprintf(stdout, "skipped %d malformed lines\n", len(skipped))
-	}
-	return st.WriteTable(stdout)
+	return doc.WriteText(stdout)
 }
 
 // WriteJSON writes doc, indented, to the file name, or to stdout for "-".

@@ -45,11 +45,21 @@ type Config struct {
 	// report.html.
 	JSONPath string
 	OutDir   string
+	// SLO, when set, makes the run a live capacity measurement at this
+	// objective (internal/capacity's syntax, e.g. "ttft_p90=2s"): each
+	// stage of Workload.Ramp is one step at its rate (RunSLO).
+	// SLOKeepGoing runs every stage even after one missed.
+	SLO          string
+	SLOKeepGoing bool
 }
 
 // Run loads the workload, sends it to c.Load.Target, and reports what it
-// measured, also when ctx ends first (the error then says so).
+// measured, also when ctx ends first (the error then says so). With c.SLO
+// it measures the capacity at it over the ramp's stages instead (RunSLO).
 func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
+	if c.SLO != "" {
+		return RunSLO(ctx, c, stdout, stderr)
+	}
 	f, cfg := c.Workload, c.Load
 	if (f.Trace == "") == (f.Spec.Name == "") {
 		return errors.New("bench: give exactly one of --workload NAME or --trace FILE")

@@ -27,6 +27,30 @@ import (
 // recs is empty). notes are shown under the title, one paragraph each (the
 // command line, for instance).
 func WriteHTML(w io.Writer, results []Result, recs []RequestRecord, notes ...string) error {
+	return writeHTML(w, nil, true, results, recs, notes)
+}
+
+// Section is a titled block of preformatted text (a table, a verdict) that
+// WriteHTMLSections shows before the results.
+type Section struct {
+	Title, Text string
+}
+
+// WriteHTMLSections writes a self-contained report as WriteHTML does, with
+// sections first, each a heading and its text as preformatted, and no
+// links to the --out files beside it (a report that stands alone, such as
+// `prefixlb advise --html`).
+func WriteHTMLSections(w io.Writer, sections []Section, results []Result, recs []RequestRecord, notes ...string) error {
+	return writeHTML(w, sections, false, results, recs, notes)
+}
+
+// WriteHTMLSectionsFile writes WriteHTMLSections' report to the file at
+// path, creating or truncating it.
+func WriteHTMLSectionsFile(path string, sections []Section, results []Result, recs []RequestRecord, notes ...string) error {
+	return writeFile(path, func(w io.Writer) error { return WriteHTMLSections(w, sections, results, recs, notes...) })
+}
+
+func writeHTML(w io.Writer, sections []Section, fileLinks bool, results []Result, recs []RequestRecord, notes []string) error {
 	var b strings.Builder
 	title := chartTitle(results)
 	fmt.Fprintf(&b, `<!DOCTYPE html>
@@ -43,7 +67,12 @@ figure{margin:12px 0}figure svg{max-width:100%%;height:auto}figcaption{color:#6b
 	for _, n := range notes {
 		fmt.Fprintf(&b, "<p class=\"note\">%s</p>\n", html.EscapeString(n))
 	}
-	b.WriteString(`<p class="note">Files: <a href="results.json">results.json</a> · <a href="requests.csv">requests.csv</a> · <a href="chart.svg">chart.svg</a></p>` + "\n")
+	if fileLinks {
+		b.WriteString(`<p class="note">Files: <a href="results.json">results.json</a> · <a href="requests.csv">requests.csv</a> · <a href="chart.svg">chart.svg</a></p>` + "\n")
+	}
+	for _, s := range sections {
+		fmt.Fprintf(&b, "<h2>%s</h2>\n<pre>%s</pre>\n", html.EscapeString(s.Title), html.EscapeString(s.Text))
+	}
 	b.WriteString("<h2>Results</h2>\n<pre>")
 	var tb strings.Builder
 	if err := WriteTable(&tb, results); err != nil {

@@ -142,3 +142,29 @@ func TestCompareNatural(t *testing.T) {
 		}
 	}
 }
+
+// TestWriteHTMLSections: sections come first, escaped, and the stand-alone
+// report links to no files beside it.
+func TestWriteHTMLSections(t *testing.T) {
+	results, recs := htmlRecords()
+	var b strings.Builder
+	secs := []Section{{Title: "Recommendation", Text: "run e2: 1.5× <round-robin>"}, {Title: "Table", Text: "  a  b\n  1  2\n"}}
+	if err := WriteHTMLSections(&b, secs, results, recs, "note"); err != nil {
+		t.Fatal(err)
+	}
+	s := b.String()
+	i, j, k := strings.Index(s, "<h2>Recommendation</h2>\n<pre>run e2: 1.5× &lt;round-robin&gt;</pre>"), strings.Index(s, "<h2>Table</h2>\n<pre>  a  b\n  1  2\n</pre>"), strings.Index(s, "<h2>Results</h2>")
+	if i < 0 || j < i || k < j {
+		t.Errorf("sections missing or not before the results (%d, %d, %d)", i, j, k)
+	}
+	if strings.Contains(s, `href="results.json"`) {
+		t.Error("stand-alone report links to results.json")
+	}
+	if len(figures(t, s)) == 0 {
+		t.Error("no figures")
+	}
+	var plain strings.Builder
+	if err := WriteHTML(&plain, results, recs); err != nil || !strings.Contains(plain.String(), `href="results.json"`) {
+		t.Errorf("WriteHTML lost its file links: %v", err)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
+	"time"
 
 	"github.com/prefixlb/prefixlb/internal/capacity"
 	"github.com/prefixlb/prefixlb/internal/report"
@@ -80,31 +81,46 @@ func (c *Config) Capacities(ctx context.Context, su *setup, slo capacity.SLO, l 
 	return out, nil
 }
 
-// RunCapacity is `prefixlb sim --slo`: the capacity at c.SLO of every
-// policy, each a search over rates (internal/capacity) whose every probe
-// simulates the same workload at another rate. It prints the capacities,
-// the goodput along each search and the table of the runs at capacity;
-// the JSON holds every run, with capacity_rps and goodput_rps.
-func RunCapacity(ctx context.Context, c Config, stdout, stderr io.Writer) error {
+// Records returns the requests of the policy's run at capacity (none when
+// no rate met).
+func (pc PolicyCapacity) Records() []report.RequestRecord { return pc.records }
+
+// SearchCapacity parses c.SLO, prepares c's cluster and workload and
+// searches the capacity at the SLO of every policy of c (Capacities):
+// what `prefixlb sim --slo` prints and `prefixlb advise` ranks.
+func SearchCapacity(ctx context.Context, c Config, stderr io.Writer) (capacity.SLO, []PolicyCapacity, error) {
 	slo, err := capacity.ParseSLO(c.SLO)
 	if err != nil {
-		return fmt.Errorf("sim: --slo: %w", err)
+		return nil, nil, fmt.Errorf("sim: --slo: %w", err)
 	}
 	if c.Rates != "" {
-		return errors.New("sim: --rates and --slo: the capacity search chooses the rates (--rate sets where it starts)")
+		return nil, nil, errors.New("sim: --rates and --slo: the capacity search chooses the rates (--rate sets where it starts)")
 	}
 	su, err := c.prepare()
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	l, err := capacity.NewLoader(c.Workload)
 	if err != nil {
-		return fmt.Errorf("sim: %w", err)
+		return nil, nil, fmt.Errorf("sim: %w", err)
 	}
 	for _, le := range l.Skipped {
 		fmt.Fprintln(stderr, "skipped:", le.Error())
 	}
 	pcs, err := c.Capacities(ctx, su, slo, l, stderr)
+	if err != nil {
+		return nil, nil, err
+	}
+	return slo, pcs, nil
+}
+
+// RunCapacity is `prefixlb sim --slo`: the capacity at c.SLO of every
+// policy, each a search over rates (internal/capacity) whose every probe
+// simulates the same workload at another rate (SearchCapacity). It prints
+// the capacities, the goodput along each search and the table of the runs
+// at capacity; the JSON holds every run, with capacity_rps and goodput_rps.
+func RunCapacity(ctx context.Context, c Config, stdout, stderr io.Writer) error {
+	slo, pcs, err := SearchCapacity(ctx, c, stderr)
 	if err != nil {
 		return err
 	}
@@ -166,4 +182,19 @@ func WriteCapacity(stdout, stderr io.Writer, c Config, slo capacity.SLO, pcs []P
 		fmt.Fprintf(stderr, "wrote %s/{results.json,requests.csv,chart.svg,report.html}\n", c.OutDir)
 	}
 	return nil
+}
+
+// DefaultConfig is `prefixlb sim`'s defaults for everything but the
+// workload, the policies and the output: 4 replicas of mistral-7b-a6000
+// behind vLLM's block cache, fcfs, KV events 10 ms late, router seed 1,
+// 400 Gb/s KV links of 1 ms, and a capacity search to 5%. Commands that
+// simulate the same cluster (advise) start from it.
+func DefaultConfig() Config {
+	return Config{
+		Replicas: 4, Profile: "mistral-7b-a6000", Local: "fcfs",
+		KVEvents: true, EventLag: 10 * time.Millisecond, RouterSeed: 1,
+		Engine: EngineVLLM, Slots: DefaultSlots,
+		KVLinkGbps: 400, KVLinkLatency: time.Millisecond,
+		SLOTolerance: 0.05,
+	}
 }
