@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -92,13 +93,34 @@ func tail(path string, n int) string {
 // freePort returns a loopback TCP port that was free a moment ago.
 func freePort(t testing.TB) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("chaos: free port: %v", err)
+	// Below Linux's ephemeral range (32768–60999 by default): a port the
+	// kernel handed out for ":0" can be handed out again, as the source
+	// port of any outgoing connection, between this check and the
+	// process's bind ("address already in use", seen in CI). Ports here are
+	// never chosen by the kernel, so once free they stay free for the
+	// process that binds them.
+	for range 1000 {
+		port := int(portLow + nextPort.Add(1)%(portHigh-portLow))
+		ln, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		return port
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	t.Fatalf("chaos: no free port in [%d, %d)", portLow, portHigh)
+	return 0
 }
+
+// The ports freePort hands out: each once per test binary (a counter from
+// a start that differs between runs), below the ephemeral range.
+const portLow, portHigh = 20000, 32000
+
+var nextPort = func() *atomic.Int64 {
+	var n atomic.Int64
+	n.Store(int64(os.Getpid()) * 37 % (portHigh - portLow))
+	return &n
+}()
 
 // waitHealthy polls url until it answers 200, p exits, or timeout passes.
 func waitHealthy(t testing.TB, p *proc, url string, timeout time.Duration) {
