@@ -95,16 +95,7 @@ func (w *ObjectWatcher) Run(ctx context.Context) error {
 		slices.SortFunc(out, func(a, b *unstructured.Unstructured) int { return strings.Compare(a.GetName(), b.GetName()) })
 		w.apply(out)
 	}
-	reconcile()
-	close(w.synced)
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-kick:
-			reconcile()
-		}
-	}
+	return follow(ctx, kick, reconcile, w.synced)
 }
 
 // DynamicClient is a dynamic client for kubeconfig's cluster, else

@@ -72,16 +72,7 @@ func (w *PoolWatcher) Run(ctx context.Context) error {
 		}
 		st.apply(want)
 	}
-	reconcile()
-	close(w.synced)
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-kick:
-			reconcile()
-		}
-	}
+	return follow(ctx, kick, reconcile, w.synced)
 }
 
 // poolSpec is the part of an InferencePool the watcher reads.

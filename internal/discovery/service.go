@@ -60,16 +60,7 @@ func (w *ServiceWatcher) Run(ctx context.Context) error {
 		}
 		st.apply(w.desired(slices))
 	}
-	reconcile()
-	close(w.synced)
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-kick:
-			reconcile()
-		}
-	}
+	return follow(ctx, kick, reconcile, w.synced)
 }
 
 // desired builds the replicas from the slices. An endpoint in several
@@ -146,6 +137,21 @@ func (w *ServiceWatcher) slicePorts(s *discoveryv1.EndpointSlice) (int, map[stri
 		httpPort = first
 	}
 	return httpPort, over
+}
+
+// follow reconciles once, closes synced, then reconciles at every kick
+// until ctx ends: the loop every watcher runs over its informers.
+func follow(ctx context.Context, kick <-chan struct{}, reconcile func(), synced chan struct{}) error {
+	reconcile()
+	close(synced)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-kick:
+			reconcile()
+		}
+	}
 }
 
 // kicker turns every informer event into a non-blocking signal: the

@@ -454,27 +454,21 @@ func (e *Engine) resetPrefixCache(ctx context.Context) error {
 // cache holds, as of the end of the current iteration (Run answers between
 // iterations). It fails with ErrStopped once Run has returned.
 func (e *Engine) CachedPrefix(ctx context.Context, keys []blocks.Key) (int, error) {
-	n := make(chan int, 1)
-	if err := e.enqueue(op{kind: opPrefix, keys: keys, n: n}); err != nil {
-		return 0, err
-	}
-	select {
-	case v := <-n:
-		if v < 0 {
-			return 0, ErrStopped
-		}
-		return v, nil
-	case <-ctx.Done():
-		return 0, ctx.Err()
-	}
+	return e.prefixOp(ctx, opPrefix, keys)
 }
 
 // OffloadedPrefix returns how many leading keys of a chain the replica's
 // CPU offload tier holds (Config.Replica.CPUOffloadTokens; 0 without one),
 // as CachedPrefix does for the GPU prefix cache.
 func (e *Engine) OffloadedPrefix(ctx context.Context, keys []blocks.Key) (int, error) {
+	return e.prefixOp(ctx, opOffloaded, keys)
+}
+
+// prefixOp asks the run loop how many leading keys one of the replica's
+// caches holds (kind opPrefix or opOffloaded).
+func (e *Engine) prefixOp(ctx context.Context, kind opKind, keys []blocks.Key) (int, error) {
 	n := make(chan int, 1)
-	if err := e.enqueue(op{kind: opOffloaded, keys: keys, n: n}); err != nil {
+	if err := e.enqueue(op{kind: kind, keys: keys, n: n}); err != nil {
 		return 0, err
 	}
 	select {

@@ -15,18 +15,7 @@ import (
 // nothing, its P is the load (far below the other's recompute), and the
 // blocks removed from the tier are a recompute again.
 func TestTierPricing(t *testing.T) {
-	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pol, err := policy.Parse("e2", policy.DefaultOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := New(Config{BlockTokens: 16, Profile: prof, Policy: pol, Seed: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r, prof := newE2Router(t)
 	r.AddReplica("a", true)
 	r.AddReplica("b", true)
 	tokens := make([]uint32, 8192)
@@ -144,18 +133,7 @@ func TestTierCreditModes(t *testing.T) {
 // PendingTierPrefill/Tokens, until its first token; a request the replica
 // must compute adds none.
 func TestTierPendingFlight(t *testing.T) {
-	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pol, err := policy.Parse("e2", policy.DefaultOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := New(Config{BlockTokens: 16, Profile: prof, Policy: pol, Seed: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r, prof := newE2Router(t)
 	r.AddReplica("a", true)
 	tokens := make([]uint32, 4096)
 	for i := range tokens {
@@ -245,4 +223,23 @@ func TestTierLLMDPrecise(t *testing.T) {
 				tc.gpuBlocks, len(keys), d.Replica, tc.want, d.Explain())
 		}
 	}
+}
+
+// newE2Router is a router, and its profile, running e2 over llama3.1-8b-h100 with 16-token
+// blocks and no replicas yet.
+func newE2Router(t *testing.T) (*Router, costmodel.Profile) {
+	t.Helper()
+	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol, err := policy.Parse("e2", policy.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(Config{BlockTokens: 16, Profile: prof, Policy: pol, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, prof
 }
