@@ -113,6 +113,8 @@ pod its own speed (docs/calibration.md).`,
 	fs.DurationVar(&q.MaxQueuedPrefill, "queue-max-queued-prefill", q.MaxQueuedPrefill, "a replica with this much prefill queued (e2's estimate) is saturated (0: not judged by it)")
 	fs.DurationVar(&q.MaxPredictedWait, "queue-max-predicted-wait", q.MaxPredictedWait, "a replica where a new request would wait this long for its first token (queued prefill stretched by decode interference, plus the engine queue's wait) is saturated (0: not judged by it)")
 	fs.DurationVar(&q.LIFOAfter, "queue-lifo-after", q.LIFOAfter, "adaptive LIFO within a tenant once its oldest request has waited this long (0: FIFO)")
+	fs.Float64Var(&q.SLOFraction, "queue-slo-fraction", q.SLOFraction, "lower --queue-max-predicted-wait to this fraction of the tightest TTFT SLO of recent requests (x-prefixlb-ttft-slo or a class's), so that a request routed to an unsaturated replica keeps slack to its deadline (0: off)")
+	fs.DurationVar(&q.EngageAfter, "queue-engage-after", q.EngageAfter, "requests wait in the router only once every replica has been saturated this long (a CoDel-like interval; 0: at once)")
 	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
 	fs.StringToIntVar(&f.objectives, "objective-priority", nil, "InferenceObjective=priority,...: the spec.priority of the objectives requests name in x-gateway-inference-objective")
 	fs.StringVar(&f.modelRewrites, "model-rewrites", "", "file of InferenceModelRewrite manifests (GIE's model aliases, fallbacks and weighted splits) for this pool: a request's model is rewritten before it is routed")

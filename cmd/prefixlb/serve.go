@@ -95,7 +95,9 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"queue-max-predicted-wait": func() {
 			c.Queue.Admission.MaxPredictedWait = f.cfg.Queue.Admission.MaxPredictedWait
 		},
-		"queue-lifo-after": func() { c.Queue.Admission.LIFOAfter = f.cfg.Queue.Admission.LIFOAfter },
+		"queue-lifo-after":   func() { c.Queue.Admission.LIFOAfter = f.cfg.Queue.Admission.LIFOAfter },
+		"queue-slo-fraction": func() { c.Queue.Admission.SLOFraction = f.cfg.Queue.Admission.SLOFraction },
+		"queue-engage-after": func() { c.Queue.Admission.EngageAfter = f.cfg.Queue.Admission.EngageAfter },
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -226,6 +228,8 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	fs.DurationVar(&q.MaxQueuedPrefill, "queue-max-queued-prefill", q.MaxQueuedPrefill, "a replica with this much prefill queued (e2's estimate) is saturated (0: not judged by it)")
 	fs.DurationVar(&q.MaxPredictedWait, "queue-max-predicted-wait", q.MaxPredictedWait, "a replica where a new request would wait this long for its first token (queued prefill stretched by decode interference, plus the engine queue's wait) is saturated (0: not judged by it)")
 	fs.DurationVar(&q.LIFOAfter, "queue-lifo-after", q.LIFOAfter, "adaptive LIFO within a tenant once its oldest request has waited this long (0: FIFO)")
+	fs.Float64Var(&q.SLOFraction, "queue-slo-fraction", q.SLOFraction, "lower --queue-max-predicted-wait to this fraction of the tightest TTFT SLO of recent requests (x-prefixlb-ttft-slo or a class's), so that a request routed to an unsaturated replica keeps slack to its deadline (0: off)")
+	fs.DurationVar(&q.EngageAfter, "queue-engage-after", q.EngageAfter, "requests wait in the router only once every replica has been saturated this long (a CoDel-like interval; 0: at once)")
 	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd

@@ -72,7 +72,23 @@ const (
 	// share of each chunked-prefill iteration) at which a replica counts
 	// as saturated.
 	DefaultMaxPredictedWait = 2 * time.Second
+	// DefaultSLOFraction lowers the predicted-wait threshold to half the
+	// tightest TTFT SLO of recent requests: a replica whose predicted wait
+	// is at the SLO leaves a request routed there no slack for its own
+	// prefill or for the estimate's error, and the queue none to order by
+	// priority and share between tenants (docs/overload.md, round four).
+	DefaultSLOFraction = 0.5
+	// DefaultEngageAfter is how long the pool must stay saturated before
+	// arrivals queue: a moment at a threshold between two scheduler steps
+	// is not overload (CoDel's interval: Nichols and Jacobson,
+	// "Controlling Queue Delay", ACM Queue 10(5), 2012).
+	DefaultEngageAfter = 100 * time.Millisecond
 )
+
+// SLOWindow is how long the queue remembers the tightest TTFT SLO it saw
+// (Config.SLOFraction): a tighter one replaces it at once, a looser one
+// only once no request has carried the tightest for this long.
+const SLOWindow = 30 * time.Second
 
 // Errors of Config.Validate.
 var ErrConfig = errors.New("admission: invalid config")
@@ -102,6 +118,18 @@ type Config struct {
 	// prefill stretched by decode interference), at which the replica is
 	// saturated; 0 turns it off.
 	MaxPredictedWait time.Duration
+	// SLOFraction in [0,1) lowers MaxPredictedWait to this fraction of
+	// the tightest TTFT SLO (Ticket.Deadline − Ticket.Arrival) of the
+	// requests of the last SLOWindow, so that a replica counts as
+	// saturated while a request routed to it still has slack to its
+	// deadline; 0 turns it off. It never raises the threshold, and does
+	// nothing while MaxPredictedWait is off.
+	SLOFraction float64
+	// EngageAfter is how long the pool must stay saturated (at every
+	// arrival judged in between) before arrivals wait in the router; a
+	// saturation that ends sooner lets them through. Once requests wait,
+	// every arrival waits behind them until the queue empties. 0: at once.
+	EngageAfter time.Duration
 	// LIFOAfter turns on adaptive LIFO within a tenant: while the oldest
 	// request of a flow has waited at least this long, the flow gives its
 	// newest request first (it has the most slack to its deadline), as in
@@ -127,7 +155,8 @@ type Config struct {
 // not engage below saturation.
 func Default() Config {
 	return Config{MaxQueue: DefaultMaxQueue, Timeout: DefaultTimeout, MaxWaiting: DefaultMaxWaiting,
-		MaxKVUsage: DefaultMaxKVUsage, MaxQueuedPrefill: DefaultMaxQueuedPrefill, MaxPredictedWait: DefaultMaxPredictedWait}
+		MaxKVUsage: DefaultMaxKVUsage, MaxQueuedPrefill: DefaultMaxQueuedPrefill, MaxPredictedWait: DefaultMaxPredictedWait,
+		SLOFraction: DefaultSLOFraction, EngageAfter: DefaultEngageAfter}
 }
 
 // Validate reports the first invalid field, by its name.
@@ -145,6 +174,10 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: max queued prefill must be ≥ 0, got %v", ErrConfig, c.MaxQueuedPrefill)
 	case c.MaxPredictedWait < 0:
 		return fmt.Errorf("%w: max predicted wait must be ≥ 0, got %v", ErrConfig, c.MaxPredictedWait)
+	case math.IsNaN(c.SLOFraction) || c.SLOFraction < 0 || c.SLOFraction >= 1:
+		return fmt.Errorf("%w: slo fraction must be in [0,1), got %v", ErrConfig, c.SLOFraction)
+	case c.EngageAfter < 0:
+		return fmt.Errorf("%w: engage after must be ≥ 0, got %v", ErrConfig, c.EngageAfter)
 	case c.LIFOAfter < 0:
 		return fmt.Errorf("%w: lifo after must be ≥ 0, got %v", ErrConfig, c.LIFOAfter)
 	case c.MaxInFlight < 0:

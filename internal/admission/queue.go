@@ -230,6 +230,16 @@ type Queue struct {
 	// (an exponentially decayed count of its arrivals past the fast path),
 	// which the deadline shed reads to shed from the heaviest tenant first.
 	demand map[string]*rate
+	// eff is cfg with MaxPredictedWait lowered by SLOFraction to a
+	// fraction of tight, the tightest TTFT SLO seen within SLOWindow
+	// (last seen at tightAt): the thresholds Judge and Room apply.
+	eff     Config
+	tight   time.Duration
+	tightAt time.Time
+	// satSince is when the pool was first judged saturated at an arrival
+	// or a dispatch with no judgement since that it was not (zero: not
+	// saturated): EngageAfter counts from it.
+	satSince time.Time
 }
 
 // rate is a decayed arrival count: n·exp(−(now−at)/DemandWindow).
@@ -257,17 +267,47 @@ func (q *Queue) SetEstimator(e Estimator) { q.est = e }
 
 // Room is Config.Room under the queue's estimator: where a dispatched
 // request may go.
-func (q *Queue) Room(reps []policy.Replica, dst []int) []int { return q.cfg.Room(reps, q.est, dst) }
+func (q *Queue) Room(reps []policy.Replica, dst []int) []int { return q.eff.Room(reps, q.est, dst) }
 
 // Judge is the pool's saturation test under the queue's estimator.
-func (q *Queue) Judge(reps []policy.Replica) Pool { return q.cfg.Judge(reps, q.est) }
+func (q *Queue) Judge(reps []policy.Replica) Pool { return q.eff.Judge(reps, q.est) }
+
+// Threshold is the predicted-wait threshold in force (Config.
+// MaxPredictedWait, lowered by Config.SLOFraction to a fraction of the
+// tightest recent TTFT SLO).
+func (q *Queue) Threshold() time.Duration { return q.eff.MaxPredictedWait }
+
+// observeSLO lowers the predicted-wait threshold to SLOFraction of slo
+// when slo is the tightest SLO of the last SLOWindow, and raises it back
+// once the tightest has not been seen for that long.
+func (q *Queue) observeSLO(slo time.Duration, now time.Time) {
+	if q.cfg.SLOFraction <= 0 || q.cfg.MaxPredictedWait <= 0 || slo <= 0 {
+		return
+	}
+	if q.tight > 0 && slo > q.tight && now.Sub(q.tightAt) <= SLOWindow {
+		return
+	}
+	q.tight, q.tightAt = slo, now
+	q.eff.MaxPredictedWait = min(q.cfg.MaxPredictedWait, time.Duration(q.cfg.SLOFraction*float64(slo)))
+}
+
+// observe keeps satSince: when the pool's saturation began, zero while it
+// is not saturated.
+func (q *Queue) observe(saturated bool, now time.Time) {
+	switch {
+	case !saturated:
+		q.satSince = time.Time{}
+	case q.satSince.IsZero():
+		q.satSince = now
+	}
+}
 
 // New returns an empty queue.
 func New(cfg Config) (*Queue, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Queue{cfg: cfg}, nil
+	return &Queue{cfg: cfg, eff: cfg}, nil
 }
 
 // Config returns the queue's configuration.
@@ -281,7 +321,8 @@ func (q *Queue) Stats() Stats { return q.stats }
 
 // Arrive decides for request t, arriving at now, over the pool's replicas
 // reps (the router's live view): Pass when nothing waits and the pool is
-// not saturated (no allocation on that path), Shed when no replica is up
+// not saturated, or has been for less than Config.EngageAfter (no
+// allocation on that path), Shed when no replica is up
 // (PoolDown), when it cannot meet its deadline or when the queue is full,
 // else Queued. A full queue makes room, when it can, by shedding the
 // newest request of the heaviest tenant in the lowest priority below t's:
@@ -289,11 +330,15 @@ func (q *Queue) Stats() Stats { return q.stats }
 // caller to answer.
 func (q *Queue) Arrive(t *Ticket, reps []policy.Replica, now time.Time) (v Verdict, displaced *Ticket) {
 	q.stats.Arrived++
+	if !t.Deadline.IsZero() {
+		q.observeSLO(t.Deadline.Sub(t.Arrival), now)
+	}
 	p := q.Judge(reps)
+	q.observe(p.Saturated, now)
 	switch {
 	case p.Up == 0:
 		return q.refuse(t, PoolDown), nil
-	case q.n == 0 && !p.Saturated:
+	case q.n == 0 && (!p.Saturated || now.Sub(q.satSince) < q.cfg.EngageAfter):
 		q.stats.Passed++
 		t.state = stateDone
 		return Pass, nil
@@ -514,6 +559,7 @@ func (q *Queue) Next(reps []policy.Replica, now time.Time, shed func(*Ticket)) *
 		return nil
 	}
 	p := q.Judge(reps)
+	q.observe(p.Saturated, now)
 	q.expire(p, now, shed)
 	if q.n == 0 || p.Saturated || p.Up == 0 {
 		return nil

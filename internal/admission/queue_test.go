@@ -2,6 +2,7 @@ package admission
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -21,9 +22,14 @@ func pool(n, waiting int) []policy.Replica {
 	return reps
 }
 
+// newQueue is a queue of the default config that engages at the first
+// saturated arrival and keeps its predicted-wait threshold whatever the
+// SLOs (EngageAfter and SLOFraction off: TestEngageAfter and
+// TestSLOFraction test them), changed by mod.
 func newQueue(t *testing.T, mod func(*Config)) *Queue {
 	t.Helper()
 	c := Default()
+	c.EngageAfter, c.SLOFraction = 0, 0
 	if mod != nil {
 		mod(&c)
 	}
@@ -49,6 +55,10 @@ func TestValidate(t *testing.T) {
 		{"all off", func(c *Config) { c.MaxWaiting, c.MaxKVUsage, c.MaxQueuedPrefill, c.MaxPredictedWait = 0, 0, 0, 0 }, false},
 		{"predicted wait", func(c *Config) { c.MaxPredictedWait = -1 }, false},
 		{"lifo", func(c *Config) { c.LIFOAfter = -1 }, false},
+		{"slo fraction", func(c *Config) { c.SLOFraction = 1 }, false},
+		{"slo fraction NaN", func(c *Config) { c.SLOFraction = math.NaN() }, false},
+		{"slo fraction off", func(c *Config) { c.SLOFraction = 0 }, true},
+		{"engage after", func(c *Config) { c.EngageAfter = -1 }, false},
 		{"weight", func(c *Config) { c.Weights = map[string]float64{"a": 0} }, false},
 		{"weights", func(c *Config) { c.Weights = map[string]float64{"a": 2, "b": 0.5} }, true},
 	} {
@@ -555,5 +565,97 @@ func TestReprieve(t *testing.T) {
 	q.Expire(reps, stale.Deadline, func(t *Ticket) { shed = append(shed, t) })
 	if len(shed) != 1 || shed[0] != stale || stale.Reason != Deadline || q.Len() != 0 {
 		t.Fatalf("shed %v, want the reprieved request by deadline once hopeless", shed)
+	}
+}
+
+// TestEngageAfter: arrivals pass while the pool has been saturated for
+// less than EngageAfter (judged at every arrival), a moment of room starts
+// the count again, and once requests wait every arrival waits behind them.
+func TestEngageAfter(t *testing.T) {
+	q := newQueue(t, func(c *Config) { c.EngageAfter = 100 * time.Millisecond })
+	busy, idle := pool(2, 10), pool(2, 0)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	arrive := func(id uint64, reps []policy.Replica, ms int) Verdict {
+		v, _ := q.Arrive(&Ticket{ID: id, Arrival: at(ms)}, reps, at(ms))
+		return v
+	}
+	for i, tc := range []struct {
+		reps []policy.Replica
+		ms   int
+		want Verdict
+	}{
+		{busy, 0, Pass},   // saturation begins
+		{busy, 60, Pass},  // 60 ms of it
+		{idle, 80, Pass},  // room: the count starts again
+		{busy, 90, Pass},  // saturated since 90 ms
+		{busy, 170, Pass}, // 80 ms
+		{busy, 190, Queued},
+		{idle, 200, Queued}, // behind the waiting one, though there is room
+	} {
+		if got := arrive(uint64(i), tc.reps, tc.ms); got != tc.want {
+			t.Fatalf("arrival %d at %d ms: %v, want %v", i, tc.ms, got, tc.want)
+		}
+	}
+	if got := drain(q, at(200)); len(got) != 2 {
+		t.Fatalf("drained %d, want 2", len(got))
+	}
+	// Dispatches judge the pool too: an empty queue that saw room at its
+	// last dispatch restarts the count.
+	if got := arrive(10, busy, 300); got != Pass {
+		t.Errorf("after the drain: %v, want Pass (saturation begins again)", got)
+	}
+	if st := q.Stats(); st.Passed+st.Dispatched+st.ShedTotal()+st.Cancelled+int64(q.Len()) != st.Arrived {
+		t.Errorf("stats do not add up: %+v", st)
+	}
+}
+
+// TestSLOFraction: the predicted-wait threshold falls to SLOFraction of the
+// tightest TTFT SLO of the last SLOWindow, never rises above
+// MaxPredictedWait, and rises back once the tight SLO is not seen for
+// SLOWindow.
+func TestSLOFraction(t *testing.T) {
+	q := newQueue(t, func(c *Config) { c.SLOFraction = 0.5 })
+	backlog := 1200 * time.Millisecond // predicted wait on the one replica
+	q.SetEstimator(backlogEst{&backlog})
+	reps := pool(1, 0)
+	arrive := func(id uint64, slo time.Duration, now time.Time) Verdict {
+		tk := &Ticket{ID: id, Arrival: now, Service: time.Millisecond}
+		if slo > 0 {
+			tk.Deadline = now.Add(slo)
+		}
+		v, _ := q.Arrive(tk, reps, now)
+		return v
+	}
+	steps := []struct {
+		name string
+		slo  time.Duration
+		at   time.Duration
+		want time.Duration // threshold after the arrival
+		v    Verdict
+	}{
+		{"no SLO: the configured threshold", 0, 0, 2 * time.Second, Pass},
+		{"a 10 s SLO does not raise it", 10 * time.Second, time.Second, 2 * time.Second, Pass},
+		{"a 2 s SLO halves it: 1.2 s waits", 2 * time.Second, 2 * time.Second, time.Second, Queued},
+		{"a looser SLO within the window keeps it", 8 * time.Second, 3 * time.Second, time.Second, Queued},
+		{"the tight one refreshed", 2 * time.Second, 20 * time.Second, time.Second, Queued},
+		{"the window past: a looser SLO sets it", 8 * time.Second, 51 * time.Second, 2 * time.Second, Queued},
+	}
+	for i, s := range steps {
+		if v := arrive(uint64(i), s.slo, t0.Add(s.at)); v != s.v {
+			t.Errorf("%s: %v, want %v", s.name, v, s.v)
+		}
+		if got := q.Threshold(); got != s.want {
+			t.Errorf("%s: threshold %v, want %v", s.name, got, s.want)
+		}
+	}
+	if got := q.Config().MaxPredictedWait; got != 2*time.Second {
+		t.Errorf("configured threshold changed to %v", got)
+	}
+	// Off: the threshold ignores SLOs.
+	off := newQueue(t, nil)
+	tk := &Ticket{ID: 1, Arrival: t0, Deadline: t0.Add(time.Second)}
+	off.Arrive(tk, reps, t0)
+	if got := off.Threshold(); got != 2*time.Second {
+		t.Errorf("SLOFraction off: threshold %v, want 2s", got)
 	}
 }

@@ -360,13 +360,16 @@ type GateState struct {
 	Classes []Class          `json:"classes,omitempty"`
 	Shed    map[string]int64 `json:"shed"`
 	Pool    admission.Pool   `json:"pool"`
+	// Threshold is the predicted-wait threshold in force: the configured
+	// one, lowered by the SLO fraction (admission.Queue.Threshold).
+	Threshold time.Duration `json:"predicted_wait_threshold"`
 }
 
 // StateLocked is the queue now, under Core.Mu.
 func (g *Gate) StateLocked() GateState {
 	st := g.q.Stats()
 	s := GateState{Waiting: g.q.Len(), Stats: st, Flows: g.q.Flows(nil), Config: g.cfg.Admission, Classes: g.cfg.Classes,
-		Shed: map[string]int64{}, Pool: g.q.Judge(g.core.Router.Load())}
+		Shed: map[string]int64{}, Pool: g.q.Judge(g.core.Router.Load()), Threshold: g.q.Threshold()}
 	for _, r := range admission.Reasons() {
 		s.Shed[r.String()] = st.Shed[r]
 	}

@@ -33,6 +33,7 @@ func TestExtProcQueue(t *testing.T) {
 	qc := cluster.DefaultQueueConfig()
 	qc.On = true
 	qc.Admission.MaxInFlight = 1
+	qc.Admission.EngageAfter = 0 // engage at the first saturated arrival
 	p := newTestPicker(t, Config{Queue: &qc, Objectives: map[string]int{"premium": 5, "batch": -1}}, 1)
 	conn := startServer(t, NewServer(p, ServerConfig{}))
 

@@ -576,6 +576,8 @@ type fileQueue struct {
 	MaxInFlight      *int                `json:"max_inflight"`
 	MaxPredictedWait *duration           `json:"max_predicted_wait"`
 	LIFOAfter        *duration           `json:"lifo_after"`
+	SLOFraction      *float64            `json:"slo_fraction"`
+	EngageAfter      *duration           `json:"engage_after"`
 	Interval         *duration           `json:"interval"`
 	Classes          *[]cluster.Class    `json:"classes"`
 	Weights          *map[string]float64 `json:"weights"`
@@ -610,6 +612,12 @@ func (f *fileQueue) apply(q *cluster.QueueConfig) {
 	}
 	if f.LIFOAfter != nil {
 		a.LIFOAfter = time.Duration(*f.LIFOAfter)
+	}
+	if f.SLOFraction != nil {
+		a.SLOFraction = *f.SLOFraction
+	}
+	if f.EngageAfter != nil {
+		a.EngageAfter = time.Duration(*f.EngageAfter)
 	}
 	if f.Interval != nil {
 		q.Interval = time.Duration(*f.Interval)

@@ -106,3 +106,21 @@ func TestConfigYAMLQueueRoundTwo(t *testing.T) {
 		t.Errorf("max_predicted_wait not kept at its default %v: %v", d.MaxPredictedWait, err)
 	}
 }
+
+func TestConfigYAMLQueueRoundFour(t *testing.T) {
+	c, err := ParseConfig([]byte("queue:\n  slo_fraction: 0.25\n  engage_after: 250ms\n"), DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := c.Queue.Admission; a.SLOFraction != 0.25 || a.EngageAfter != 250*time.Millisecond {
+		t.Errorf("queue: slo_fraction %v engage_after %v", a.SLOFraction, a.EngageAfter)
+	}
+	for _, bad := range []string{"slo_fraction: 1", "slo_fraction: -0.5", "engage_after: -1s"} {
+		if c, err := ParseConfig([]byte("queue:\n  "+bad+"\n"), DefaultConfig()); err == nil && c.Queue.Admission.Validate() == nil {
+			t.Errorf("%s accepted", bad)
+		}
+	}
+	if d := DefaultConfig().Queue.Admission; d.SLOFraction != 0.5 || d.EngageAfter != 100*time.Millisecond {
+		t.Errorf("defaults: slo_fraction %v engage_after %v", d.SLOFraction, d.EngageAfter)
+	}
+}

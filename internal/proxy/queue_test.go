@@ -62,6 +62,9 @@ func queueProxy(t *testing.T, mod func(*Config)) (*Proxy, *httptest.Server, *gat
 	c := testConfig()
 	c.Backends = []Backend{{Name: "g", URL: g.srv.URL, Kind: "vllm"}}
 	c.Queue.Admission.MaxInFlight = 1
+	// Engage at the first saturated arrival: these tests saturate the
+	// pool and send the next request at once.
+	c.Queue.Admission.EngageAfter = 0
 	c.Queue.Interval = 5 * time.Millisecond
 	if mod != nil {
 		mod(&c)

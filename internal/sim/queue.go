@@ -55,7 +55,7 @@ func (c *QueueConfig) slo(p int) time.Duration {
 // ParseQueueConfig parses `prefixlb sim --router-queue`: "on" (or "") for
 // the defaults, else comma-separated KEY=VALUE of max (requests), timeout,
 // max_waiting, max_kv_usage, max_queued_prefill, max_predicted_wait,
-// lifo_after, max_inflight, ttft_slo, and
+// slo_fraction, engage_after, lifo_after, max_inflight, ttft_slo, and
 // ttft_slo.PRIORITY (an integer or high, normal, low) for one priority;
 // "off" among them runs no queue and keeps the SLOs to report goodput by.
 func ParseQueueConfig(s string) (QueueConfig, error) {
@@ -94,6 +94,10 @@ func ParseQueueConfig(s string) (QueueConfig, error) {
 			c.Admission.MaxPredictedWait, err = time.ParseDuration(v)
 		case k == "lifo_after":
 			c.Admission.LIFOAfter, err = time.ParseDuration(v)
+		case k == "slo_fraction":
+			c.Admission.SLOFraction, err = strconv.ParseFloat(v, 64)
+		case k == "engage_after":
+			c.Admission.EngageAfter, err = time.ParseDuration(v)
 		case k == "ttft_slo":
 			c.TTFTSLO, err = time.ParseDuration(v)
 		case strings.HasPrefix(k, "ttft_slo."):
@@ -108,7 +112,7 @@ func ParseQueueConfig(s string) (QueueConfig, error) {
 				}
 			}
 		default:
-			return c, fmt.Errorf("sim: --router-queue: unknown key %q (max, timeout, max_waiting, max_kv_usage, max_queued_prefill, max_predicted_wait, lifo_after, max_inflight, ttft_slo, ttft_slo.PRIORITY)", k)
+			return c, fmt.Errorf("sim: --router-queue: unknown key %q (max, timeout, max_waiting, max_kv_usage, max_queued_prefill, max_predicted_wait, slo_fraction, engage_after, lifo_after, max_inflight, ttft_slo, ttft_slo.PRIORITY)", k)
 		}
 		if err != nil {
 			return c, fmt.Errorf("sim: --router-queue: %s: %w", k, err)
