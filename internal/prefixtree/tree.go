@@ -726,6 +726,19 @@ func (t *Tree) Isolate(key blocks.Key) (*Node, bool) {
 	return n, true
 }
 
+// IsolateRunAt cuts n's run so that its keys [off, off+c) form a node of
+// their own, and returns that node (at most two splits). off ≥ 0, c ≥ 1,
+// off+c ≤ n.Own().
+func (t *Tree) IsolateRunAt(n *Node, off, c int) *Node {
+	if off > 0 {
+		n = t.split(n, off)
+	}
+	if c < len(n.keys) {
+		t.split(n, c)
+	}
+	return n
+}
+
 // IsolateAt is Isolate for the key at offset off of n's run (Find's
 // answer), without looking the key up again: it returns the node that
 // holds just that key and the node that now holds the rest of n's run

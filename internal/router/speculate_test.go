@@ -217,8 +217,9 @@ func (s *perBlockSpec) expire(r *Router, now time.Time) {
 // TestSpeculationMatchesPerBlock drives a speculating router and a
 // reference router that keeps the per-block map (perBlockSpec) through the
 // same routes, stores, removals, clears and expiries, and checks after
-// every step that both trees cache the same blocks on every replica, cut
-// their prompts into the same nodes, and count the same pending blocks.
+// every step that both trees cache the same blocks on every replica and
+// count the same pending blocks (the node shapes differ: expiry cuts a run
+// as one node, the reference one node per block).
 func TestSpeculationMatchesPerBlock(t *testing.T) {
 	for seed := uint64(1); seed <= 20; seed++ {
 		rng := rand.New(rand.NewPCG(seed, 7))
@@ -308,16 +309,13 @@ func TestSpeculationMatchesPerBlock(t *testing.T) {
 			}
 			for _, p := range prompts {
 				for _, k := range blocks.Keys(nil, p, bt) {
-					ng, og, okg := got.tree.Find(k)
-					nr, or, okr := ref.tree.Find(k)
+					ng, _, okg := got.tree.Find(k)
+					nr, _, okr := ref.tree.Find(k)
 					if okg != okr {
 						t.Fatalf("seed %d step %d: key %x present %v, reference %v", seed, step, k, okg, okr)
 					}
 					if !okg {
 						break
-					}
-					if og != or || ng.Own() != nr.Own() || ng.Depth() != nr.Depth() {
-						t.Fatalf("seed %d step %d: key %x at %d of a %d-block node, reference %d of %d", seed, step, k, og, ng.Own(), or, nr.Own())
 					}
 					for r := 0; r < reps; r++ {
 						if ng.Cached(r) != nr.Cached(r) {
