@@ -727,8 +727,11 @@ func (t *Tree) Isolate(key blocks.Key) (*Node, bool) {
 }
 
 // IsolateRunAt cuts n's run so that its keys [off, off+c) form a node of
-// their own, and returns that node (at most two splits). off ≥ 0, c ≥ 1,
-// off+c ≤ n.Own().
+// their own, and returns that node: at most two splits (none when the run
+// is the whole node), where Isolate would cut c one-block nodes. It is how
+// the router unmarks an expired speculative run (router.expireSpan). The
+// upper half of a split keeps Ext and Assigned, as in every split.
+// Requires 0 ≤ off, 1 ≤ c and off+c ≤ n.Own().
 func (t *Tree) IsolateRunAt(n *Node, off, c int) *Node {
 	if off > 0 {
 		n = t.split(n, off)

@@ -30,7 +30,12 @@ import (
 // whole nodes (the path of an inserted prompt ends on a node boundary), an
 // event confirms whole nodes (CacheStored's keys are the tail of their
 // path) or single isolated blocks (CacheRemoved), and a split gives both
-// halves the stamp.
+// halves the stamp. So the blocks an entry still holds under its stamp are
+// always whole nodes (its spans began and ended on node boundaries, and
+// nodes only split since), and expiry uncaches those nodes as they are: it
+// cuts no node, and the tree's shape is what routes and engine events made
+// of it, as in Preble's and SGLang's radix trees, whose nodes split only
+// where prompts diverge (docs/performance.md, "Expired runs as one node").
 
 // specEntry is one routed request's speculative blocks.
 type specEntry struct {
@@ -147,11 +152,12 @@ func (r *Router) expireSpeculative(now time.Time) {
 }
 
 // expire unmarks e's blocks that still carry its stamp, a node's run at a
-// time (cut from the node with at most two splits; before, each block was
-// isolated in a node of its own, as a BlockRemoved would be, which cut
-// long prompts into thousands of one-block nodes), and steps over the
-// runs of nodes that an event or a later speculation settled without
-// looking their blocks up.
+// time, and steps over the runs of nodes that an event or a later
+// speculation settled without looking their blocks up. (Until this change
+// each block was isolated in a node of its own, as a BlockRemoved would be:
+// an artefact of the per-block map, not information from an engine, which
+// cut long prompts into thousands of one-block nodes, none of them a prefix
+// unit for E2.)
 func (r *Router) expire(e *specEntry) {
 	for _, sp := range e.spans {
 		r.expireSpan(e.replica, e.keys[sp.from:sp.to], e.stamp)
@@ -159,7 +165,9 @@ func (r *Router) expire(e *specEntry) {
 }
 
 // expireSpan unmarks the blocks of keys on replica id that carry stamp,
-// each stamped node's run of them as one node.
+// each stamped node's run of them as one node: the whole node (see above),
+// or, should a stamped run ever end inside a node, that run cut out with
+// at most two splits (Tree.IsolateRunAt).
 func (r *Router) expireSpan(id int, keys []blocks.Key, stamp int64) {
 	for i := 0; i < len(keys) && r.tree.StampedBlocks(id) > 0; {
 		n, off, ok := r.tree.Find(keys[i])
