@@ -505,14 +505,22 @@ func (t *Tree) insertFrom(anchor *Node, keys []blocks.Key, present int, now time
 	if present < len(keys) {
 		last = t.newNode(parent, keys[present:])
 	}
+	// Collect the path and touch it in one walk up from last: touchGlobal
+	// also pushes the deepest node first, so the global LRU order is the
+	// same, without a second pass over a path of hundreds of nodes (an
+	// event batch's path runs from the root; docs/performance.md, "E2 on
+	// full caches").
 	m.Path = m.Path[:0]
+	ns := now.UnixNano()
 	for n := last; n.parent != nil; n = n.parent {
 		m.Path = append(m.Path, n)
+		n.lastAccess = ns
+		t.gunlink(n)
+		t.gpushFront(n)
 	}
 	slices.Reverse(m.Path)
 	m.Blocks = int(last.depth) + len(last.keys)
 	m.LastBlocks = len(last.keys)
-	t.touchGlobal(m.Path, now.UnixNano())
 	t.enforceBound()
 	return nil
 }
