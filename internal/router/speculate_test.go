@@ -387,3 +387,52 @@ func TestSpeculationMatchesPerBlock(t *testing.T) {
 	}
 	t.Logf("%d of 6000 steps with fewer nodes than the per-block reference", coarser)
 }
+
+// BenchmarkSpeculativeExpiry is the overloaded e2 run's pattern in small
+// (docs/performance.md, "Expired runs as one node"): a session's prompt
+// grows by 64 blocks a turn up to 2,048 blocks; each turn is routed to a
+// replica with KV events, its marks expire before the engine stores it, and
+// then the engine stores it in 32-block batches (a chunked prefill), each
+// batch walking the path from the root. It reports the tree's nodes and the
+// mean path length of a batch: expiry cutting a run as one node keeps both
+// at what the stores made; per block, every expired block stayed a node.
+//
+//	go test -run XXX -bench BenchmarkSpeculativeExpiry -benchtime 20x -cpu 1 ./internal/router/
+func BenchmarkSpeculativeExpiry(b *testing.B) {
+	const turn, maxBlocks, batch = 64, 2048, 32
+	tokens := toks(17, maxBlocks*bt)
+	keys := blocks.Keys(nil, tokens, bt)
+	b.ReportAllocs()
+	var pathNodes, batches, nodes int
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		r := newRouter(b, speculating{&policy.RoundRobin{}}, 0, true)
+		b.StartTimer()
+		ms := 0
+		for n := turn; n <= maxBlocks; n += turn {
+			id := uint64(n / turn)
+			if _, err := r.Route(req(id, tokens[:n*bt]), at(ms)); err != nil {
+				b.Fatal(err)
+			}
+			ms += 3000 // past the TTL: the marks expire unconfirmed
+			r.ExpireSpeculative(at(ms))
+			for j := 0; j < n; j += batch {
+				var parent blocks.Key
+				if j > 0 {
+					parent = keys[j-1]
+				}
+				if err := r.CacheStored(0, parent, j > 0, keys[j:min(j+batch, n)], at(ms)); err != nil {
+					b.Fatal(err)
+				}
+				pathNodes += len(r.scratch.Path)
+				batches++
+			}
+			if err := r.Finished(id, 10, -1, true, at(ms)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		nodes += r.Tree().Nodes()
+	}
+	b.ReportMetric(float64(nodes)/float64(b.N), "nodes")
+	b.ReportMetric(float64(pathNodes)/float64(batches), "path-nodes/batch")
+}
