@@ -505,11 +505,11 @@ func (t *Tree) insertFrom(anchor *Node, keys []blocks.Key, present int, now time
 	if present < len(keys) {
 		last = t.newNode(parent, keys[present:])
 	}
-	// Collect the path and touch it in one walk up from last: touchGlobal
-	// also pushes the deepest node first, so the global LRU order is the
-	// same, without a second pass over a path of hundreds of nodes (an
-	// event batch's path runs from the root; docs/performance.md, "E2 on
-	// full caches").
+	// Collect the path and touch it in one walk up from last, pushing the
+	// deepest node to the global LRU list's front first, as the separate
+	// touch pass did (so the order is the same), without a second pass
+	// over a path of hundreds of nodes (an event batch's path runs from the
+	// root; docs/performance.md, "E2 on full caches").
 	m.Path = m.Path[:0]
 	ns := now.UnixNano()
 	for n := last; n.parent != nil; n = n.parent {
@@ -1072,15 +1072,6 @@ func (t *Tree) ginsertAfter(n, low *Node) {
 		t.gtail = low
 	}
 	n.gnext = low
-}
-
-func (t *Tree) touchGlobal(path []*Node, ns int64) {
-	for i := len(path) - 1; i >= 0; i-- {
-		n := path[i]
-		n.lastAccess = ns
-		t.gunlink(n)
-		t.gpushFront(n)
-	}
 }
 
 // evictScan bounds how many held nodes one insertion may step over while
