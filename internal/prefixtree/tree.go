@@ -505,14 +505,22 @@ func (t *Tree) insertFrom(anchor *Node, keys []blocks.Key, present int, now time
 	if present < len(keys) {
 		last = t.newNode(parent, keys[present:])
 	}
+	// Collect the path and touch it in one walk up from last, pushing the
+	// deepest node to the global LRU list's front first, as the separate
+	// touch pass did (so the order is the same), without a second pass
+	// over a path of hundreds of nodes (an event batch's path runs from the
+	// root; docs/performance.md, "E2 on full caches").
 	m.Path = m.Path[:0]
+	ns := now.UnixNano()
 	for n := last; n.parent != nil; n = n.parent {
 		m.Path = append(m.Path, n)
+		n.lastAccess = ns
+		t.gunlink(n)
+		t.gpushFront(n)
 	}
 	slices.Reverse(m.Path)
 	m.Blocks = int(last.depth) + len(last.keys)
 	m.LastBlocks = len(last.keys)
-	t.touchGlobal(m.Path, now.UnixNano())
 	t.enforceBound()
 	return nil
 }
@@ -724,6 +732,22 @@ func (t *Tree) Isolate(key blocks.Key) (*Node, bool) {
 	}
 	n, _ = t.IsolateAt(n, off)
 	return n, true
+}
+
+// IsolateRunAt cuts n's run so that its keys [off, off+c) form a node of
+// their own, and returns that node: at most two splits (none when the run
+// is the whole node), where Isolate would cut c one-block nodes. It is how
+// the router unmarks an expired speculative run (router.expireSpan). The
+// upper half of a split keeps Ext and Assigned, as in every split.
+// Requires 0 ≤ off, 1 ≤ c and off+c ≤ n.Own().
+func (t *Tree) IsolateRunAt(n *Node, off, c int) *Node {
+	if off > 0 {
+		n = t.split(n, off)
+	}
+	if c < len(n.keys) {
+		t.split(n, c)
+	}
+	return n
 }
 
 // IsolateAt is Isolate for the key at offset off of n's run (Find's
@@ -1048,15 +1072,6 @@ func (t *Tree) ginsertAfter(n, low *Node) {
 		t.gtail = low
 	}
 	n.gnext = low
-}
-
-func (t *Tree) touchGlobal(path []*Node, ns int64) {
-	for i := len(path) - 1; i >= 0; i-- {
-		n := path[i]
-		n.lastAccess = ns
-		t.gunlink(n)
-		t.gpushFront(n)
-	}
 }
 
 // evictScan bounds how many held nodes one insertion may step over while

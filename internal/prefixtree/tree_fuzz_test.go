@@ -126,13 +126,26 @@ func runTreeOps(t *testing.T, data []byte, maxBlocks int) {
 				}
 			}
 			prompts = append(prompts, keys)
-		case 2: // remove one cached block of an earlier prompt from r
+		case 2: // remove one cached block of an earlier prompt from r (op&0x40: a run of its node's blocks)
 			if len(prompts) == 0 {
 				continue
 			}
 			p := prompts[int(arg)%len(prompts)]
 			k := p[int(arg)%len(p)]
-			if n, ok := tr.Isolate(k); ok {
+			if n, off, ok := tr.Find(k); ok && op&0x40 != 0 {
+				// Remove a run of one node's blocks from r in one cut, as
+				// the router's expiry of a speculative run does.
+				c := 1 + int(op>>3&7)%(n.Own()-off)
+				run := slices.Clone(n.Keys()[off : off+c])
+				x := tr.IsolateRunAt(n, off, c)
+				if !slices.Equal(x.Keys(), run) {
+					t.Fatalf("op %d: IsolateRunAt(%d, %d) returned keys %v, want %v", i/2, off, c, x.Keys(), run)
+				}
+				tr.SetCached(x, r, false)
+				for _, k := range run {
+					delete(m.cached[r], k)
+				}
+			} else if n, ok := tr.Isolate(k); ok {
 				if n.Own() != 1 || n.Keys()[0] != k {
 					t.Fatalf("op %d: Isolate returned a node of %d keys", i/2, n.Own())
 				}
@@ -404,8 +417,8 @@ func checkActiveBlocks(t *testing.T, op int, tr *Tree, m *naive) {
 }
 
 // FuzzTreeAgainstNaive drives an unbounded tree and the naive model with the
-// same operations (Insert, SetPathCached, Isolate, ClearReplica, InsertBelow,
-// AddRef, EvictLRU) over a 3-token alphabet and checks that they agree.
+// same operations (Insert, SetPathCached, Isolate, IsolateRunAt, ClearReplica,
+// InsertBelow, AddRef, EvictLRU) over a 3-token alphabet and checks that they agree.
 // Seeds live in testdata/fuzz/FuzzTreeAgainstNaive.
 func FuzzTreeAgainstNaive(f *testing.F) {
 	f.Add([]byte{0, 1, 2, 0, 1, 1, 3, 0, 2, 1, 0})

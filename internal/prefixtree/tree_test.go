@@ -498,3 +498,52 @@ func TestStamps(t *testing.T) {
 		t.Fatalf("ClearReplica(1) left stamp %d, %d blocks", n.Stamp(1), tr.StampedBlocks(1))
 	}
 }
+
+// TestIsolateRunAt: the run [off, off+c) of a node becomes a node of its own
+// with at most two splits, the keys around it stay whole, and every piece
+// keeps the node's caching and stamp; the upper piece keeps Ext.
+func TestIsolateRunAt(t *testing.T) {
+	tests := []struct {
+		name   string
+		off, c int
+		nodes  int // nodes after the cut
+	}{
+		{"whole node", 0, 6, 1},
+		{"head", 0, 2, 2},
+		{"tail", 4, 2, 2},
+		{"middle", 2, 3, 3},
+		{"one block", 5, 1, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tr := newTree(t, 2, 0)
+			var m Match
+			now := time.Unix(0, 0)
+			keys := ks(1, 2, 3, 4, 5, 6)
+			tr.Insert(keys, now, &m)
+			n := m.Path[0]
+			n.Ext = "stats"
+			tr.SetPathCached(m.Path, 1, now)
+			tr.SetStamp(n, 1, 3)
+			x := tr.IsolateRunAt(n, tt.off, tt.c)
+			if !slices.Equal(x.Keys(), keys[tt.off:tt.off+tt.c]) {
+				t.Fatalf("isolated keys %v, want %v", x.Keys(), keys[tt.off:tt.off+tt.c])
+			}
+			if got := tr.Nodes(); got != tt.nodes {
+				t.Fatalf("Nodes = %d, want %d", got, tt.nodes)
+			}
+			for i, k := range keys {
+				nd, _, ok := tr.Find(k)
+				if !ok || !nd.Cached(1) || nd.Stamp(1) != 3 {
+					t.Fatalf("key %d: present %v, cached %v, stamp %d after the cut", i, ok, ok && nd.Cached(1), nd.Stamp(1))
+				}
+			}
+			if top, _, _ := tr.Find(keys[0]); top.Ext != "stats" {
+				t.Fatalf("the upper piece lost Ext: %v", top.Ext)
+			}
+			if tr.CachedBlocks(1) != 6 || tr.StampedBlocks(1) != 6 {
+				t.Fatalf("CachedBlocks %d, StampedBlocks %d after the cut; want 6, 6", tr.CachedBlocks(1), tr.StampedBlocks(1))
+			}
+		})
+	}
+}

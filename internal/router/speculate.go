@@ -30,7 +30,12 @@ import (
 // whole nodes (the path of an inserted prompt ends on a node boundary), an
 // event confirms whole nodes (CacheStored's keys are the tail of their
 // path) or single isolated blocks (CacheRemoved), and a split gives both
-// halves the stamp.
+// halves the stamp. So the blocks an entry still holds under its stamp are
+// always whole nodes (its spans began and ended on node boundaries, and
+// nodes only split since), and expiry uncaches those nodes as they are: it
+// cuts no node, and the tree's shape is what routes and engine events made
+// of it, as in Preble's and SGLang's radix trees, whose nodes split only
+// where prompts diverge (docs/performance.md, "Expired runs as one node").
 
 // specEntry is one routed request's speculative blocks.
 type specEntry struct {
@@ -146,19 +151,23 @@ func (r *Router) expireSpeculative(now time.Time) {
 	}
 }
 
-// expire unmarks e's blocks that still carry its stamp, one block at a
-// time in path order (each isolated in a node of its own, as a
-// BlockRemoved would be), and steps over the runs of nodes that an event
-// or a later speculation settled without looking their blocks up.
+// expire unmarks e's blocks that still carry its stamp, a node's run at a
+// time, and steps over the runs of nodes that an event or a later
+// speculation settled without looking their blocks up. (Until this change
+// each block was isolated in a node of its own, as a BlockRemoved would be:
+// an artefact of the per-block map, not information from an engine, which
+// cut long prompts into thousands of one-block nodes, none of them a prefix
+// unit for E2.)
 func (r *Router) expire(e *specEntry) {
 	for _, sp := range e.spans {
 		r.expireSpan(e.replica, e.keys[sp.from:sp.to], e.stamp)
 	}
 }
 
-// expireSpan unmarks the blocks of keys on replica id that carry stamp:
-// for each, what uncache does (isolate it, then uncache it), finding the
-// next key in the rest of the run isolated rather than looking it up.
+// expireSpan unmarks the blocks of keys on replica id that carry stamp,
+// each stamped node's run of them as one node: the whole node (see above),
+// or, should a stamped run ever end inside a node, that run cut out with
+// at most two splits (Tree.IsolateRunAt).
 func (r *Router) expireSpan(id int, keys []blocks.Key, stamp int64) {
 	for i := 0; i < len(keys) && r.tree.StampedBlocks(id) > 0; {
 		n, off, ok := r.tree.Find(keys[i])
@@ -174,15 +183,14 @@ func (r *Router) expireSpan(id int, keys []blocks.Key, stamp int64) {
 			}
 			continue
 		}
-		// Stamped, so cached on id: uncache(id, keys[i]) without its lookups.
-		for {
-			x, rest := r.tree.IsolateAt(n, off)
-			r.tree.SetCached(x, id, false)
-			i++
-			if rest == nil || i == len(keys) || rest.Keys()[0] != keys[i] || rest.Stamp(id) != stamp {
-				break
-			}
-			n, off = rest, 0
+		// Stamped, so cached on id: uncache the run keys share with n.
+		nk := n.Keys()
+		c := 1
+		for off+c < len(nk) && i+c < len(keys) && nk[off+c] == keys[i+c] {
+			c++
 		}
+		x := r.tree.IsolateRunAt(n, off, c)
+		r.tree.SetCached(x, id, false)
+		i += c
 	}
 }
