@@ -134,7 +134,7 @@ capacity_rps, goodput_rps, slo_met and at_capacity (docs/capacity.md).`,
 	fs.Float64Var(&c.SLOTolerance, "slo-tolerance", 0.05, "--slo: the search stops when the lowest rate that missed is within this fraction above the highest that met")
 	fs.Float64Var(&c.SLOMaxRate, "slo-max-rate", 0, "--slo: highest rate the search tries (0: 1024 × its start); met there, the capacity is reported as at least it")
 	fs.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file (go tool pprof)")
-	fs.StringVar(&c.RouterQueue, "router-queue", "", `router-side queue in front of the router (docs/overload.md): "on", or KEY=VALUE,... of max, timeout, max_waiting, max_kv_usage, max_queued_prefill, ttft_slo, ttft_slo.PRIORITY`)
+	fs.StringVar(&c.RouterQueue, "router-queue", "", `router-side queue in front of the router (docs/overload.md): "on", or KEY=VALUE,... of max, timeout, max_waiting, max_kv_usage, max_queued_prefill, max_predicted_wait, slo_fraction, engage_after, lifo_after, max_inflight, ttft_slo, ttft_slo.PRIORITY`)
 	fs.Lookup("router-queue").NoOptDefVal = "on"
 	return cmd
 }

@@ -122,3 +122,51 @@ func TestJudge(t *testing.T) {
 		}
 	}
 }
+
+// TestSustain: a run whose cluster keeps up completes, in the middle half
+// of its arrivals, about as many requests as arrive there; one whose
+// cluster completes half the offered rate does not, and misses an SLO its
+// TTFTs meet (every request starts at once, the backlog grows in decode).
+func TestSustain(t *testing.T) {
+	const n = 400
+	run := func(service float64) []report.RequestRecord {
+		recs := make([]report.RequestRecord, n)
+		for i := range recs {
+			a := float64(i) * 0.1 // 10 req/s
+			done := max(a+0.5, float64(i+1)*service)
+			recs[i] = report.RequestRecord{ID: i, ArrivalS: a, TTFTMs: 50, LatencyMs: (done - a) * 1000, OutputTokens: 10, PromptTokens: 10}
+		}
+		return recs
+	}
+	slo, err := ParseSLO("ttft_p90=1s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name    string
+		service float64 // seconds per completion at best
+		lo, hi  float64
+		wantMet bool
+	}{
+		{"keeps up", 0.05, 0.95, 1.05, true},      // can complete 20 req/s
+		{"half the rate", 0.2, 0.45, 0.55, false}, // completes 5 req/s
+		{"just behind", 0.115, 0.82, 0.92, false},
+	} {
+		recs := run(tc.service)
+		s := Sustain(recs)
+		if s < tc.lo || s > tc.hi {
+			t.Errorf("%s: Sustain = %.3f, want in [%g, %g]", tc.name, s, tc.lo, tc.hi)
+		}
+		if v := slo.Judge(recs, 40); v.Met != tc.wantMet || v.Observed[0] != 50 {
+			t.Errorf("%s: Judge met %v (ttft p90 %v, sustained %.2f), want met %v", tc.name, v.Met, v.Observed[0], v.Sustained, tc.wantMet)
+		}
+	}
+	// A failed request never completes.
+	recs := run(0.05)
+	for i := range recs {
+		recs[i].Error = "x"
+	}
+	if s := Sustain(recs); s != 0 {
+		t.Errorf("all failed: Sustain = %v, want 0", s)
+	}
+}

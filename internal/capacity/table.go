@@ -58,6 +58,11 @@ func VerdictLine(slo SLO, v Verdict) string {
 		}
 		fmt.Fprintf(&b, "%s_p%g %s ms %s %v", t.Metric, t.Percentile, fmtMs(v.Observed[i]), op, t.Limit)
 	}
+	op := "≥"
+	if v.Sustained < MinSustained {
+		op = "<"
+	}
+	fmt.Fprintf(&b, ", sustained %.2f %s %g", v.Sustained, op, MinSustained)
 	if v.Met {
 		b.WriteString(": met")
 	} else {
@@ -127,7 +132,7 @@ func WriteSweep(w io.Writer, slo SLO, ps []Policy) error {
 	for _, t := range slo {
 		fmt.Fprintf(tw, "%s_p%g ms\t", t.Metric, t.Percentile)
 	}
-	fmt.Fprint(tw, "goodput_rps\tthroughput_rps\t\n")
+	fmt.Fprint(tw, "goodput_rps\tthroughput_rps\tsustained\t\n")
 	for _, p := range ps {
 		for _, r := range p.Points {
 			met := "missed"
@@ -149,7 +154,11 @@ func WriteSweep(w io.Writer, slo SLO, ps []Policy) error {
 			if r.GoodputRPS != nil {
 				good = *r.GoodputRPS
 			}
-			fmt.Fprintf(tw, "%.3g\t%.3g\t\n", good, r.ThroughputRPS)
+			sus := "-"
+			if r.SLOSustained != nil {
+				sus = fmt.Sprintf("%.2f", *r.SLOSustained)
+			}
+			fmt.Fprintf(tw, "%.3g\t%.3g\t%s\t\n", good, r.ThroughputRPS, sus)
 		}
 	}
 	if err := tw.Flush(); err != nil {

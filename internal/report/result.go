@@ -109,6 +109,11 @@ type Result struct {
 	// GoodputRPS is the requests per second of this run that succeeded
 	// within every limit of SLO (vLLM's benchmark_serving --goodput).
 	GoodputRPS *float64 `json:"goodput_rps,omitempty"`
+	// SLOSustained is the requests completed in the middle half of the
+	// run's arrivals per request that arrived in it (capacity.Sustain):
+	// below capacity.MinSustained the cluster did not keep up, and the SLO
+	// counts as missed whatever its percentiles.
+	SLOSustained *float64 `json:"slo_sustained,omitempty"`
 	// CapacityRPS is the highest rate at which this policy met SLO in the
 	// search this run belongs to (0: not even the lowest rate tried), the
 	// same on each of its runs; AtCapacity marks the run at that rate, and
