@@ -37,7 +37,7 @@ want loogle && run loogle --workload loogle --replicas 4 --requests 300 --rate 1
 # lone request), so no policy meets 2 s at any rate: also searched at 10 s.
 want loogle-10s && SLO=ttft_p90=10s run loogle-10s --workload loogle --replicas 4 --requests 300 --rate 1
 want coding-agent && run coding-agent --workload coding-agent --replicas 4 --requests 600 --rate 0.6
-want shared-prefix && run shared-prefix --workload shared-prefix --replicas 8 --profile qwen3-32b-h100x2 --requests 1000 --rate 8
+want shared-prefix && run shared-prefix --workload shared-prefix --replicas 8 --profile qwen3-32b-h100x2 --requests 4000 --rate 8
 want lora && run lora --workload lora --replicas 8 --profile llama3.1-8b-h100 --max-loras 4 --requests 1000 --rate 12
 echo "done in $SECONDS s" >&2
 # The README's rows (needs jq): docs/results/headline.md.
