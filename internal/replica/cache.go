@@ -30,11 +30,16 @@ type prefixCache struct {
 
 const nilEntry int32 = -1
 
+// freeRefs marks a free entry slot (evicted, not yet reused), so that an
+// entry index a request kept from an earlier lookup (seq.ents) is never taken
+// for a live entry holding the same key: see holds.
+const freeRefs int32 = -1
+
 type entry struct {
 	key        blocks.Key // its key in the cache
 	ext        blocks.Key // the key its events report (the request's)
-	refs       int32
-	prev, next int32 // LRU links while refs == 0
+	refs       int32      // references; freeRefs while the slot is free
+	prev, next int32      // LRU links while refs == 0
 }
 
 func newPrefixCache() prefixCache {
@@ -50,6 +55,15 @@ func (c *prefixCache) lookup(k blocks.Key) int32 {
 		return i
 	}
 	return nilEntry
+}
+
+// holds reports whether entry i holds key k now: whether lookup(k) is i.
+// Indices kept across evictions are checked with it: an evicted entry is
+// marked free (freeRefs) and a reused slot holds another key, or the same key
+// again, which is then rightly its entry (the map has one entry per key).
+func (c *prefixCache) holds(i int32, k blocks.Key) bool {
+	e := &c.ents[i]
+	return e.key == k && e.refs != freeRefs
 }
 
 // prefix is the number of leading keys of a chain that are cached.
@@ -131,6 +145,7 @@ func (c *prefixCache) evict() blocks.Key {
 	c.unlink(i)
 	e := &c.ents[i]
 	delete(c.idx, e.key)
+	e.refs = freeRefs
 	c.slots = append(c.slots, i)
 	return e.ext
 }

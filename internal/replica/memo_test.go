@@ -1,0 +1,94 @@
+package replica
+
+import (
+	"testing"
+
+	"github.com/prefixlb/prefixlb/internal/blocks"
+)
+
+// TestAdmitAfterSlotReuse retries the admission of a waiting request after
+// the tail of the cached prefix its first try found was evicted between the
+// two tries, and its entry slot freed or reused (prefixCache.slots): the
+// second try must see the cache as it is now, as a lookup of every key would
+// (scanPrefix keeps the first try's entries in seq.ents and must not trust a
+// stale one). A scan trusting the kept indices admits with a 4-block hit and
+// pins the wrong entry in the first two cases.
+func TestAdmitAfterSlotReuse(t *testing.T) {
+	const k0, k1, k2, k3, k4, x, y blocks.Key = 100, 101, 102, 103, 104, 900, 901
+	cases := []struct {
+		name    string
+		between func(c *prefixCache) // after the first try, k3 the LRU head
+		hit     int                  // blocks the second try finds cached
+	}{
+		{"slot reused by another key", func(c *prefixCache) {
+			c.evict()
+			c.unpin(c.insert(x, x))
+		}, 3},
+		{"slot left free", func(c *prefixCache) { c.evict() }, 3},
+		{"same key stored again in the same slot", func(c *prefixCache) {
+			c.evict()
+			c.unpin(c.insert(k3, k3))
+		}, 4},
+		{"same key stored again in another slot", func(c *prefixCache) {
+			c.evict()
+			c.unpin(c.insert(y, y))
+			c.unpin(c.insert(k3, k3))
+		}, 4},
+		{"nothing evicted, the next block stored", func(c *prefixCache) {
+			c.unpin(c.insert(k4, k4))
+		}, 5},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newReplica(t, Config{Profile: linear{kv: 32 * 16}})
+			B := r.cfg.BlockSize
+			c := &r.cache
+			var ents []int32
+			for _, k := range []blocks.Key{k0, k1, k2, k3} {
+				ents = append(ents, c.insert(k, k))
+			}
+			for j := len(ents) - 1; j >= 0; j-- { // deepest first: k3 is the LRU head
+				c.unpin(ents[j])
+			}
+			// 6 blocks with a 5-block hit at best, 1 free and 4 evictable:
+			// its first try finds k0..k3 and does not fit.
+			id := uint64(7)
+			if err := r.Submit(req(id, 6*B, 4, k0, k1, k2, k3, k4), t0); err != nil {
+				t.Fatal(err)
+			}
+			s := r.byID[id]
+			r.privAll = r.nBlocks - c.len() - 1
+			var ev []Event
+			budget := NoChunking
+			if r.tryAdmit(s, t0, &ev, &budget) {
+				t.Fatal("first try admitted")
+			}
+			if got := len(s.ents); got != 4 {
+				t.Fatalf("first try kept %d entries, want 4", got)
+			}
+			tc.between(c)
+			r.privAll = 0
+			if !r.tryAdmit(s, t0, &ev, &budget) {
+				t.Fatal("second try not admitted")
+			}
+			if e := ev[len(ev)-1]; e.Kind != Admitted || e.RequestID != id || e.HitTokens != tc.hit*B {
+				t.Fatalf("got %+v, want request %d admitted with %d hit tokens", e, id, tc.hit*B)
+			}
+			if want := c.prefix(s.keys[:5]); tc.hit != want {
+				t.Fatalf("case expects a %d-block hit, the cache holds %d", tc.hit, want)
+			}
+			for j, k := range s.keys[:s.pinned] {
+				if i := s.ents[j]; i != c.lookup(k) || c.ents[i].refs != 1 {
+					t.Fatalf("block %d: entry %d (refs %d), key %d is entry %d", j, i, c.ents[i].refs, k, c.lookup(k))
+				}
+			}
+			for k, i := range c.idx {
+				if k == x || k == y {
+					if c.ents[i].refs != 0 {
+						t.Fatalf("key %d pinned by the request", k)
+					}
+				}
+			}
+		})
+	}
+}
