@@ -2,6 +2,7 @@ package replica
 
 import (
 	"testing"
+	"time"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 )
@@ -91,4 +92,63 @@ func TestAdmitAfterSlotReuse(t *testing.T) {
 			}
 		})
 	}
+}
+
+// BenchmarkAdmitRetry measures steps of an overloaded replica whose waiting
+// request, a 3,100-block prompt with its first 3,000 blocks cached and
+// evictable, does not fit beside a long decode: every step retries its
+// admission (vLLM's scheduler does), and prefix caching makes that a scan of
+// its 3,000 cached blocks. The decode's growth evicts the cached prefix's
+// deepest block every 16 steps once the free blocks run out (from the
+// 1,473rd step); the replica is rebuilt, outside the timer, every 2,000 steps.
+func BenchmarkAdmitRetry(b *testing.B) {
+	const (
+		nBlocks = 8192
+		cached  = 3000
+		decode  = 5100 // the running request's blocks: free 92, evictable 3,000
+	)
+	build := func() (*Replica, time.Time) {
+		r := newReplica(b, Config{Profile: linear{kv: nBlocks * 16}, ChunkBudget: NoChunking})
+		keys := make([]blocks.Key, cached+100)
+		for i := range keys {
+			keys[i] = blocks.Key(1_000_000 + i)
+		}
+		now := t0
+		ev := make([]Event, 0, 64)
+		step := func() {
+			var busy bool
+			for busy = true; busy; {
+				now, ev, busy = r.Step(now, ev[:0])
+			}
+		}
+		if err := r.Submit(req(1, cached*16, 1, keys[:cached]...), now); err != nil {
+			b.Fatal(err)
+		}
+		step() // its prompt cached, unreferenced
+		if err := r.Submit(req(2, decode*16-1, 3000), now); err != nil {
+			b.Fatal(err)
+		}
+		now, ev, _ = r.Step(now, ev[:0]) // its prefill
+		if err := r.Submit(req(3, len(keys)*16, 1, keys...), now); err != nil {
+			b.Fatal(err)
+		}
+		return r, now
+	}
+	r, now := build()
+	ev := make([]Event, 0, 64)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for n := range b.N {
+		if n > 0 && n%2000 == 0 {
+			b.StopTimer()
+			r, now = build()
+			b.StartTimer()
+		}
+		now, ev, _ = r.Step(now, ev[:0])
+	}
+	b.StopTimer()
+	if st := r.Stats(); st.Waiting != 1 || st.Running != 1 {
+		b.Fatalf("%d waiting, %d running: the retry scenario broke", st.Waiting, st.Running)
+	}
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "steps/s")
 }
