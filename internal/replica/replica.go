@@ -257,7 +257,7 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 		s = new(seq)
 	}
 	ents := s.ents[:0]
-	if cap(ents) < len(req.Keys) {
+	if cap(ents) < len(req.Keys) && r.slots == nil {
 		ents = make([]int32, 0, len(req.Keys)) // its scans append no more
 	}
 	*s = seq{req: req, arrival: r.nArr, group: -1, ents: ents}
