@@ -40,6 +40,9 @@ type entry struct {
 	ext        blocks.Key // the key its events report (the request's)
 	refs       int32      // references; freeRefs while the slot is free
 	prev, next int32      // LRU links while refs == 0
+	// child is a hint: the entry last stored below this one, which may
+	// have been evicted since (check it with holds), or nilEntry.
+	child int32
 }
 
 func newPrefixCache() prefixCache {
@@ -76,9 +79,10 @@ func (c *prefixCache) prefix(keys []blocks.Key) int {
 	return len(keys)
 }
 
-// insert adds k, which must be absent, referenced once; its events report
-// it as ext (lora.go: an adapter's cache keys differ from its requests').
-func (c *prefixCache) insert(k, ext blocks.Key) int32 {
+// insert adds k, which must be absent, referenced once, below entry parent
+// (nilEntry for a chain's first block); its events report it as ext
+// (lora.go: an adapter's cache keys differ from its requests').
+func (c *prefixCache) insert(k, ext blocks.Key, parent int32) int32 {
 	var i int32
 	if n := len(c.slots); n > 0 {
 		i = c.slots[n-1]
@@ -87,9 +91,25 @@ func (c *prefixCache) insert(k, ext blocks.Key) int32 {
 		i = int32(len(c.ents))
 		c.ents = append(c.ents, entry{})
 	}
-	c.ents[i] = entry{key: k, ext: ext, refs: 1, prev: nilEntry, next: nilEntry}
+	c.ents[i] = entry{key: k, ext: ext, refs: 1, prev: nilEntry, next: nilEntry, child: nilEntry}
 	c.idx[k] = i
+	if parent != nilEntry {
+		c.ents[parent].child = i
+	}
 	return i
+}
+
+// next returns the entry holding k, the block after entry parent in a chain
+// (nilEntry: k is a chain's first block), or nilEntry. It tries parent's
+// child hint before the map: a conversation's prompts extend the last one,
+// so a chain's cached blocks are mostly each other's last stored children.
+func (c *prefixCache) next(parent int32, k blocks.Key) int32 {
+	if parent != nilEntry {
+		if h := c.ents[parent].child; h != nilEntry && c.holds(h, k) {
+			return h
+		}
+	}
+	return c.lookup(k)
 }
 
 // pin adds a reference to entry i, taking it off the LRU list.

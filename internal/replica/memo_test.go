@@ -18,25 +18,33 @@ func TestAdmitAfterSlotReuse(t *testing.T) {
 	const k0, k1, k2, k3, k4, x, y blocks.Key = 100, 101, 102, 103, 104, 900, 901
 	cases := []struct {
 		name    string
-		between func(c *prefixCache) // after the first try, k3 the LRU head
-		hit     int                  // blocks the second try finds cached
+		between func(c *prefixCache, e []int32) // after the first try, k3 (entry e[3]) the LRU head
+		hit     int                             // blocks the second try finds cached
 	}{
-		{"slot reused by another key", func(c *prefixCache) {
+		// k2's child hint then names k3's old slot, holding x.
+		{"slot reused by another key", func(c *prefixCache, e []int32) {
 			c.evict()
-			c.unpin(c.insert(x, x))
+			c.unpin(c.insert(x, x, e[2]))
 		}, 3},
-		{"slot left free", func(c *prefixCache) { c.evict() }, 3},
-		{"same key stored again in the same slot", func(c *prefixCache) {
+		{"slot left free", func(c *prefixCache, e []int32) { c.evict() }, 3},
+		{"same key stored again in the same slot", func(c *prefixCache, e []int32) {
 			c.evict()
-			c.unpin(c.insert(k3, k3))
+			c.unpin(c.insert(k3, k3, e[2]))
 		}, 4},
-		{"same key stored again in another slot", func(c *prefixCache) {
+		// The kept index holds y, k3 is found below k2 by the hint.
+		{"same key stored again in another slot", func(c *prefixCache, e []int32) {
 			c.evict()
-			c.unpin(c.insert(y, y))
-			c.unpin(c.insert(k3, k3))
+			c.unpin(c.insert(y, y, e[2]))
+			c.unpin(c.insert(k3, k3, e[2]))
 		}, 4},
-		{"nothing evicted, the next block stored", func(c *prefixCache) {
-			c.unpin(c.insert(k4, k4))
+		// k2's child hint names y: k3 is found in the map.
+		{"same key stored again, not below its parent", func(c *prefixCache, e []int32) {
+			c.evict()
+			c.unpin(c.insert(y, y, e[2]))
+			c.unpin(c.insert(k3, k3, nilEntry))
+		}, 4},
+		{"nothing evicted, the next block stored", func(c *prefixCache, e []int32) {
+			c.unpin(c.insert(k4, k4, e[3]))
 		}, 5},
 	}
 	for _, tc := range cases {
@@ -45,8 +53,10 @@ func TestAdmitAfterSlotReuse(t *testing.T) {
 			B := r.cfg.BlockSize
 			c := &r.cache
 			var ents []int32
+			parent := nilEntry
 			for _, k := range []blocks.Key{k0, k1, k2, k3} {
-				ents = append(ents, c.insert(k, k))
+				parent = c.insert(k, k, parent)
+				ents = append(ents, parent)
 			}
 			for j := len(ents) - 1; j >= 0; j-- { // deepest first: k3 is the LRU head
 				c.unpin(ents[j])
@@ -67,7 +77,7 @@ func TestAdmitAfterSlotReuse(t *testing.T) {
 			if got := len(s.ents); got != 4 {
 				t.Fatalf("first try kept %d entries, want 4", got)
 			}
-			tc.between(c)
+			tc.between(c, ents)
 			r.privAll = 0
 			if !r.tryAdmit(s, t0, &ev, &budget) {
 				t.Fatal("second try not admitted")

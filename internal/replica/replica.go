@@ -498,7 +498,11 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 			flush(s.pinned)
 			r.cache.pin(i)
 		} else {
-			i = r.cache.insert(k, keys[s.pinned])
+			parent := nilEntry
+			if s.pinned > 0 {
+				parent = s.ents[s.pinned-1]
+			}
+			i = r.cache.insert(k, keys[s.pinned], parent)
 			if run < 0 {
 				run = s.pinned
 			}
@@ -604,13 +608,7 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 	if total-maxHit+1 > avail {
 		return false // cannot fit even with the best possible hit
 	}
-	hit := r.scanPrefix(s, maxHit)
-	unpinned := 0
-	for _, i := range s.ents {
-		if r.cache.ents[i].refs == 0 {
-			unpinned++
-		}
-	}
+	hit, unpinned := r.scanPrefix(s, maxHit)
 	priv := total - hit
 	if priv+1 > avail-unpinned {
 		return false
@@ -666,31 +664,46 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 }
 
 // scanPrefix returns how many of the first n keys of waiting request s are
-// cached, as many as a lookup of each in turn finds (prefixCache.prefix), and
-// leaves their entries in s.ents. It starts from the entries s.ents kept from
-// s's last scan or its last run, as long as each still holds its key
-// (prefixCache.holds), and looks the keys after them up: an overloaded
-// replica retries its waiting requests' admission every step (vLLM's
-// scheduler recomputes the hit each time), and prompts run to thousands of
-// blocks, most of them still cached where the last retry found them.
-func (r *Replica) scanPrefix(s *seq, n int) int {
+// cached (hit), as many as a lookup of each in turn finds
+// (prefixCache.prefix), and how many of those no request references
+// (unpinned); it leaves their entries in s.ents. It starts from the entries
+// s.ents kept from s's last scan or its last run, as long as each still holds
+// its key (prefixCache.holds), and finds the keys after them through the
+// child hints (prefixCache.next): an overloaded replica retries its waiting
+// requests' admission every step (vLLM's scheduler recomputes the hit each
+// time), and prompts run to thousands of blocks, most of them still cached
+// where the last retry found them. The result is the lookups' either way.
+func (r *Replica) scanPrefix(s *seq, n int) (hit, unpinned int) {
+	c := &r.cache
 	keys, ents := s.keys[:n], s.ents
 	j := 0
 	for ; j < len(ents) && j < n; j++ {
-		if !r.cache.holds(ents[j], keys[j]) {
+		i := ents[j]
+		if !c.holds(i, keys[j]) {
 			break
+		}
+		if c.ents[i].refs == 0 {
+			unpinned++
 		}
 	}
 	ents = ents[:j]
+	prev := nilEntry
+	if j > 0 {
+		prev = ents[j-1]
+	}
 	for _, k := range keys[j:] {
-		i := r.cache.lookup(k)
+		i := c.next(prev, k)
 		if i == nilEntry {
 			break
 		}
+		if c.ents[i].refs == 0 {
+			unpinned++
+		}
 		ents = append(ents, i)
+		prev = i
 	}
 	s.ents = ents
-	return len(ents)
+	return len(ents), unpinned
 }
 
 // Cancel aborts a waiting or running request (its client went away), freeing
