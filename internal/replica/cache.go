@@ -31,8 +31,8 @@ type prefixCache struct {
 const nilEntry int32 = -1
 
 // freeRefs marks a free entry slot (evicted, not yet reused), so that an
-// entry index a request kept from an earlier lookup (seq.ents) is never taken
-// for a live entry holding the same key: see holds.
+// entry index kept from an earlier lookup (seq.ents, entry.child) is never
+// taken for a live entry holding the same key: see holds.
 const freeRefs int32 = -1
 
 type entry struct {

@@ -117,7 +117,7 @@ type seq struct {
 	keys      []blocks.Key // its blocks' keys in the prefix cache (cacheKeys)
 	// ents are the prefix cache entries of its leading keys: while it
 	// runs, exactly its pinned blocks' (ents[j] holds keys[j], j < pinned);
-	// while it waits, those its last lookup found cached (scanPrefix) or it
+	// while it waits, those its last scan found cached (scanPrefix) or it
 	// pinned before a preemption, which may have been evicted since, and are
 	// checked before use (prefixCache.holds).
 	ents []int32
