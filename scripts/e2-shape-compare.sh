@@ -10,7 +10,8 @@
 #   go build -o /tmp/prefixlb-base ./cmd/prefixlb   # at the base commit
 #   go build -o /tmp/prefixlb-new ./cmd/prefixlb    # at the change
 #   scripts/e2-shape-compare.sh /tmp/prefixlb-base /tmp/prefixlb-new
-# POLICY (default e2), REQUESTS (default 2000) and SEED (default 1) may be set.
+# POLICY (default e2), REQUESTS (default 2000) and SEED (default 1) may be set;
+# WORKLOADS (space-separated names, default all) keeps only those workloads.
 set -euo pipefail
 BASE=${1:?base binary}
 NEW=${2:?new binary}
@@ -18,6 +19,7 @@ OUT=${3:-$(mktemp -d /tmp/e2-shape.XXXXXX)}
 POLICY=${POLICY:-e2}
 REQUESTS=${REQUESTS:-2000}
 SEED=${SEED:-1}
+WORKLOADS=${WORKLOADS:-}
 mkdir -p "$OUT"
 
 # workload and its two rates (req/s): one a 4-replica mistral-7b-a6000
@@ -39,6 +41,9 @@ printf '| workload | rate | TTFT mean ms (base → new) | p90 | p99 | hit ratio 
 printf '|---|---:|---|---|---|---|---|\n'
 for c in "${CASES[@]}"; do
 	read -r w r1 r2 <<<"$c"
+	if [ -n "$WORKLOADS" ] && [[ " $WORKLOADS " != *" $w "* ]]; then
+		continue
+	fi
 	for r in $r1 $r2; do
 		for v in base new; do
 			bin=$BASE

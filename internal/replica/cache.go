@@ -30,11 +30,19 @@ type prefixCache struct {
 
 const nilEntry int32 = -1
 
+// freeRefs marks a free entry slot (evicted, not yet reused), so that an
+// entry index kept from an earlier lookup (seq.ents, entry.child) is never
+// taken for a live entry holding the same key: see holds.
+const freeRefs int32 = -1
+
 type entry struct {
 	key        blocks.Key // its key in the cache
 	ext        blocks.Key // the key its events report (the request's)
-	refs       int32
-	prev, next int32 // LRU links while refs == 0
+	refs       int32      // references; freeRefs while the slot is free
+	prev, next int32      // LRU links while refs == 0
+	// child is a hint: the entry last stored below this one, which may
+	// have been evicted since (check it with holds), or nilEntry.
+	child int32
 }
 
 func newPrefixCache() prefixCache {
@@ -52,6 +60,15 @@ func (c *prefixCache) lookup(k blocks.Key) int32 {
 	return nilEntry
 }
 
+// holds reports whether entry i holds key k now: whether lookup(k) is i.
+// Indices kept across evictions are checked with it: an evicted entry is
+// marked free (freeRefs) and a reused slot holds another key, or the same key
+// again, which is then rightly its entry (the map has one entry per key).
+func (c *prefixCache) holds(i int32, k blocks.Key) bool {
+	e := &c.ents[i]
+	return e.key == k && e.refs != freeRefs
+}
+
 // prefix is the number of leading keys of a chain that are cached.
 func (c *prefixCache) prefix(keys []blocks.Key) int {
 	for i, k := range keys {
@@ -62,9 +79,10 @@ func (c *prefixCache) prefix(keys []blocks.Key) int {
 	return len(keys)
 }
 
-// insert adds k, which must be absent, referenced once; its events report
-// it as ext (lora.go: an adapter's cache keys differ from its requests').
-func (c *prefixCache) insert(k, ext blocks.Key) int32 {
+// insert adds k, which must be absent, referenced once, below entry parent
+// (nilEntry for a chain's first block); its events report it as ext
+// (lora.go: an adapter's cache keys differ from its requests').
+func (c *prefixCache) insert(k, ext blocks.Key, parent int32) int32 {
 	var i int32
 	if n := len(c.slots); n > 0 {
 		i = c.slots[n-1]
@@ -73,9 +91,25 @@ func (c *prefixCache) insert(k, ext blocks.Key) int32 {
 		i = int32(len(c.ents))
 		c.ents = append(c.ents, entry{})
 	}
-	c.ents[i] = entry{key: k, ext: ext, refs: 1, prev: nilEntry, next: nilEntry}
+	c.ents[i] = entry{key: k, ext: ext, refs: 1, prev: nilEntry, next: nilEntry, child: nilEntry}
 	c.idx[k] = i
+	if parent != nilEntry {
+		c.ents[parent].child = i
+	}
 	return i
+}
+
+// next returns the entry holding k, the block after entry parent in a chain
+// (nilEntry: k is a chain's first block), or nilEntry. It tries parent's
+// child hint before the map: a conversation's prompts extend the last one,
+// so a chain's cached blocks are mostly each other's last stored children.
+func (c *prefixCache) next(parent int32, k blocks.Key) int32 {
+	if parent != nilEntry {
+		if h := c.ents[parent].child; h != nilEntry && c.holds(h, k) {
+			return h
+		}
+	}
+	return c.lookup(k)
 }
 
 // pin adds a reference to entry i, taking it off the LRU list.
@@ -131,6 +165,7 @@ func (c *prefixCache) evict() blocks.Key {
 	c.unlink(i)
 	e := &c.ents[i]
 	delete(c.idx, e.key)
+	e.refs = freeRefs
 	c.slots = append(c.slots, i)
 	return e.ext
 }

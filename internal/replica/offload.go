@@ -268,7 +268,7 @@ func (r *Replica) offloadBlocked(s *seq) bool {
 	}
 	B := r.cfg.BlockSize
 	maxHit := min(len(s.keys), (s.req.PromptTokens+s.generated-1)/B)
-	hit := min(r.cache.prefix(s.keys), maxHit)
+	hit, _ := r.scanPrefix(s, maxHit)
 	_, busy := r.offloadHit(s, hit, maxHit)
 	return busy
 }

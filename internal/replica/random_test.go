@@ -3,6 +3,7 @@ package replica
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -303,6 +304,33 @@ func checkInvariants(t *testing.T, r *Replica, parent map[blocks.Key]blocks.Key)
 		if s.running || s.pinned != 0 || s.priv != 0 {
 			t.Fatalf("waiting request %d holds blocks", s.req.ID)
 		}
+		// Its kept entries, checked as scanPrefix checks them, give the
+		// lookups' answer (on a copy: the check must not change them).
+		cp := *s
+		cp.ents = slices.Clone(s.ents)
+		if got, want := first(r.scanPrefix(&cp, len(s.keys))), c.prefix(s.keys); got != want {
+			t.Fatalf("waiting request %d: scanPrefix %d, the cache holds %d of its blocks", s.req.ID, got, want)
+		}
+		for j, i := range cp.ents {
+			if c.lookup(s.keys[j]) != i {
+				t.Fatalf("waiting request %d: block %d scanned as entry %d, cached as %d", s.req.ID, j, i, c.lookup(s.keys[j]))
+			}
+		}
+	}
+	for _, s := range r.running {
+		if len(s.ents) != s.pinned {
+			t.Fatalf("running request %d: %d entries for %d pinned blocks", s.req.ID, len(s.ents), s.pinned)
+		}
+		for j, i := range s.ents {
+			if c.lookup(s.keys[j]) != i {
+				t.Fatalf("running request %d: block %d pinned as entry %d, cached as %d", s.req.ID, j, i, c.lookup(s.keys[j]))
+			}
+		}
+	}
+	for _, i := range c.slots {
+		if c.ents[i].refs != freeRefs {
+			t.Fatalf("free entry %d not marked free (refs %d)", i, c.ents[i].refs)
+		}
 	}
 	if got := len(r.running) + len(waiting); got != len(r.byID) {
 		t.Fatalf("%d requests queued or running, %d known", got, len(r.byID))
@@ -346,6 +374,9 @@ func checkInvariants(t *testing.T, r *Replica, parent map[blocks.Key]blocks.Key)
 		t.Fatalf("LRU head %d is not a leaf", c.ents[c.head].key)
 	}
 }
+
+// first is the first of two results.
+func first(a, _ int) int { return a }
 
 // checkSlotInvariants checks a slot cache's accounting: every running request
 // on its own slot, at most Slots running, the reported keys exactly the

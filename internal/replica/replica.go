@@ -115,6 +115,12 @@ type seq struct {
 	awaitKV   bool         // RemoteKV: admitted, its blocks reserved, its KV not yet arrived
 	kvDone    bool         // RemoteKV: its KV arrived (a preemption then recomputes it here)
 	keys      []blocks.Key // its blocks' keys in the prefix cache (cacheKeys)
+	// ents are the prefix cache entries of its leading keys: while it
+	// runs, exactly its pinned blocks' (ents[j] holds keys[j], j < pinned);
+	// while it waits, those its last scan found cached (scanPrefix) or it
+	// pinned before a preemption, which may have been evicted since, and are
+	// checked before use (prefixCache.holds).
+	ents []int32
 	// CPU offloading (offload.go): blocks written through to the tier so
 	// far, and a load in flight of loadN blocks from loadFrom, ending at
 	// loadEnd.
@@ -147,7 +153,6 @@ type Replica struct {
 	chunks  []costmodel.Chunk
 	chunked []*seq // the request of each chunk
 	decodes []*seq
-	scratch []int32
 	removed int // index in the step's events of its BlocksRemoved event, or -1
 
 	// Slot cache (cfg.Slots > 0; slots.go); nil slots: the block cache.
@@ -251,7 +256,11 @@ func (r *Replica) Submit(req *Request, now time.Time) error {
 	} else {
 		s = new(seq)
 	}
-	*s = seq{req: req, arrival: r.nArr, group: -1}
+	ents := s.ents[:0]
+	if cap(ents) < len(req.Keys) && r.slots == nil {
+		ents = make([]int32, 0, len(req.Keys)) // its scans append no more
+	}
+	*s = seq{req: req, arrival: r.nArr, group: -1, ents: ents}
 	s.keys = cacheKeys(nil, req)
 	r.nArr++
 	r.byID[req.ID] = s
@@ -484,15 +493,21 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end, s.req.Adapter) }
 	for ; s.pinned < full; s.pinned++ {
 		k := ck[s.pinned]
-		if i := r.cache.lookup(k); i != nilEntry {
+		i := r.cache.lookup(k)
+		if i != nilEntry {
 			flush(s.pinned)
 			r.cache.pin(i)
 		} else {
-			r.cache.insert(k, keys[s.pinned])
+			parent := nilEntry
+			if s.pinned > 0 {
+				parent = s.ents[s.pinned-1]
+			}
+			i = r.cache.insert(k, keys[s.pinned], parent)
 			if run < 0 {
 				run = s.pinned
 			}
 		}
+		s.ents = append(s.ents[:s.pinned], i)
 		s.priv--
 		r.privAll--
 	}
@@ -536,7 +551,9 @@ func (r *Replica) allocate(n int, now time.Time, ev *[]Event) {
 }
 
 // release drops s's references to cached blocks, deepest first so that they
-// are evicted deepest first, and frees its other blocks.
+// are evicted deepest first, and frees its other blocks. s.ents keeps the
+// entries, the cached prefix a preempted request's next admission starts
+// from (scanPrefix).
 func (r *Replica) release(s *seq) {
 	if r.slots != nil {
 		r.releaseSlot(s)
@@ -545,9 +562,9 @@ func (r *Replica) release(s *seq) {
 	if s.running {
 		r.loraRelease(s)
 	}
-	keys := s.keys
+	s.ents = s.ents[:s.pinned]
 	for j := s.pinned - 1; j >= 0; j-- {
-		r.cache.unpin(r.cache.lookup(keys[j]))
+		r.cache.unpin(s.ents[j])
 	}
 	if s.loading {
 		r.endLoad(s, false, time.Time{}, nil)
@@ -591,19 +608,7 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 	if total-maxHit+1 > avail {
 		return false // cannot fit even with the best possible hit
 	}
-	r.scratch = r.scratch[:0]
-	unpinned := 0
-	for _, k := range keys[:maxHit] {
-		i := r.cache.lookup(k)
-		if i == nilEntry {
-			break
-		}
-		if r.cache.ents[i].refs == 0 {
-			unpinned++
-		}
-		r.scratch = append(r.scratch, i)
-	}
-	hit := len(r.scratch)
+	hit, unpinned := r.scanPrefix(s, maxHit)
 	priv := total - hit
 	if priv+1 > avail-unpinned {
 		return false
@@ -613,7 +618,7 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 		return false // its blocks are being loaded: it waits (offload.go)
 	}
 	r.loraAcquire(s, now, ev)
-	for _, i := range r.scratch {
+	for _, i := range s.ents {
 		r.cache.pin(i)
 	}
 	r.allocate(priv, now, ev)
@@ -656,6 +661,49 @@ func (r *Replica) tryAdmit(s *seq, now time.Time, ev *[]Event, budget *int) bool
 		*budget -= n
 	}
 	return true
+}
+
+// scanPrefix returns how many of the first n keys of waiting request s are
+// cached (hit), as many as a lookup of each in turn finds
+// (prefixCache.prefix), and how many of those no request references
+// (unpinned); it leaves their entries in s.ents. It starts from the entries
+// s.ents kept from s's last scan or its last run, as long as each still holds
+// its key (prefixCache.holds), and finds the keys after them through the
+// child hints (prefixCache.next): an overloaded replica retries its waiting
+// requests' admission every step (vLLM's scheduler recomputes the hit each
+// time), and prompts run to thousands of blocks, most of them still cached
+// where the last retry found them. The result is the lookups' either way.
+func (r *Replica) scanPrefix(s *seq, n int) (hit, unpinned int) {
+	c := &r.cache
+	keys, ents := s.keys[:n], s.ents
+	j := 0
+	for ; j < len(ents) && j < n; j++ {
+		i := ents[j]
+		if !c.holds(i, keys[j]) {
+			break
+		}
+		if c.ents[i].refs == 0 {
+			unpinned++
+		}
+	}
+	ents = ents[:j]
+	prev := nilEntry
+	if j > 0 {
+		prev = ents[j-1]
+	}
+	for _, k := range keys[j:] {
+		i := c.next(prev, k)
+		if i == nilEntry {
+			break
+		}
+		if c.ents[i].refs == 0 {
+			unpinned++
+		}
+		ents = append(ents, i)
+		prev = i
+	}
+	s.ents = ents
+	return len(ents), unpinned
 }
 
 // Cancel aborts a waiting or running request (its client went away), freeing
@@ -710,7 +758,7 @@ func (r *Replica) KVArrived(id uint64, now time.Time) ([]Event, error) {
 
 // recycle keeps a dead request's state for the next Submit.
 func (r *Replica) recycle(s *seq) {
-	*s = seq{}
+	*s = seq{ents: s.ents[:0]}
 	r.spare = append(r.spare, s)
 }
 

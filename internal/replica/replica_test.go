@@ -541,7 +541,7 @@ func TestPriorityGroup(t *testing.T) {
 	} {
 		r.cache = newPrefixCache()
 		for _, k := range keys[:tc.cached] {
-			r.cache.unpin(r.cache.insert(k, k))
+			r.cache.unpin(r.cache.insert(k, k, nilEntry))
 		}
 		s := &seq{req: &Request{Keys: keys, PromptTokens: tc.prompt}, keys: keys}
 		if got := r.groupOf(s); got != tc.want {

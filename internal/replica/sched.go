@@ -62,7 +62,7 @@ func (r *Replica) sortLPM() {
 		return
 	}
 	for _, s := range r.waiting {
-		s.match = r.cache.prefix(s.keys)
+		s.match, _ = r.scanPrefix(s, len(s.keys))
 	}
 	slices.SortFunc(r.waiting, func(a, b *seq) int {
 		if c := cmp.Compare(b.match, a.match); c != 0 {
@@ -140,7 +140,8 @@ func (r *Replica) admitPriority(now time.Time, ev *[]Event, budget *int) {
 func (r *Replica) groupOf(s *seq) int {
 	G := len(r.groups)
 	p := s.req.PromptTokens
-	hit := min(r.cache.prefix(s.keys)*r.cfg.BlockSize, p)
+	n, _ := r.scanPrefix(s, len(s.keys))
+	hit := min(n*r.cfg.BlockSize, p)
 	g := (G*hit+p-1)/p - 1
 	return max(0, min(g, G-1))
 }
