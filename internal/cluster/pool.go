@@ -91,7 +91,10 @@ type Member struct {
 	slots    int
 	kindDue  bool
 	kindWake chan struct{}
-	kvTokens int
+	// slotTries counts the detections in a row that found a slot cache
+	// but not its slot count (slotRetries).
+	slotTries int
+	kvTokens  int
 	// The tokenizer check, when on: tokDue says a check is due, tokState
 	// is what the last answered one found, tokWake wakes its loop.
 	tokDue   bool
@@ -627,6 +630,14 @@ func (p *Pool) markKindDue(m *Member) {
 	wake(m.kindWake)
 }
 
+// slotRetries bounds the detections of a llama.cpp replica that answer
+// without its slot count before the pool settles for none (GET /props
+// total_slots and GET /slots both unanswered or empty); each waits the
+// pool's Retry. A llama-server answers its kind before /props while it is
+// loading, or when /props is slow: a first detection then saw no slots,
+// and the replica stayed a block cache until it was re-admitted.
+const slotRetries = 5
+
 func wake(c chan struct{}) {
 	select {
 	case c <- struct{}{}:
@@ -673,7 +684,16 @@ func (p *Pool) Detect(ctx context.Context, m *Member) {
 		slots = d.Slots
 	}
 	old, oldSlots := m.kind, m.slots
-	m.kind, m.slots, m.kindDue = d.Kind, slots, false
+	// A llama.cpp replica that answered without its slot count (its /props
+	// slow or not yet serving) is asked again, up to slotRetries times,
+	// before its cache is taken for a block cache.
+	retry := d.Kind.SlotCache() && slots == 0 && m.slotTries < slotRetries
+	if retry {
+		m.slotTries++
+	} else {
+		m.slotTries = 0
+	}
+	m.kind, m.slots, m.kindDue = d.Kind, slots, retry
 	serr := p.Router.SetCacheSlots(m.ID, slots)
 	if old != d.Kind {
 		p.markTokenizerDue(m) // the check speaks the engine's /tokenize
@@ -691,7 +711,7 @@ func (p *Pool) Detect(ctx context.Context, m *Member) {
 	if old != d.Kind || oldSlots != slots {
 		p.cfg.Logger.Info("replica backend kind", "replica", m.Name, "kind", d.Kind, "via", d.Via, "slots", slots)
 	}
-	if d.Kind.SlotCache() && slots == 0 {
+	if d.Kind.SlotCache() && slots == 0 && !retry {
 		p.cfg.Logger.Warn("llama.cpp replica did not say its slot count (GET /props total_slots, GET /slots): its cache is mirrored as a block cache",
 			"replica", m.Name)
 	}

@@ -716,3 +716,59 @@ func TestLlamaCppFixturesDecode(t *testing.T) {
 		t.Error("models fixture is not llama.cpp's")
 	}
 }
+
+// TestLlamaCppSlotsLate: a llama-server that answers its kind but not yet
+// its slot count (GET /props and GET /slots 503 while it loads, or too
+// slow) is asked again, and its slots reach the router once it says them;
+// before, the first detection settled for a block cache until the replica
+// was re-admitted.
+func TestLlamaCppSlotsLate(t *testing.T) {
+	routes := llamaRoutes(t)
+	loading := map[string]route{}
+	for k, v := range routes {
+		loading[k] = v
+	}
+	loading["/props"] = route{status: http.StatusServiceUnavailable, body: `{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}`}
+	loading["/slots"] = loading["/props"]
+	f := newFixtureServer(t, loading, true)
+	cfg := DefaultConfig()
+	cfg.Backends = []Backend{{Name: "r0", URL: f.srv.URL}}
+	cfg.HealthInterval, cfg.ScrapeInterval = 5*time.Millisecond, 0
+	cfg.Logger = slog.New(slog.DiscardHandler)
+	p, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	detected := make(chan upstream.Detection, 64)
+	p.pool.Hooks.Detected = func(_ string, d upstream.Detection) { detected <- d }
+	runLoops(t, p)
+	select {
+	case d := <-detected:
+		if d.Kind != upstream.LlamaCpp || d.Slots != 0 {
+			t.Fatalf("first detection %+v, want llama.cpp without slots", d)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no detection")
+	}
+	f.set(routes, true)
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case d := <-detected:
+			if d.Slots == 0 {
+				continue
+			}
+			p.mu.Lock()
+			v, _ := p.rt.CacheView(0)
+			e := p.pool.StateOf(p.pool.Member(0))
+			p.mu.Unlock()
+			if d.Slots != 2 || v.Slots != 2 || e.KindDue {
+				t.Fatalf("detection %+v, router slots %d, state %+v", d, v.Slots, e)
+			}
+			return
+		case <-deadline:
+			t.Fatal("slots never detected after /props answered")
+		}
+	}
+}
