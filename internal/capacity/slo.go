@@ -155,9 +155,10 @@ type Verdict struct {
 
 // MinSustained is the least Verdict.Sustained of a run that meets an SLO.
 // A bounded run at a rate past what the cluster can complete can still
-// meet a TTFT target: every request starts at once and the backlog grows
-// in the running batches, as decode slows (E2's LoRA placement, or any
-// decode-bound workload), until the run ends. In steady state the
+// meet a TTFT target: on a decode-bound workload every request starts at
+// once and the backlog grows in the running batches as decode slows, and
+// a policy that starts most requests at once can leave the rest to wait
+// past the run's end (docs/capacity.md, round four). In steady state the
 // requests completed in a window equal those that arrive in it (the flow
 // balance behind Little's law); 0.9 leaves room for the Poisson
 // fluctuation of the requests in flight at the window's two ends.
@@ -233,7 +234,8 @@ func value(r report.RequestRecord, m Metric) (float64, bool) {
 // report.Percentile's method (numpy's, as vLLM's benchmark). Goodput is
 // the definition of vLLM's benchmark_serving.py --goodput (after
 // DistServe, Zhong et al., OSDI 2024): the requests that met every limit
-// per second of the run. With no records nothing is met.
+// per second of the run. A run also misses when the cluster did not keep
+// up with it (Sustain below MinSustained). With no records nothing is met.
 func (s SLO) Judge(recs []report.RequestRecord, spanS float64) Verdict {
 	v := Verdict{Total: len(recs), Met: len(recs) > 0 && len(s) > 0, Observed: make([]float64, len(s))}
 	vals := make([]float64, 0, len(recs))
