@@ -16,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/prefixlb/prefixlb/internal/admission"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/policy"
@@ -25,7 +26,9 @@ import (
 // serveFlags binds `prefixlb serve`'s flags; fields a flag sets override
 // the config file.
 type serveFlags struct {
-	cfg         proxy.Config
+	cfg proxy.Config
+	// queueCopy copies each queue flag's field (queueFlags).
+	queueCopy   map[string]func(dst, src *admission.Config)
 	backends    string
 	kvEvents    string
 	prefill     string // --prefill-backend
@@ -84,20 +87,9 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"kv-replay-port":          func() { c.DiscoveryPorts.KVReplay = f.ports.KVReplay },
 		"kv-topic":                func() { c.DiscoveryPorts.KVTopic = f.ports.KVTopic },
 		"queue":                   func() { c.Queue.On = f.cfg.Queue.On },
-		"queue-max":               func() { c.Queue.Admission.MaxQueue = f.cfg.Queue.Admission.MaxQueue },
-		"queue-timeout":           func() { c.Queue.Admission.Timeout = f.cfg.Queue.Admission.Timeout },
-		"queue-max-waiting":       func() { c.Queue.Admission.MaxWaiting = f.cfg.Queue.Admission.MaxWaiting },
-		"queue-max-kv-usage":      func() { c.Queue.Admission.MaxKVUsage = f.cfg.Queue.Admission.MaxKVUsage },
-		"queue-max-queued-prefill": func() {
-			c.Queue.Admission.MaxQueuedPrefill = f.cfg.Queue.Admission.MaxQueuedPrefill
-		},
-		"queue-max-inflight": func() { c.Queue.Admission.MaxInFlight = f.cfg.Queue.Admission.MaxInFlight },
-		"queue-max-predicted-wait": func() {
-			c.Queue.Admission.MaxPredictedWait = f.cfg.Queue.Admission.MaxPredictedWait
-		},
-		"queue-lifo-after":   func() { c.Queue.Admission.LIFOAfter = f.cfg.Queue.Admission.LIFOAfter },
-		"queue-slo-fraction": func() { c.Queue.Admission.SLOFraction = f.cfg.Queue.Admission.SLOFraction },
-		"queue-engage-after": func() { c.Queue.Admission.EngageAfter = f.cfg.Queue.Admission.EngageAfter },
+	}
+	for name, cp := range f.queueCopy {
+		set[name] = func() { cp(&c.Queue.Admission, &f.cfg.Queue.Admission) }
 	}
 	fs.Visit(func(fl *pflag.Flag) {
 		if apply, ok := set[fl.Name]; ok {
@@ -221,16 +213,7 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	portFlags(fs, &f.ports, "with --discovery: ")
 	q := &d.Queue.Admission
 	fs.BoolVar(&d.Queue.On, "queue", d.Queue.On, "router-side queue: while every replica is saturated requests wait in the router by priority (x-prefixlb-priority) and tenant, and are shed with 429 past their deadline or timeout (docs/overload.md; --queue=false: off)")
-	fs.IntVar(&q.MaxQueue, "queue-max", q.MaxQueue, "requests the router-side queue holds at most")
-	fs.DurationVar(&q.Timeout, "queue-timeout", q.Timeout, "longest wait in the router-side queue")
-	fs.IntVar(&q.MaxWaiting, "queue-max-waiting", q.MaxWaiting, "a replica with this many requests waiting in its engine is saturated (0: not judged by it)")
-	fs.Float64Var(&q.MaxKVUsage, "queue-max-kv-usage", q.MaxKVUsage, "a replica at this KV-cache usage is saturated (0: not judged by it)")
-	fs.DurationVar(&q.MaxQueuedPrefill, "queue-max-queued-prefill", q.MaxQueuedPrefill, "a replica with this much prefill queued (e2's estimate) is saturated (0: not judged by it)")
-	fs.DurationVar(&q.MaxPredictedWait, "queue-max-predicted-wait", q.MaxPredictedWait, "a replica where a new request would wait this long for its first token (queued prefill stretched by decode interference, plus the engine queue's wait) is saturated (0: not judged by it)")
-	fs.DurationVar(&q.LIFOAfter, "queue-lifo-after", q.LIFOAfter, "adaptive LIFO within a tenant once its oldest request has waited this long (0: FIFO)")
-	fs.Float64Var(&q.SLOFraction, "queue-slo-fraction", q.SLOFraction, "lower --queue-max-predicted-wait to this fraction of the tightest TTFT SLO of recent requests (x-prefixlb-ttft-slo or a class's), so that a request routed to an unsaturated replica keeps slack to its deadline (0: off)")
-	fs.DurationVar(&q.EngageAfter, "queue-engage-after", q.EngageAfter, "requests wait in the router only once every replica has been saturated this long (a CoDel-like interval; 0: at once)")
-	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
+	f.queueCopy = queueFlags(fs, q)
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
 }

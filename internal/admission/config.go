@@ -239,6 +239,19 @@ type Pool struct {
 	Best int
 }
 
+// takes reports whether r takes requests: up and not prefill-only (every
+// request is decoded where it is routed).
+func takes(r *policy.Replica) bool { return r.Up && r.Role != policy.RolePrefill }
+
+// waitOf is replica i's predicted wait for a first token under est (nil:
+// its queued prefill).
+func waitOf(est Estimator, i int, r *policy.Replica) time.Duration {
+	if est == nil {
+		return r.PendingPrefill
+	}
+	return est.Wait(i, r)
+}
+
 // Judge reads the pool's replicas (the router's live view) and judges it,
 // each replica's wait predicted by est (nil: its queued prefill). It does
 // not allocate.
@@ -246,13 +259,10 @@ func (c *Config) Judge(reps []policy.Replica, est Estimator) Pool {
 	p := Pool{Saturated: true, Best: -1}
 	for i := range reps {
 		r := &reps[i]
-		if !r.Up || r.Role == policy.RolePrefill {
+		if !takes(r) {
 			continue
 		}
-		wait := r.PendingPrefill
-		if est != nil {
-			wait = est.Wait(i, r)
-		}
+		wait := waitOf(est, i, r)
 		if p.Up == 0 || r.PendingPrefill < p.MinQueuedPrefill {
 			p.MinQueuedPrefill = r.PendingPrefill
 		}
@@ -279,14 +289,7 @@ func (c *Config) Judge(reps []policy.Replica, est Estimator) Pool {
 func (c *Config) Room(reps []policy.Replica, est Estimator, dst []int) []int {
 	for i := range reps {
 		r := &reps[i]
-		if !r.Up || r.Role == policy.RolePrefill {
-			continue
-		}
-		wait := r.PendingPrefill
-		if est != nil {
-			wait = est.Wait(i, r)
-		}
-		if !c.ReplicaSaturated(r, wait) {
+		if takes(r) && !c.ReplicaSaturated(r, waitOf(est, i, r)) {
 			dst = append(dst, r.ID)
 		}
 	}
