@@ -197,6 +197,10 @@ type Reservation struct {
 // tenant has a quota) and has not been settled.
 func (r *Reservation) Held() bool { return r.b != nil }
 
+// Tokens is what the reservation took from the bucket (the request's
+// tokens, capped at the bucket's size).
+func (r *Reservation) Tokens() int64 { return int64(r.tokens) }
+
 // Reserve takes tokens (a request's prompt tokens and output estimate) from
 // tenant's bucket at now. A tenant without a quota gets the zero
 // Reservation and no error. A bucket that cannot cover them gives an
