@@ -18,6 +18,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/epp"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/tenant"
 )
 
 // eppFlags are `prefixlb epp`'s flags.
@@ -50,6 +51,8 @@ type eppFlags struct {
 	explain                  bool
 	logLevel                 string
 	backendKind              string
+	tenantsFile              string
+	trustClientHeaders       bool
 }
 
 func newEPPCmd() *cobra.Command {
@@ -125,6 +128,8 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringVar(&f.backendKind, "backend-kind", "auto", "replicas' engine: auto (detect each replica's when it joins and is ready again), vllm, sglang or llamacpp")
 	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) and, with e2, x-prefixlb-route-terms (every term of each candidate's cost) to upstream requests")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&f.tenantsFile, "tenants", "", "YAML file of tenants (tenants: name, api_key_sha256, api_keys_env, tokens_per_minute, burst_tokens; anonymous_tokens_per_minute; require_tenant): told by their API key, with token quotas (docs/overload.md)")
+	fs.BoolVar(&f.trustClientHeaders, "trust-client-headers", false, "believe x-prefixlb-tenant, -priority and -ttft-slo on requests: only when the gateway strips these headers from clients (default: ignored and counted in prefixlb_untrusted_headers_total)")
 	return cmd
 }
 
@@ -156,6 +161,9 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		q := f.queue
 		cfg.Queue = &q
 	}
+	if cfg.Tenants, err = eppTenants(f.tenantsFile, f.trustClientHeaders); err != nil {
+		return err
+	}
 	if f.fallbacks == 0 {
 		cfg.Fallbacks = -1
 	}
@@ -174,4 +182,22 @@ func portFlags(fs *pflag.FlagSet, p *discovery.Ports, note string) {
 	fs.IntVar(&p.KVEvents, "kv-events-port", 0, note+"replicas' KV-event PUB port, e.g. 5557 (0: none)")
 	fs.IntVar(&p.KVReplay, "kv-replay-port", 0, note+"replicas' KV-event replay port (0: kv-events-port+1; -1: none)")
 	fs.StringVar(&p.KVTopic, "kv-topic", "", note+"KV-event topic prefix; {ip} and {port} are replaced (\"\": all)")
+}
+
+// eppTenants is epp's tenant configuration: the --tenants file (none: no
+// configured tenant), and whether the gateway's class headers are
+// believed (--trust-client-headers).
+func eppTenants(file string, trust bool) (tenant.Config, error) {
+	c := tenant.Config{TrustClientHeaders: trust}
+	if file == "" {
+		return c, nil
+	}
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return c, fmt.Errorf("epp: --tenants: %w", err)
+	}
+	if c, err = tenant.ParseFile(data, c); err != nil {
+		return c, fmt.Errorf("epp: --tenants %s: %w", file, err)
+	}
+	return c, nil
 }

@@ -21,6 +21,7 @@ func queueFlags(fs *pflag.FlagSet, q *admission.Config) map[string]func(dst, src
 	fs.Float64Var(&q.SLOFraction, "queue-slo-fraction", q.SLOFraction, "lower --queue-max-predicted-wait to this fraction of the tightest TTFT SLO of recent requests (x-prefixlb-ttft-slo or a class's), so that a request routed to an unsaturated replica keeps slack to its deadline (0: off)")
 	fs.DurationVar(&q.EngageAfter, "queue-engage-after", q.EngageAfter, "requests wait in the router only once every replica has been saturated this long (a CoDel-like interval; 0: at once)")
 	fs.IntVar(&q.MaxInFlight, "queue-max-inflight", q.MaxInFlight, "a replica with this many requests in flight is saturated (0: not judged by it)")
+	fs.DurationVar(&q.MinTTFTSLO, "queue-min-ttft-slo", q.MinTTFTSLO, "floor of every TTFT SLO: a trusted x-prefixlb-ttft-slo is raised to it, and no SLO lowers the predicted-wait threshold below --queue-slo-fraction of it (0: no floor)")
 	return map[string]func(dst, src *admission.Config){
 		"queue-max":                func(d, s *admission.Config) { d.MaxQueue = s.MaxQueue },
 		"queue-timeout":            func(d, s *admission.Config) { d.Timeout = s.Timeout },
@@ -32,5 +33,6 @@ func queueFlags(fs *pflag.FlagSet, q *admission.Config) map[string]func(dst, src
 		"queue-slo-fraction":       func(d, s *admission.Config) { d.SLOFraction = s.SLOFraction },
 		"queue-engage-after":       func(d, s *admission.Config) { d.EngageAfter = s.EngageAfter },
 		"queue-max-inflight":       func(d, s *admission.Config) { d.MaxInFlight = s.MaxInFlight },
+		"queue-min-ttft-slo":       func(d, s *admission.Config) { d.MinTTFTSLO = s.MinTTFTSLO },
 	}
 }

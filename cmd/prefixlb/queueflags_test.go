@@ -1,6 +1,9 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -44,5 +47,52 @@ func TestQueueFlagsOverConfig(t *testing.T) {
 				t.Errorf("--%s not registered", name)
 			}
 		}
+	}
+}
+
+// TestTenantFlags: serve's --trusted-proxies lays over the file's
+// trusted_proxies; epp reads --tenants and --trust-client-headers.
+func TestTenantFlags(t *testing.T) {
+	f := &serveFlags{cfg: proxy.DefaultConfig()}
+	cmd := newServeCmd()
+	fs := cmd.Flags()
+	f.cfg.Tenants.TrustedProxies = nil
+	fs2 := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	fs2.StringSliceVar(&f.cfg.Tenants.TrustedProxies, "trusted-proxies", nil, "")
+	if err := fs2.Parse([]string{"--trusted-proxies", "10.0.0.0/8,192.168.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := proxy.ParseConfig([]byte("trusted_proxies: [172.16.0.0/12]\n"), proxy.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.overrides(fs2, &c)
+	if got := strings.Join(c.Tenants.TrustedProxies, ","); got != "10.0.0.0/8,192.168.0.1" {
+		t.Errorf("trusted proxies %q", got)
+	}
+	for _, name := range []string{"trusted-proxies", "queue-min-ttft-slo"} {
+		if fs.Lookup(name) == nil {
+			t.Errorf("serve lacks --%s", name)
+		}
+	}
+	ecmd := newEPPCmd().Flags()
+	for _, name := range []string{"tenants", "trust-client-headers", "queue-min-ttft-slo"} {
+		if ecmd.Lookup(name) == nil {
+			t.Errorf("epp lacks --%s", name)
+		}
+	}
+	file := filepath.Join(t.TempDir(), "tenants.yaml")
+	if err := os.WriteFile(file, []byte("tenants: [{name: a, tokens_per_minute: 10}]\nrequire_tenant: true\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tc, err := eppTenants(file, true)
+	if err != nil || len(tc.Tenants) != 1 || !tc.RequireTenant || !tc.TrustClientHeaders {
+		t.Errorf("eppTenants = %+v, %v", tc, err)
+	}
+	if err := os.WriteFile(file, []byte("trusted_proxies: [10.0.0.0/8]\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := eppTenants(file, false); err == nil {
+		t.Error("epp accepted trusted_proxies")
 	}
 }

@@ -87,6 +87,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"kv-replay-port":          func() { c.DiscoveryPorts.KVReplay = f.ports.KVReplay },
 		"kv-topic":                func() { c.DiscoveryPorts.KVTopic = f.ports.KVTopic },
 		"queue":                   func() { c.Queue.On = f.cfg.Queue.On },
+		"trusted-proxies":         func() { c.Tenants.TrustedProxies = f.cfg.Tenants.TrustedProxies },
 	}
 	for name, cp := range f.queueCopy {
 		set[name] = func() { cp(&c.Queue.Admission, &f.cfg.Queue.Admission) }
@@ -214,6 +215,7 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	q := &d.Queue.Admission
 	fs.BoolVar(&d.Queue.On, "queue", d.Queue.On, "router-side queue: while every replica is saturated requests wait in the router by priority (x-prefixlb-priority) and tenant, and are shed with 429 past their deadline or timeout (docs/overload.md; --queue=false: off)")
 	f.queueCopy = queueFlags(fs, q)
+	fs.StringSliceVar(&d.Tenants.TrustedProxies, "trusted-proxies", nil, "CIDRs or addresses of the gateways whose x-prefixlb-tenant, -priority and -ttft-slo headers are believed (YAML trusted_proxies; default: no client's; docs/overload.md)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
 }

@@ -83,6 +83,14 @@ const (
 	// is not overload (CoDel's interval: Nichols and Jacobson,
 	// "Controlling Queue Delay", ACM Queue 10(5), 2012).
 	DefaultEngageAfter = 100 * time.Millisecond
+	// DefaultMinTTFTSLO floors the TTFT SLO that lowers the predicted-wait
+	// threshold (Config.MinTTFTSLO): at the default SLOFraction the
+	// threshold never falls below 50 ms, about one chunked-prefill
+	// iteration of 1.5k prompt tokens, or five decode steps of 32
+	// sequences, of llama3.1-8b-h100 (costmodel). Below one engine
+	// iteration every replica that runs anything counts as saturated, and
+	// one request's SLO would hold the whole pool's traffic in the router.
+	DefaultMinTTFTSLO = 100 * time.Millisecond
 )
 
 // SLOWindow is how long the queue remembers the tightest TTFT SLO it saw
@@ -125,6 +133,10 @@ type Config struct {
 	// deadline; 0 turns it off. It never raises the threshold, and does
 	// nothing while MaxPredictedWait is off.
 	SLOFraction float64
+	// MinTTFTSLO floors the SLOs SLOFraction reads: a tighter one lowers
+	// the threshold as this one would (0: no floor). The front doors also
+	// raise a header's SLO to it (cluster.QueueConfig.Classify).
+	MinTTFTSLO time.Duration
 	// EngageAfter is how long the pool must stay saturated (at every
 	// arrival judged in between) before arrivals wait in the router; a
 	// saturation that ends sooner lets them through. Once requests wait,
@@ -156,7 +168,7 @@ type Config struct {
 func Default() Config {
 	return Config{MaxQueue: DefaultMaxQueue, Timeout: DefaultTimeout, MaxWaiting: DefaultMaxWaiting,
 		MaxKVUsage: DefaultMaxKVUsage, MaxQueuedPrefill: DefaultMaxQueuedPrefill, MaxPredictedWait: DefaultMaxPredictedWait,
-		SLOFraction: DefaultSLOFraction, EngageAfter: DefaultEngageAfter}
+		SLOFraction: DefaultSLOFraction, EngageAfter: DefaultEngageAfter, MinTTFTSLO: DefaultMinTTFTSLO}
 }
 
 // Validate reports the first invalid field, by its name.
@@ -176,6 +188,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: max predicted wait must be ≥ 0, got %v", ErrConfig, c.MaxPredictedWait)
 	case math.IsNaN(c.SLOFraction) || c.SLOFraction < 0 || c.SLOFraction >= 1:
 		return fmt.Errorf("%w: slo fraction must be in [0,1), got %v", ErrConfig, c.SLOFraction)
+	case c.MinTTFTSLO < 0:
+		return fmt.Errorf("%w: min ttft slo must be ≥ 0, got %v", ErrConfig, c.MinTTFTSLO)
 	case c.EngageAfter < 0:
 		return fmt.Errorf("%w: engage after must be ≥ 0, got %v", ErrConfig, c.EngageAfter)
 	case c.LIFOAfter < 0:

@@ -278,17 +278,20 @@ func (q *Queue) Judge(reps []policy.Replica) Pool { return q.eff.Judge(reps, q.e
 func (q *Queue) Threshold() time.Duration { return q.eff.MaxPredictedWait }
 
 // observeSLO lowers the predicted-wait threshold to SLOFraction of slo
-// when slo is the tightest SLO of the last SLOWindow, and raises it back
-// once the tightest has not been seen for that long.
+// (raised to MinTTFTSLO) when slo is the tightest SLO of the last
+// SLOWindow, and raises it back once the tightest has not been seen for
+// that long. However tight the SLO, the threshold stays above 0: 0 would
+// turn the predicted-wait test off.
 func (q *Queue) observeSLO(slo time.Duration, now time.Time) {
 	if q.cfg.SLOFraction <= 0 || q.cfg.MaxPredictedWait <= 0 || slo <= 0 {
 		return
 	}
+	slo = max(slo, q.cfg.MinTTFTSLO)
 	if q.tight > 0 && slo > q.tight && now.Sub(q.tightAt) <= SLOWindow {
 		return
 	}
 	q.tight, q.tightAt = slo, now
-	q.eff.MaxPredictedWait = min(q.cfg.MaxPredictedWait, time.Duration(q.cfg.SLOFraction*float64(slo)))
+	q.eff.MaxPredictedWait = max(1, min(q.cfg.MaxPredictedWait, time.Duration(q.cfg.SLOFraction*float64(slo))))
 }
 
 // observe keeps satSince: when the pool's saturation began, zero while it

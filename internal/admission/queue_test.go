@@ -59,6 +59,8 @@ func TestValidate(t *testing.T) {
 		{"slo fraction NaN", func(c *Config) { c.SLOFraction = math.NaN() }, false},
 		{"slo fraction off", func(c *Config) { c.SLOFraction = 0 }, true},
 		{"engage after", func(c *Config) { c.EngageAfter = -1 }, false},
+		{"min ttft slo", func(c *Config) { c.MinTTFTSLO = -1 }, false},
+		{"min ttft slo off", func(c *Config) { c.MinTTFTSLO = 0 }, true},
 		{"weight", func(c *Config) { c.Weights = map[string]float64{"a": 0} }, false},
 		{"weights", func(c *Config) { c.Weights = map[string]float64{"a": 2, "b": 0.5} }, true},
 	} {
@@ -657,5 +659,32 @@ func TestSLOFraction(t *testing.T) {
 	off.Arrive(tk, reps, t0)
 	if got := off.Threshold(); got != 2*time.Second {
 		t.Errorf("SLOFraction off: threshold %v, want 2s", got)
+	}
+}
+
+// TestSLOFloor (issue 26, D6): one request's 2ns or 1ns SLO lowers the
+// pool's predicted-wait threshold no further than SLOFraction of
+// MinTTFTSLO, and without a floor it still never turns the test off (a
+// threshold of 0 did).
+func TestSLOFloor(t *testing.T) {
+	reps := pool(1, 0)
+	for _, tc := range []struct {
+		floor, slo, want time.Duration
+	}{
+		{DefaultMinTTFTSLO, 2, DefaultMinTTFTSLO / 2},
+		{DefaultMinTTFTSLO, 1, DefaultMinTTFTSLO / 2},
+		{DefaultMinTTFTSLO, time.Second, 500 * time.Millisecond},
+		{0, 1, 1},
+		{0, 2, 1},
+	} {
+		q := newQueue(t, func(c *Config) { c.SLOFraction, c.MinTTFTSLO = 0.5, tc.floor })
+		tk := &Ticket{ID: 1, Arrival: t0, Deadline: t0.Add(tc.slo)}
+		q.Arrive(tk, reps, t0)
+		if got := q.Threshold(); got != tc.want {
+			t.Errorf("floor %v, SLO %v: threshold %v, want %v", tc.floor, tc.slo, got, tc.want)
+		}
+	}
+	if Default().MinTTFTSLO != DefaultMinTTFTSLO {
+		t.Error("Default has no SLO floor")
 	}
 }

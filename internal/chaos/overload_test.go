@@ -318,6 +318,10 @@ func ovRouterFlags(queue bool) []string {
 		"--queue=" + strconv.FormatBool(queue),
 		"--queue-max-predicted-wait", realTime(2 * time.Second).String(), // admission.DefaultMaxPredictedWait,
 		"--queue-engage-after", realTime(100 * time.Millisecond).String(), // admission.DefaultEngageAfter,
+		// The load generator stands for a trusted gateway: its class
+		// headers (priority, tenant, TTFT SLO) are believed only from a
+		// trusted proxy (issue 26, docs/overload.md).
+		"--trusted-proxies", "127.0.0.0/8,::1",
 	}
 }
 

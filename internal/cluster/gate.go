@@ -2,8 +2,6 @@ package cluster
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -16,20 +14,23 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/admission"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/tenant"
 )
 
 // Request headers that class a request for the router-side queue (both
-// front doors read them).
+// front doors read them). Only a trusted peer may set them
+// (tenant.Resolver.TrustedPeer); from anyone else they are ignored.
 const (
 	// PriorityHeader is the request's priority, an integer (higher first),
 	// over its class's.
-	PriorityHeader = "x-prefixlb-priority"
-	// TenantHeader names the request's tenant; without it the tenant is a
-	// hash of the Authorization header's API key (TenantOf).
-	TenantHeader = "x-prefixlb-tenant"
+	PriorityHeader = tenant.PriorityHeader
+	// TenantHeader names the request's tenant when no configured tenant's
+	// API key does (tenant.Resolver.Resolve).
+	TenantHeader = tenant.Header
 	// SLOHeader is the request's TTFT SLO, a Go duration ("2s", "500ms"),
-	// over its class's: its deadline is its arrival plus that.
-	SLOHeader = "x-prefixlb-ttft-slo"
+	// over its class's: its deadline is its arrival plus that, raised to
+	// Admission.MinTTFTSLO.
+	SLOHeader = tenant.SLOHeader
 )
 
 // maxPriority bounds a header's priority (each distinct priority is a band
@@ -66,6 +67,10 @@ type QueueConfig struct {
 	// deadlines, capacity freed by a load scrape); a finish or a first
 	// token re-judges it at once (0: 10ms).
 	Interval time.Duration
+	// Tenants are the configured tenants' names (tenant.Config.Names):
+	// the metrics label a tenant by its name when it is one of these, a
+	// class's or a weight's, and every other as tenant.Other.
+	Tenants []string
 }
 
 // DefaultQueueConfig is the queue on, with admission's defaults.
@@ -106,11 +111,13 @@ func (c *QueueConfig) Validate() error {
 // ErrBadClass is returned for a malformed class header.
 var ErrBadClass = errors.New("bad queue header")
 
-// Classify fills t's Priority, Tenant and Deadline from the request's
-// headers (get) and model, over the first matching class. arrival must be
-// set. A malformed header is an error wrapping ErrBadClass.
-func (c *QueueConfig) Classify(t *admission.Ticket, model string, get func(string) string) error {
-	t.Tenant = TenantOf(get)
+// Classify fills t's Tenant (id's), Priority and Deadline from its model
+// and, when id is trusted, the request's headers (get), over the first
+// matching class. An SLO header is raised to Admission.MinTTFTSLO. arrival
+// must be set. A malformed header of a trusted request is an error
+// wrapping ErrBadClass; an untrusted request's headers are not read.
+func (c *QueueConfig) Classify(t *admission.Ticket, model string, id *tenant.Identity, get func(string) string) error {
+	t.Tenant = id.Tenant
 	var slo time.Duration
 	for i := range c.Classes {
 		cl := &c.Classes[i]
@@ -118,6 +125,12 @@ func (c *QueueConfig) Classify(t *admission.Ticket, model string, get func(strin
 			t.Priority, slo = cl.Priority, cl.slo
 			break
 		}
+	}
+	if !id.Trusted {
+		if slo > 0 {
+			t.Deadline = t.Arrival.Add(slo)
+		}
+		return nil
 	}
 	if v := get(PriorityHeader); v != "" {
 		p, err := strconv.Atoi(strings.TrimSpace(v))
@@ -131,7 +144,7 @@ func (c *QueueConfig) Classify(t *admission.Ticket, model string, get func(strin
 		if err != nil || d <= 0 {
 			return fmt.Errorf("%w: %s must be a duration > 0, got %q", ErrBadClass, SLOHeader, v)
 		}
-		slo = d
+		slo = max(d, c.Admission.MinTTFTSLO)
 	}
 	if slo > 0 {
 		t.Deadline = t.Arrival.Add(slo)
@@ -139,24 +152,12 @@ func (c *QueueConfig) Classify(t *admission.Ticket, model string, get func(strin
 	return nil
 }
 
-// TenantOf is a request's tenant: its TenantHeader, else "key-" and the
-// first 12 hex digits of the SHA-256 of its bearer API key (the key itself
-// never leaves the request), else "".
-func TenantOf(get func(string) string) string {
-	if t := get(TenantHeader); t != "" {
-		if len(t) > 64 {
-			t = t[:64]
-		}
-		return t
-	}
-	auth := get("Authorization")
-	if auth == "" {
-		return ""
-	}
-	key := strings.TrimSpace(strings.TrimPrefix(auth, "Bearer "))
-	sum := sha256.Sum256([]byte(key))
-	return "key-" + hex.EncodeToString(sum[:6])
-}
+// TenantOf is the anonymous tenant of a request's API key
+// (tenant.Anonymous: "key-" and 12 hex digits of its SHA-256, "" without
+// a key). It no longer reads TenantHeader, which any client could set: a
+// request's tenant is Tenants.Identify's Identity.Tenant, which is this
+// for a request that is no configured tenant's and no trusted gateway's.
+func TenantOf(get func(string) string) string { return tenant.Anonymous(get) }
 
 // Waiter is one request in a Gate: its ticket, and what to do under the
 // core's lock when it leaves the queue to be routed.
@@ -220,6 +221,7 @@ func NewGate(core *Core, cfg QueueConfig, m *GateMetrics) (*Gate, error) {
 		cfg.Interval = 10 * time.Millisecond
 	}
 	g := &Gate{core: core, cfg: cfg, q: q, waiters: map[uint64]*Waiter{}, m: m}
+	m.know(&cfg)
 	g.shedFn = g.shedLocked
 	g.est = admission.DecodeAware{Profile: core.Router.PricedProfile, Reps: core.Router.Load, Prefill: g.prefill}
 	q.SetEstimator(&g.est)
@@ -333,14 +335,23 @@ func (g *Gate) Len() int { return int(g.n.Load()) }
 
 // Run re-judges a waiting queue every Interval until ctx ends (timeouts,
 // deadlines, capacity a load scrape or a replica's return freed).
+// Every SweepInterval it also deletes the metric series of tenants and
+// priorities that have had no request in the queue for SeriesTTL.
 func (g *Gate) Run(ctx context.Context) {
 	t := time.NewTicker(g.cfg.Interval)
 	defer t.Stop()
+	swept := time.Now()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
+			if now.Sub(swept) >= SweepInterval {
+				swept = now
+				g.core.Mu.Lock()
+				g.m.sweepLocked(now)
+				g.core.Mu.Unlock()
+			}
 			if g.n.Load() == 0 {
 				continue
 			}
@@ -376,7 +387,19 @@ func (g *Gate) StateLocked() GateState {
 	return s
 }
 
-// GateMetrics are the queue's Prometheus metrics.
+// SeriesTTL is how long the queue's metric series of a tenant and a
+// priority outlive their last request in the queue: then they are
+// deleted, so that the series a departed tenant or a priority no longer
+// used leaves do not pile up. SweepInterval is how often Gate.Run looks.
+const (
+	SeriesTTL     = 5 * time.Minute
+	SweepInterval = time.Minute
+)
+
+// GateMetrics are the queue's Prometheus metrics. Their tenant label is a
+// configured tenant's name, a class's or a weight's, else tenant.Other:
+// clients cannot make series by sending names or API keys. Its methods are
+// called under the core's Mu.
 type GateMetrics struct {
 	length     *prometheus.GaugeVec
 	wait       *prometheus.HistogramVec
@@ -384,6 +407,22 @@ type GateMetrics struct {
 	dispatchC  *prometheus.CounterVec
 	passedC    prometheus.Counter
 	cancelledC prometheus.Counter
+
+	// known are the tenants labelled by name (set by NewGate).
+	known map[string]bool
+	// series is each (priority, tenant label) pair with series, and when a
+	// request of it was last queued or dispatched (guarded by Core.Mu).
+	series map[seriesKey]*seriesState
+}
+
+type seriesKey struct {
+	prio   int
+	tenant string // the label
+}
+
+type seriesState struct {
+	waiting int
+	last    time.Time
 }
 
 // NewGateMetrics registers the queue's metrics on reg:
@@ -394,10 +433,13 @@ type GateMetrics struct {
 //	prefixlb_queue_dispatched_total{tenant}           requests let through after waiting
 //	prefixlb_queue_passed_total                       requests let through at once
 //	prefixlb_queue_cancelled_total                    clients that left while waiting
+//
+// tenant is a configured tenant's name or "other"; the series of a
+// priority and tenant are deleted SeriesTTL after their last request.
 func NewGateMetrics(reg prometheus.Registerer) (*GateMetrics, error) {
 	m := &GateMetrics{
 		length: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "prefixlb_queue_length",
-			Help: "Requests waiting in the router-side queue, by priority and tenant."}, []string{"priority", "tenant"}),
+			Help: "Requests waiting in the router-side queue, by priority and tenant (configured tenants by name, every other as other)."}, []string{"priority", "tenant"}),
 		wait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "prefixlb_queue_wait_seconds",
 			Help:    "Time dispatched requests waited in the router-side queue, by priority and tenant.",
 			Buckets: []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60}}, []string{"priority", "tenant"}),
@@ -409,6 +451,7 @@ func NewGateMetrics(reg prometheus.Registerer) (*GateMetrics, error) {
 			Help: "Requests the router-side queue let through at once (pool not saturated)."}),
 		cancelledC: prometheus.NewCounter(prometheus.CounterOpts{Name: "prefixlb_queue_cancelled_total",
 			Help: "Requests whose client left while they waited in the router-side queue."}),
+		series: map[seriesKey]*seriesState{},
 	}
 	for _, c := range []prometheus.Collector{m.length, m.wait, m.shedC, m.dispatchC, m.passedC, m.cancelledC} {
 		if err := reg.Register(c); err != nil {
@@ -421,6 +464,45 @@ func NewGateMetrics(reg prometheus.Registerer) (*GateMetrics, error) {
 	return m, nil
 }
 
+// know sets the tenants labelled by name: cfg's configured tenants, and
+// those its classes and weights name.
+func (m *GateMetrics) know(cfg *QueueConfig) {
+	if m == nil {
+		return
+	}
+	m.known = map[string]bool{}
+	for _, t := range cfg.Tenants {
+		m.known[t] = true
+	}
+	for _, cl := range cfg.Classes {
+		if cl.Tenant != "" {
+			m.known[cl.Tenant] = true
+		}
+	}
+	for t := range cfg.Admission.Weights {
+		m.known[t] = true
+	}
+}
+
+// label is tenant t's label.
+func (m *GateMetrics) label(t string) string {
+	if m.known[t] {
+		return t
+	}
+	return tenant.Other
+}
+
+// seriesOf is ticket t's series state, made if needed.
+func (m *GateMetrics) seriesOf(t *admission.Ticket) (seriesKey, *seriesState) {
+	k := seriesKey{t.Priority, m.label(t.Tenant)}
+	s := m.series[k]
+	if s == nil {
+		s = &seriesState{}
+		m.series[k] = s
+	}
+	return k, s
+}
+
 func (m *GateMetrics) passed() {
 	if m != nil {
 		m.passedC.Inc()
@@ -428,22 +510,34 @@ func (m *GateMetrics) passed() {
 }
 
 func (m *GateMetrics) enqueued(t *admission.Ticket) {
-	if m != nil {
-		m.length.WithLabelValues(strconv.Itoa(t.Priority), t.Tenant).Inc()
+	if m == nil {
+		return
 	}
+	k, s := m.seriesOf(t)
+	s.waiting++
+	if t.Arrival.After(s.last) {
+		s.last = t.Arrival
+	}
+	m.length.WithLabelValues(strconv.Itoa(k.prio), k.tenant).Inc()
 }
 
-func (m *GateMetrics) left(t *admission.Ticket) {
-	m.length.WithLabelValues(strconv.Itoa(t.Priority), t.Tenant).Dec()
+func (m *GateMetrics) left(t *admission.Ticket) (seriesKey, *seriesState) {
+	k, s := m.seriesOf(t)
+	s.waiting--
+	m.length.WithLabelValues(strconv.Itoa(k.prio), k.tenant).Dec()
+	return k, s
 }
 
 func (m *GateMetrics) dispatched(t *admission.Ticket, now time.Time) {
 	if m == nil {
 		return
 	}
-	m.left(t)
-	m.wait.WithLabelValues(strconv.Itoa(t.Priority), t.Tenant).Observe(now.Sub(t.Arrival).Seconds())
-	m.dispatchC.WithLabelValues(t.Tenant).Inc()
+	k, s := m.left(t)
+	if now.After(s.last) {
+		s.last = now
+	}
+	m.wait.WithLabelValues(strconv.Itoa(k.prio), k.tenant).Observe(now.Sub(t.Arrival).Seconds())
+	m.dispatchC.WithLabelValues(k.tenant).Inc()
 }
 
 func (m *GateMetrics) shed(t *admission.Ticket, _ time.Time, waited bool) {
@@ -460,5 +554,32 @@ func (m *GateMetrics) cancelled(t *admission.Ticket) {
 	if m != nil {
 		m.left(t)
 		m.cancelledC.Inc()
+	}
+}
+
+// sweepLocked deletes the series of every priority and tenant with no
+// request waiting and none queued or dispatched since SeriesTTL before now,
+// and a tenant's dispatched counter once it has no series left.
+func (m *GateMetrics) sweepLocked(now time.Time) {
+	if m == nil {
+		return
+	}
+	live := map[string]bool{}
+	var gone []seriesKey
+	for k, s := range m.series {
+		if s.waiting <= 0 && now.Sub(s.last) >= SeriesTTL {
+			gone = append(gone, k)
+		} else {
+			live[k.tenant] = true
+		}
+	}
+	for _, k := range gone {
+		p := strconv.Itoa(k.prio)
+		m.length.DeleteLabelValues(p, k.tenant)
+		m.wait.DeleteLabelValues(p, k.tenant)
+		delete(m.series, k)
+		if !live[k.tenant] {
+			m.dispatchC.DeleteLabelValues(k.tenant)
+		}
 	}
 }

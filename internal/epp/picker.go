@@ -32,6 +32,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
+	"github.com/prefixlb/prefixlb/internal/tenant"
 )
 
 // Errors Pick returns; the ext_proc edge maps them to HTTP statuses.
@@ -157,6 +158,13 @@ type Config struct {
 	// x-prefixlb-priority header wins over it. SetObjectives (the cluster's
 	// objectives, watched) overrides these.
 	Objectives map[string]int
+	// Tenants are who requests are from: configured tenants by API key,
+	// their token quotas, and whether the gateway's class headers
+	// (x-prefixlb-tenant, -priority, -ttft-slo) are believed
+	// (TrustClientHeaders: only when the gateway strips client-set values;
+	// TrustedProxies does not apply, the gateway being every request's
+	// peer). See tenants.go.
+	Tenants tenant.Config
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -258,6 +266,9 @@ type Picker struct {
 	gate       *cluster.Gate                  // the router-side queue (nil: none)
 	// onFinish, when set (by tests), is called after each Finished.
 	onFinish func()
+
+	// tenants tells who each request is from and holds their quotas.
+	tenants *cluster.Tenants
 }
 
 // NewPicker returns a Picker with no replicas. It starts nothing.
@@ -292,6 +303,9 @@ func NewPicker(cfg Config) (*Picker, error) {
 		return nil, fmt.Errorf("epp: %w", err)
 	}
 	p.pool.Hooks.Removed = func(m *cluster.Member) { p.m.replicaRemoved(m.Name) }
+	if p.tenants, err = newTenants(&cfg, p.m.Reg); err != nil {
+		return nil, err
+	}
 	if q := cfg.Queue; q != nil && q.On {
 		gm, err := cluster.NewGateMetrics(p.m.Reg)
 		if err != nil {
@@ -370,6 +384,12 @@ type Pick struct {
 	Prefill, PrefillReplica string
 	// Decision is the router's decision, explained.
 	Decision policy.Decision
+	// Tenant is who the request is from (cluster.Tenants.Identify).
+	Tenant tenant.Identity
+
+	// hold is the request's reservation against its tenant's quota,
+	// settled by the ext_proc exchange when the response ends.
+	hold cluster.Hold
 }
 
 // Pick decides which replica serves in and commits the decision: the
@@ -377,6 +397,10 @@ type Pick struct {
 // (wrapped) for a body it cannot read, ErrNoEndpoint, ErrShed.
 func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	start := time.Now()
+	id, err := p.identify(in)
+	if err != nil {
+		return Pick{}, err
+	}
 	pr, err := openai.ParseRequest(in.Kind, in.Body)
 	if err != nil {
 		return Pick{}, err
@@ -401,6 +425,10 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	if req.OutputTokens == 0 {
 		req.OutputTokens = p.cfg.DefaultOutputTokens
 	}
+	hold, err := p.tenants.Reserve(&id, promptTokens, pr.MaxTokens, start)
+	if err != nil {
+		return Pick{}, fmt.Errorf("epp: %w", err)
+	}
 	var others map[string]router.ExternalLoad
 	if p.cfg.Shared != nil {
 		if others, err = p.cfg.Shared.Others(ctx); err != nil {
@@ -419,11 +447,13 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 		pick, f, err = p.pickLocked(&req, in.Subset, others)
 		p.mu.Unlock()
 	} else {
-		pick, f, err = p.admitPick(ctx, &req, pr.Model, in, others, start)
+		pick, f, err = p.admitPick(ctx, &req, pr.Model, &id, in, others, start)
 	}
 	if err != nil {
+		hold.Settle(0, time.Now()) // not routed: refunded
 		return Pick{}, err
 	}
+	pick.Tenant, pick.hold = id, hold
 	if p.cfg.Shared != nil {
 		if err := p.cfg.Shared.Add(ctx, f.replica.Name, f.load); err != nil {
 			p.m.errors.WithLabelValues(errSharedWrite).Inc()

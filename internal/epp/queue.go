@@ -11,6 +11,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/router"
+	"github.com/prefixlb/prefixlb/internal/tenant"
 )
 
 // ErrPoolDown is returned for a request the queue shed because no replica
@@ -21,16 +22,15 @@ var ErrPoolDown = errors.New("epp: no replica is up")
 // below saturation, else once the queue dispatches the request (the
 // policy then decides with the cluster as it is), or shed: ErrShed (429)
 // or ErrPoolDown (503). A stream that ends while it waits leaves the queue.
-func (p *Picker) admitPick(ctx context.Context, req *policy.Request, model string, in Input, others map[string]router.ExternalLoad, now time.Time) (pick Pick, f *flight, err error) {
-	get := in.Header
-	if get == nil {
-		get = func(string) string { return "" }
-	}
+// Its class comes from its tenant (id), its model and, when id is trusted
+// (Config.Tenants.TrustClientHeaders), its class headers.
+func (p *Picker) admitPick(ctx context.Context, req *policy.Request, model string, id *tenant.Identity, in Input, others map[string]router.ExternalLoad, now time.Time) (pick Pick, f *flight, err error) {
+	get := headerOf(in)
 	w := &cluster.Waiter{Ticket: admission.Ticket{ID: req.ID, Arrival: now}}
-	if err := p.gate.Config().Classify(&w.Ticket, model, get); err != nil {
+	if err := p.gate.Config().Classify(&w.Ticket, model, id, get); err != nil {
 		return pick, nil, fmt.Errorf("%w: %w", openai.ErrBadRequest, err)
 	}
-	if obj := get(ObjectiveHeader); obj != "" && get(cluster.PriorityHeader) == "" {
+	if obj := get(ObjectiveHeader); obj != "" && (!id.Trusted || get(cluster.PriorityHeader) == "") {
 		if prio, ok := p.objectives.priority(obj); ok {
 			w.Ticket.Priority = prio
 		}

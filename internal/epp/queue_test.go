@@ -8,6 +8,7 @@ import (
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 
 	"github.com/prefixlb/prefixlb/internal/cluster"
+	"github.com/prefixlb/prefixlb/internal/tenant"
 )
 
 // waitLen waits until the picker's router-side queue holds n requests.
@@ -34,7 +35,11 @@ func TestExtProcQueue(t *testing.T) {
 	qc.On = true
 	qc.Admission.MaxInFlight = 1
 	qc.Admission.EngageAfter = 0 // engage at the first saturated arrival
-	p := newTestPicker(t, Config{Queue: &qc, Objectives: map[string]int{"premium": 5, "batch": -1}}, 1)
+	qc.Admission.MinTTFTSLO = 0  // no SLO floor: the late request's 1ns deadline stands
+	// The gateway strips client-set class headers: the late request's
+	// SLO header is believed.
+	p := newTestPicker(t, Config{Queue: &qc, Objectives: map[string]int{"premium": 5, "batch": -1},
+		Tenants: tenant.Config{TrustClientHeaders: true}}, 1)
 	conn := startServer(t, NewServer(p, ServerConfig{}))
 
 	first := newEnvoy(t, conn)

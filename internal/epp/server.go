@@ -197,7 +197,7 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 			x.finish(true)
 		}
 		return false, x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
-			ResponseHeaders: &extprocv3.HeadersResponse{}}})
+			ResponseHeaders: &extprocv3.HeadersResponse{Response: x.rateHeaders()}}})
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		b := v.ResponseBody.GetBody()
 		if x.watch.feed(b) && x.picked {
@@ -227,7 +227,7 @@ func (x *exchange) readRequestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metad
 			x.kind = kindOf(val)
 		case SessionHeader:
 			x.session = val
-		case cluster.PriorityHeader, cluster.TenantHeader, cluster.SLOHeader, "authorization", ObjectiveHeader:
+		case cluster.PriorityHeader, cluster.TenantHeader, cluster.SLOHeader, "authorization", "x-api-key", ObjectiveHeader:
 			if x.hdr == nil {
 				x.hdr = map[string]string{}
 			}
@@ -281,6 +281,9 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	pick, err := x.s.p.Pick(x.srv.Context(), Input{Kind: x.kind, Body: x.body, Session: x.session, Subset: x.subset,
 		Explain: x.s.cfg.Explain, Header: func(k string) string { return x.hdr[strings.ToLower(k)] }})
 	if err != nil {
+		if ok, err := x.tenantImmediate(err); ok { // 401, or 429 over the tenant's quota
+			return true, err
+		}
 		code := typev3.StatusCode_InternalServerError
 		switch {
 		case errors.Is(err, openai.ErrBadRequest), errors.Is(err, cluster.ErrPromptTooLong):
@@ -409,6 +412,7 @@ func (x *exchange) finish(complete bool) {
 	fin := router.Finish{OutputTokens: out, CachedTokens: cached, OK: ok, Timings: x.watch.timings.Calibration()}
 	fin.ITL, fin.ITLSamples = x.watch.gaps.Median()
 	x.s.p.Finish(x.pick.ID, fin)
+	x.settleQuota(out, ok)
 }
 
 // immediate answers the request itself with an HTTP status and a JSON

@@ -16,6 +16,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/tenant"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
 	"sigs.k8s.io/yaml"
@@ -210,6 +211,16 @@ type Config struct {
 	// replica is up) with Retry-After (docs/overload.md).
 	Queue cluster.QueueConfig
 
+	// Tenants are who requests are from and what the router trusts
+	// (YAML tenants, trusted_proxies, anonymous_tokens_per_minute,
+	// require_tenant; --trusted-proxies): a configured tenant is told by its
+	// API key (Authorization: Bearer, or x-api-key), only a peer inside
+	// TrustedProxies may set x-prefixlb-tenant, -priority and -ttft-slo
+	// (none by default), and a tenant's tokens_per_minute is a token quota
+	// answered 429 with Retry-After past it (docs/overload.md, Trusted
+	// headers and quotas).
+	Tenants tenant.Config
+
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
 	// Tokenizer, when set and Keyer is nil, is the replicas' tokenizer:
@@ -390,6 +401,10 @@ func (c *Config) Validate() error {
 	case c.MaxPromptTokens <= 0:
 		return bad("max_prompt_tokens", "must be > 0, got %d", c.MaxPromptTokens)
 	}
+	if err := c.Tenants.Validate(); err != nil {
+		return fmt.Errorf("proxy: config: %w", err)
+	}
+	c.Queue.Tenants = c.Tenants.Names()
 	return nil
 }
 
@@ -563,6 +578,11 @@ type fileConfig struct {
 	IgnoreCacheTiers      *bool             `json:"ignore_cache_tiers"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
 	Queue                 *fileQueue        `json:"queue"`
+	// The tenants (Config.Tenants).
+	Tenants                  *[]tenant.Tenant `json:"tenants"`
+	TrustedProxies           *[]string        `json:"trusted_proxies"`
+	AnonymousTokensPerMinute *int64           `json:"anonymous_tokens_per_minute"`
+	RequireTenant            *bool            `json:"require_tenant"`
 }
 
 // fileQueue is the YAML form of Config.Queue: every field optional.
@@ -578,6 +598,7 @@ type fileQueue struct {
 	LIFOAfter        *duration           `json:"lifo_after"`
 	SLOFraction      *float64            `json:"slo_fraction"`
 	EngageAfter      *duration           `json:"engage_after"`
+	MinTTFTSLO       *duration           `json:"min_ttft_slo"`
 	Interval         *duration           `json:"interval"`
 	Classes          *[]cluster.Class    `json:"classes"`
 	Weights          *map[string]float64 `json:"weights"`
@@ -618,6 +639,9 @@ func (f *fileQueue) apply(q *cluster.QueueConfig) {
 	}
 	if f.EngageAfter != nil {
 		a.EngageAfter = time.Duration(*f.EngageAfter)
+	}
+	if f.MinTTFTSLO != nil {
+		a.MinTTFTSLO = time.Duration(*f.MinTTFTSLO)
 	}
 	if f.Interval != nil {
 		q.Interval = time.Duration(*f.Interval)
@@ -744,6 +768,18 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setD(&c.KVLinkLatency, f.KVLinkLatency)
 	if f.Queue != nil {
 		f.Queue.apply(&c.Queue)
+	}
+	if f.Tenants != nil {
+		c.Tenants.Tenants = append([]tenant.Tenant(nil), *f.Tenants...)
+	}
+	if f.TrustedProxies != nil {
+		c.Tenants.TrustedProxies = append([]string(nil), *f.TrustedProxies...)
+	}
+	if f.AnonymousTokensPerMinute != nil {
+		c.Tenants.AnonymousTokensPerMinute = *f.AnonymousTokensPerMinute
+	}
+	if f.RequireTenant != nil {
+		c.Tenants.RequireTenant = *f.RequireTenant
 	}
 	if f.Pools != nil {
 		if f.Backends != nil || f.Discovery != nil {

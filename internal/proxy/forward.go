@@ -53,6 +53,8 @@ type exchange struct {
 	wrote bool
 	// code is the outcome label of prefixlb_requests_total.
 	code string
+	// tq is the request's tenant and quota (tenants.go).
+	tq tenantState
 }
 
 // result is the outcome of one attempt on one replica.
@@ -88,6 +90,9 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	fail := func(err error) {
 		x.code = strconv.Itoa(writeError(w, err))
 	}
+	if !x.identify() {
+		return
+	}
 	body, err := readBody(w, r, p.cfg.MaxBodyBytes)
 	if err != nil {
 		fail(err)
@@ -110,6 +115,10 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	if preq.Session == "" {
 		preq.Session = req.User
 	}
+	if !x.reserve(tokens, req.MaxTokens) {
+		return
+	}
+	defer x.settle()
 	ctx := r.Context()
 	if p.cfg.RequestTimeout > 0 {
 		var cancel context.CancelFunc
@@ -128,7 +137,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 			err   error
 		)
 		if attempt == 0 && p.gate != nil {
-			d, b, pb, err = p.admitRoute(ctx, r, req.Model, preq)
+			d, b, pb, err = p.admitRoute(ctx, x, req.Model, preq)
 		} else {
 			d, b, pb, err = p.route(preq, tried)
 		}
@@ -580,6 +589,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 func (x *exchange) done(id uint64, d *policy.Decision, b *backend, fin router.Finish) {
 	p := x.p
 	p.finishWith(id, fin)
+	x.tq.answered(&fin)
 	if fin.OK {
 		b.m.latency().Observe(time.Since(x.start).Seconds())
 		if fin.CachedTokens >= 0 {

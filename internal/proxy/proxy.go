@@ -28,6 +28,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -108,6 +109,10 @@ type Proxy struct {
 	// hookShutdown, when set (tests), is called once Serve has stopped
 	// accepting connections and is draining.
 	hookShutdown func()
+
+	// tenants tells who each request is from and holds their quotas
+	// (tenants.go).
+	tenants *cluster.Tenants
 }
 
 // New builds a Proxy from cfg (validated here). It starts nothing: serve
@@ -158,6 +163,9 @@ func New(cfg Config) (*Proxy, error) {
 		if p.gate, err = cluster.NewGate(core, cfg.Queue, gm); err != nil {
 			return nil, fmt.Errorf("proxy: config: %w", err)
 		}
+	}
+	if p.tenants, err = cluster.NewTenants(cfg.Tenants, os.Getenv, m.Reg); err != nil {
+		return nil, fmt.Errorf("proxy: config: %w", err)
 	}
 	if prefill > 0 {
 		p.pdOn = true

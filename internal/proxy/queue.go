@@ -22,11 +22,12 @@ var ErrShed = cluster.ErrShed
 // admitRoute is route for a request's first attempt through the
 // router-side queue: routed at once below saturation (Pass, in the same
 // lock as without a queue), else held until the queue dispatches it, and
-// routed then, or shed. Its class comes from r's headers and model.
-func (p *Proxy) admitRoute(ctx context.Context, r *http.Request, model string, req policy.Request) (d policy.Decision, b, prefill *backend, err error) {
+// routed then, or shed. Its class comes from its tenant (x.tq.who), its
+// model and, from a trusted proxy, its headers.
+func (p *Proxy) admitRoute(ctx context.Context, x *exchange, model string, req policy.Request) (d policy.Decision, b, prefill *backend, err error) {
 	now := time.Now()
 	w := &cluster.Waiter{Ticket: admission.Ticket{ID: req.ID, Arrival: now}, Request: &req}
-	if err := p.gate.Config().Classify(&w.Ticket, model, r.Header.Get); err != nil {
+	if err := p.gate.Config().Classify(&w.Ticket, model, &x.tq.who, x.r.Header.Get); err != nil {
 		return d, nil, nil, fmt.Errorf("proxy: %w: %w", openai.ErrBadRequest, err)
 	}
 	at := now

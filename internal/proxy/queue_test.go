@@ -66,6 +66,9 @@ func queueProxy(t *testing.T, mod func(*Config)) (*Proxy, *httptest.Server, *gat
 	// pool and send the next request at once.
 	c.Queue.Admission.EngageAfter = 0
 	c.Queue.Interval = 5 * time.Millisecond
+	// The tests' clients stand for a trusted gateway on loopback: their
+	// class headers (priority, tenant, TTFT SLO) are believed.
+	c.Tenants.TrustedProxies = []string{"127.0.0.0/8", "::1"}
 	if mod != nil {
 		mod(&c)
 	}
