@@ -42,11 +42,11 @@ type conn struct {
 	failed     atomic.Pointer[Error]
 	closeOnce  sync.Once
 	closeErr   error
-	stop       func() bool // stops the context.AfterFunc that closes it
+	stop       atomic.Pointer[func() bool] // stops the context.AfterFunc that closes it
 }
 
 func newConn(nc net.Conn, cfg Config) *conn {
-	return &conn{nc: nc, cfg: cfg, scan: NewScanner(cfg.Limits), stop: func() bool { return false }}
+	return &conn{nc: nc, cfg: cfg, scan: NewScanner(cfg.Limits)}
 }
 
 // Read hands zmq4 the peer's bytes once the scanner has passed them.
@@ -146,7 +146,9 @@ func (c *conn) fail(e *Error) error {
 // Close closes the network connection once.
 func (c *conn) Close() error {
 	c.closeOnce.Do(func() {
-		c.stop()
+		if stop := c.stop.Load(); stop != nil {
+			(*stop)()
+		}
 		c.closeErr = c.nc.Close()
 	})
 	return c.closeErr

@@ -69,7 +69,8 @@ func (t guardTransport) Dial(ctx context.Context, d zmqtransport.Dialer, addr st
 	}
 	c := newConn(nc, cfg)
 	_ = nc.SetDeadline(time.Now().Add(cfg.HandshakeTimeout))
-	c.stop = context.AfterFunc(ctx, func() { _ = c.Close() })
+	stop := context.AfterFunc(ctx, func() { _ = c.Close() })
+	c.stop.Store(&stop)
 	if cfg.OnConnect != nil {
 		cfg.OnConnect()
 	}
@@ -103,10 +104,10 @@ type listener struct {
 	ready chan *conn    // handshaken connections for Accept
 	done  chan struct{} // closed by Close
 	slots chan struct{} // one per handshake in progress
-	stop  func() bool   // stops the AfterFunc on the socket's context
 	wg    sync.WaitGroup
 
-	mu      sync.Mutex // guards pending and closed
+	mu      sync.Mutex  // guards pending, closed and stop
+	stop    func() bool // stops the AfterFunc on the socket's context
 	pending map[net.Conn]struct{}
 	closed  bool
 }
@@ -122,7 +123,10 @@ func newListener(ctx context.Context, ln net.Listener, cfg Config) *listener {
 	}
 	l.wg.Add(1)
 	go l.acceptLoop()
-	l.stop = context.AfterFunc(ctx, func() { _ = l.Close() })
+	stop := context.AfterFunc(ctx, func() { _ = l.Close() })
+	l.mu.Lock()
+	l.stop = stop
+	l.mu.Unlock()
 	return l
 }
 
@@ -152,8 +156,10 @@ func (l *listener) Close() error {
 	for nc := range l.pending {
 		_ = nc.Close()
 	}
+	if l.stop != nil {
+		l.stop()
+	}
 	l.mu.Unlock()
-	l.stop()
 	err := l.ln.Close()
 	l.wg.Wait()
 	return err
