@@ -85,3 +85,32 @@ func sizeName(n int) string {
 	}
 	return "small"
 }
+
+// BenchmarkScanner is the guard's own cost: scanning vLLM-shaped messages
+// in 64 KiB reads, as a socket delivers them.
+func BenchmarkScanner(b *testing.B) {
+	for _, size := range []int{1 << 10, 64 << 10} {
+		msg := new(wire).message([]byte("kv@10.0.0.1:8000@llama"), make([]byte, 8), make([]byte, size)).Bytes()
+		var stream []byte
+		for range max(1, (4<<20)/len(msg)) {
+			stream = append(stream, msg...)
+		}
+		b.Run(sizeName(size), func(b *testing.B) {
+			s := NewScanner(DefaultConfig().Limits)
+			if err := s.Scan(new(wire).greeting().ready("PUB").Bytes()); err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(int64(len(stream)))
+			b.ReportAllocs()
+			for range b.N {
+				for p := stream; len(p) > 0; {
+					k := min(64<<10, len(p))
+					if err := s.Scan(p[:k]); err != nil {
+						b.Fatal(err)
+					}
+					p = p[k:]
+				}
+			}
+		})
+	}
+}
