@@ -180,6 +180,12 @@ func (h *harness) startPublisher(cfg PublisherConfig) (*Publisher, func()) {
 }
 
 func (h *harness) startSubscriber(p *Publisher, topic string) {
+	h.startSubscriberWith(p, topic, nil)
+}
+
+// startSubscriberWith is startSubscriber with edit applied to the
+// subscriber (its cfg or test hooks) before it runs.
+func (h *harness) startSubscriberWith(p *Publisher, topic string, edit func(*Subscriber)) {
 	h.sub = NewSubscriber(SubscriberConfig{
 		Replica:        "r1",
 		Endpoint:       p.Endpoint(),
@@ -193,6 +199,9 @@ func (h *harness) startSubscriber(p *Publisher, topic string) {
 		MinBackoff:     10 * time.Millisecond,
 		MaxBackoff:     100 * time.Millisecond,
 	})
+	if edit != nil {
+		edit(h.sub)
+	}
 	h.sub.changed = func() {
 		select {
 		case h.changed <- struct{}{}:

@@ -20,6 +20,8 @@ type Metrics struct {
 	lag      *prometheus.GaugeVec   // replica
 	lastSeq  *prometheus.GaugeVec   // replica
 	blocks   *prometheus.GaugeVec   // replica, medium
+	state    *prometheus.GaugeVec   // replica, state
+	refused  *prometheus.CounterVec // replica, reason
 }
 
 // NewMetrics creates the collectors; Register exposes them.
@@ -42,6 +44,10 @@ func NewMetrics() *Metrics {
 		lag:      gv("lag_seconds", "Now minus the timestamp of the last applied batch.", "replica"),
 		lastSeq:  gv("last_seq", "Sequence number of the last applied batch.", "replica"),
 		blocks:   gv("index_blocks", "Engine blocks the index holds for the replica, by medium.", "replica", "medium"),
+		state: gv("state", "1 for the subscriber's connection state (stopped, dialing, handshaking, connected, backoff), 0 for the others.",
+			"replica", "state"),
+		refused: cv("refused_total", "Connections to the replica's publisher closed by the ZMTP guard, by reason (handshake_timeout, frame_too_large, ...).",
+			"replica", "reason"),
 	}
 }
 
@@ -49,7 +55,7 @@ func NewMetrics() *Metrics {
 func (m *Metrics) Register(reg prometheus.Registerer) error {
 	var errs []error
 	for _, c := range []prometheus.Collector{m.applied, m.dropped, m.replays, m.gaps, m.lost,
-		m.restarts, m.redials, m.lag, m.lastSeq, m.blocks} {
+		m.restarts, m.redials, m.lag, m.lastSeq, m.blocks, m.state, m.refused} {
 		errs = append(errs, reg.Register(c))
 	}
 	return errors.Join(errs...)
@@ -63,7 +69,7 @@ func (m *Metrics) Forget(replica string) {
 	l := prometheus.Labels{"replica": replica}
 	for _, v := range []*prometheus.MetricVec{m.applied.MetricVec, m.dropped.MetricVec, m.replays.MetricVec,
 		m.gaps.MetricVec, m.lost.MetricVec, m.restarts.MetricVec, m.redials.MetricVec,
-		m.lag.MetricVec, m.lastSeq.MetricVec, m.blocks.MetricVec} {
+		m.lag.MetricVec, m.lastSeq.MetricVec, m.blocks.MetricVec, m.state.MetricVec, m.refused.MetricVec} {
 		v.DeletePartialMatch(l)
 	}
 }

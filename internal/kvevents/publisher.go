@@ -5,11 +5,17 @@ import (
 	"encoding/binary"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
+	"runtime/debug"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/prefixlb/prefixlb/internal/zmtpguard"
 )
 
 // DefaultBufferSteps is how many batches a publisher keeps for replay: vLLM's
@@ -18,6 +24,12 @@ const DefaultBufferSteps = 10_000
 
 // defaultHWM is vLLM's PUB high-water mark (ZmqEventPublisher hwm).
 const defaultHWM = 100_000
+
+// DefaultMaxPeerMessageBytes bounds a message a publisher reads from a peer:
+// subscribers send only subscriptions (a topic prefix) and replay clients
+// ["", 8-byte seq], so 64 KiB is far above anything real, and a hostile
+// peer cannot make the engine allocate more than that per message.
+const DefaultMaxPeerMessageBytes = 64 << 10
 
 // PublisherConfig configures a Publisher.
 type PublisherConfig struct {
@@ -48,6 +60,18 @@ type PublisherConfig struct {
 	SkipLive func(seq uint64) bool
 	// Logger, nil for none.
 	Logger *slog.Logger
+	// MaxPeerMessageBytes bounds a frame or message read from a subscriber
+	// or replay client; 0 means DefaultMaxPeerMessageBytes.
+	MaxPeerMessageBytes int64
+	// HandshakeTimeout bounds a peer's ZMTP handshake; 0 means
+	// zmtpguard.DefaultHandshakeTimeout (5s). Handshakes run concurrently,
+	// so a silent peer delays no other.
+	HandshakeTimeout time.Duration
+	// WriteTimeout drops a peer that reads nothing for that long (a
+	// subscriber that stops reading would otherwise stall every other one:
+	// zmq4's PUB writes to them in turn); 0 means
+	// zmtpguard.DefaultWriteTimeout (10s), negative none.
+	WriteTimeout time.Duration
 }
 
 // Validate reports the first invalid field.
@@ -61,6 +85,10 @@ func (c PublisherConfig) Validate() error {
 		return fmt.Errorf("kvevents: publisher config: BufferSteps %d is negative", c.BufferSteps)
 	case c.Encoding != EncodingArray && c.Encoding != EncodingMap:
 		return fmt.Errorf("kvevents: publisher config: unknown Encoding %d", c.Encoding)
+	case c.MaxPeerMessageBytes < 0:
+		return fmt.Errorf("kvevents: publisher config: MaxPeerMessageBytes %d is negative", c.MaxPeerMessageBytes)
+	case c.HandshakeTimeout < 0:
+		return fmt.Errorf("kvevents: publisher config: HandshakeTimeout %v is negative", c.HandshakeTimeout)
 	}
 	return nil
 }
@@ -72,9 +100,21 @@ func (c PublisherConfig) Validate() error {
 //
 // Publish may be called from any goroutine, before or during Run; batches
 // published before Run has bound the PUB socket are only replayable.
+//
+// Both sockets go through the ZMTP guard (internal/zmtpguard): a peer that
+// sends an oversized or malformed frame, never completes its handshake or
+// stops reading is dropped, counted (Refused) and logged; without it one
+// such peer crashes zmq4's reader goroutine (which nothing of ours can
+// recover) or blocks its accept loop.
 type Publisher struct {
 	cfg   PublisherConfig
 	ready chan struct{}
+
+	rmu     sync.Mutex // guards refused and logged
+	refused map[string]uint64
+	logged  map[string]time.Time // last Warn per reason
+	// changed, when set (by tests), is called after each refusal.
+	changed atomic.Pointer[func()]
 
 	mu       sync.Mutex // guards everything below
 	seq      uint64
@@ -98,7 +138,50 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Publisher{cfg: cfg, ready: make(chan struct{})}
+	if cfg.MaxPeerMessageBytes == 0 {
+		cfg.MaxPeerMessageBytes = DefaultMaxPeerMessageBytes
+	}
+	return &Publisher{cfg: cfg, ready: make(chan struct{}),
+		refused: make(map[string]uint64), logged: make(map[string]time.Time)}
+}
+
+// Refused counts the peer connections the ZMTP guard closed, by reason
+// (zmtpguard's: handshake_timeout, frame_too_large, incompatible_peer, ...).
+func (p *Publisher) Refused() map[string]uint64 {
+	p.rmu.Lock()
+	defer p.rmu.Unlock()
+	return maps.Clone(p.refused)
+}
+
+// refuse counts a refused peer and logs it, at most once a second per
+// reason so a flood of hostile connections cannot flood the log.
+func (p *Publisher) refuse(e *zmtpguard.Error) {
+	now := time.Now()
+	p.rmu.Lock()
+	p.refused[e.Reason]++
+	n := p.refused[e.Reason]
+	log := now.Sub(p.logged[e.Reason]) >= time.Second
+	if log {
+		p.logged[e.Reason] = now
+	}
+	p.rmu.Unlock()
+	if log {
+		p.cfg.Logger.Warn("kvevents: publisher dropped a peer", "reason", e.Reason, "err", e.Err, "total", n)
+	}
+	if f := p.changed.Load(); f != nil {
+		(*f)()
+	}
+}
+
+// guardContext is ctx carrying the guard's configuration for a socket
+// whose peers are of peerTypes.
+func (p *Publisher) guardContext(ctx context.Context, peerTypes ...string) (context.Context, error) {
+	c := zmtpguard.DefaultConfig()
+	c.MaxFrameBytes, c.MaxMessageBytes = p.cfg.MaxPeerMessageBytes, p.cfg.MaxPeerMessageBytes
+	c.HandshakeTimeout, c.WriteTimeout = p.cfg.HandshakeTimeout, p.cfg.WriteTimeout
+	c.PeerTypes = peerTypes
+	c.OnRefuse = p.refuse
+	return zmtpguard.WithConfig(ctx, c)
 }
 
 // Ready is closed once Run has bound its sockets (or failed to: then Run
@@ -134,13 +217,17 @@ func (p *Publisher) Run(ctx context.Context) error {
 		close(p.ready)
 		return err
 	}
-	pub := zmq4.NewPub(ctx, zmq4.WithLogger(quietLogger))
+	pctx, err := p.guardContext(ctx, string(zmq4.Sub), string(zmq4.XSub))
+	if err != nil {
+		close(p.ready)
+		return fmt.Errorf("kvevents: publisher: %w", err)
+	}
+	pub := zmq4.NewPub(pctx, zmq4.WithLogger(quietLogger))
 	_ = pub.SetOption(zmq4.OptionHWM, defaultHWM)
-	var err error
 	if p.cfg.Dial {
-		err = pub.Dial(p.cfg.Endpoint)
+		err = pub.Dial(zmtpguard.Endpoint(p.cfg.Endpoint))
 	} else {
-		err = pub.Listen(p.cfg.Endpoint)
+		err = pub.Listen(zmtpguard.Endpoint(p.cfg.Endpoint))
 	}
 	if err != nil {
 		_ = pub.Close()
@@ -150,8 +237,13 @@ func (p *Publisher) Run(ctx context.Context) error {
 	defer pub.Close()
 	var router zmq4.Socket
 	if p.cfg.ReplayEndpoint != "" {
-		router = zmq4.NewRouter(ctx, zmq4.WithLogger(quietLogger))
-		if err := router.Listen(p.cfg.ReplayEndpoint); err != nil {
+		rctx, err := p.guardContext(ctx, string(zmq4.Dealer), string(zmq4.Req), string(zmq4.Router))
+		if err != nil {
+			close(p.ready)
+			return fmt.Errorf("kvevents: publisher replay: %w", err)
+		}
+		router = zmq4.NewRouter(rctx, zmq4.WithLogger(quietLogger))
+		if err := router.Listen(zmtpguard.Endpoint(p.cfg.ReplayEndpoint)); err != nil {
 			close(p.ready)
 			return fmt.Errorf("kvevents: publisher replay on %s: %w", p.cfg.ReplayEndpoint, err)
 		}
@@ -204,8 +296,15 @@ func boundEndpoint(configured string, addr net.Addr) string {
 
 // serveReplay answers one request [identity, "", start_seq] with every
 // buffered batch whose seq ≥ start, then seq −1 with an empty payload (vLLM's
-// ZmqEventPublisher._service_replay).
+// ZmqEventPublisher._service_replay). A panic in doing so (a bug) is logged
+// and the request dropped; the publisher goes on.
 func (p *Publisher) serveReplay(router zmq4.Socket, m zmq4.Msg) {
+	defer func() {
+		if r := recover(); r != nil {
+			p.cfg.Logger.Error("kvevents: panic serving a replay request; request dropped",
+				"panic", r, "stack", string(debug.Stack()))
+		}
+	}()
 	f := m.Frames
 	if len(f) != 3 || len(f[2]) != 8 {
 		p.cfg.Logger.Warn("kvevents: invalid replay request", "frames", len(f))

@@ -9,11 +9,15 @@ import (
 	"log"
 	"log/slog"
 	"math"
+	"runtime/debug"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/prefixlb/prefixlb/internal/zmtpguard"
 )
 
 // endSeq is the replay terminator: seq −1, all bits set (vLLM's END_SEQ).
@@ -51,6 +55,18 @@ type SubscriberConfig struct {
 	// MinBackoff and MaxBackoff bound the wait before re-dialling after a
 	// socket error or EOF; defaults 50ms and 2s, doubling between.
 	MinBackoff, MaxBackoff time.Duration
+	// HandshakeTimeout bounds the ZMTP handshake of the SUB and the replay
+	// DEALER, from TCP connect to the publisher's READY; a publisher that
+	// accepts and never greets is dropped and re-dialled. Default 5s
+	// (zmtpguard.DefaultHandshakeTimeout). After the handshake there is no
+	// read deadline: an idle engine publishes nothing.
+	HandshakeTimeout time.Duration
+	// MaxFrameBytes and MaxMessageBytes bound one frame and one message
+	// (its frames together) read from the publisher; a larger one closes
+	// the connection (counted in Stats.Refused) before anything is
+	// allocated for it. Default 16 MiB each (zmtpguard.DefaultMaxFrameBytes
+	// says why).
+	MaxFrameBytes, MaxMessageBytes int64
 	// Now is the clock for lag; nil is time.Now.
 	Now func() time.Time
 }
@@ -68,8 +84,10 @@ func (c SubscriberConfig) Validate() error {
 		return fmt.Errorf("kvevents: subscriber config for %s: ReplayEndpoint %q is not transport://address", c.Replica, c.ReplayEndpoint)
 	case c.Index == nil:
 		return fmt.Errorf("kvevents: subscriber config for %s: Index is required", c.Replica)
-	case c.MinBackoff < 0 || c.MaxBackoff < 0 || c.ReplayTimeout < 0:
+	case c.MinBackoff < 0 || c.MaxBackoff < 0 || c.ReplayTimeout < 0 || c.HandshakeTimeout < 0:
 		return fmt.Errorf("kvevents: subscriber config for %s: negative duration", c.Replica)
+	case c.MaxFrameBytes < 0 || c.MaxMessageBytes < 0:
+		return fmt.Errorf("kvevents: subscriber config for %s: negative MaxFrameBytes or MaxMessageBytes", c.Replica)
 	}
 	return nil
 }
@@ -99,13 +117,44 @@ func (c SubscriberConfig) withDefaults() SubscriberConfig {
 	if c.Now == nil {
 		c.Now = time.Now
 	}
+	if c.HandshakeTimeout == 0 {
+		c.HandshakeTimeout = zmtpguard.DefaultHandshakeTimeout
+	}
+	if c.MaxFrameBytes == 0 {
+		c.MaxFrameBytes = zmtpguard.DefaultMaxFrameBytes
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = zmtpguard.DefaultMaxMessageBytes
+	}
 	return c
 }
 
+// The states of a Subscriber's connection (Stats.State).
+const (
+	StateStopped     = "stopped"     // Run is not running
+	StateDialing     = "dialing"     // connecting TCP to Endpoint
+	StateHandshaking = "handshaking" // TCP is up, waiting for the publisher's ZMTP READY
+	StateConnected   = "connected"   // subscribed, reading
+	StateBackoff     = "backoff"     // waiting to re-dial after an error (LastError)
+)
+
+var states = []string{StateStopped, StateDialing, StateHandshaking, StateConnected, StateBackoff}
+
 // Stats is a snapshot of one subscriber, as GET /debug/cache shows it.
 type Stats struct {
-	Replica   string `json:"replica"`
-	Connected bool   `json:"connected"`
+	Replica string `json:"replica"`
+	// Connected is State == StateConnected.
+	Connected bool `json:"connected"`
+	// State is one of the State constants.
+	State string `json:"state"`
+	// LastError is the error that ended the last connection, "" before
+	// the first.
+	LastError string `json:"last_error,omitempty"`
+	// Refused counts connections to the publisher (SUB or replay DEALER)
+	// that the ZMTP guard closed, by zmtpguard reason: handshake_timeout,
+	// frame_too_large, message_too_large, too_many_frames, bad_greeting,
+	// bad_handshake, bad_framing, write_timeout.
+	Refused map[string]uint64 `json:"refused"`
 	// LastSeq is the seq of the last applied batch, −1 before the first.
 	LastSeq int64 `json:"last_seq"`
 	// Blocks is the engine blocks held, by medium.
@@ -115,7 +164,8 @@ type Stats struct {
 	// Dropped counts what was not applied, by reason: unknown_type,
 	// unknown_parent, malformed_event, unknown_block (a removed hash not
 	// held), decode_error (a whole batch), bad_frame (a message that is not
-	// [topic, seq, payload]).
+	// [topic, seq, payload]), panic (a batch whose handling panicked: a
+	// bug, logged with its stack).
 	Dropped      map[string]uint64 `json:"dropped"`
 	Batches      uint64            `json:"batches"`
 	Replays      uint64            `json:"replays"`
@@ -160,13 +210,22 @@ type Subscriber struct {
 	mu    sync.Mutex // guards stats
 	stats Stats
 
-	// changed, when set (by tests), is called on the Run goroutine after every
-	// change to the stats or the index.
+	// changed, when set (by tests), is called after every change to the
+	// stats or the index: on the Run goroutine, or for a refused
+	// connection on the goroutine that saw it.
 	changed func()
+	// applyHook, when set (by tests), is called before each batch is
+	// decoded.
+	applyHook func(seq uint64, payload []byte)
 
 	// Metric children, resolved once.
 	mReplays, mGaps, mLost, mRestarts, mRedials counter
 }
+
+// The SUB and the replay DEALER go through the ZMTP guard
+// (internal/zmtpguard), which refuses what would crash or exhaust zmq4's
+// own reader goroutines: nothing of ours can recover a panic there. Our own
+// handling of each batch has a recover boundary (apply).
 
 // NewSubscriber returns a subscriber with cfg's zero fields defaulted; it
 // starts nothing until Run, which validates cfg.
@@ -177,9 +236,11 @@ func NewSubscriber(cfg SubscriberConfig) *Subscriber {
 		media:    make(map[string]bool),
 		stats: Stats{
 			Replica: cfg.Replica,
+			State:   StateStopped,
 			LastSeq: -1,
 			Applied: make(map[string]uint64),
 			Dropped: make(map[string]uint64),
+			Refused: make(map[string]uint64),
 		},
 	}
 }
@@ -190,6 +251,7 @@ func (s *Subscriber) Stats() Stats {
 	st := s.stats
 	st.Applied = cloneMap(s.stats.Applied)
 	st.Dropped = cloneMap(s.stats.Dropped)
+	st.Refused = cloneMap(s.stats.Refused)
 	s.mu.Unlock()
 	if s.cfg.Index != nil {
 		st.Blocks = s.cfg.Index.Held(s.cfg.Replica)
@@ -215,19 +277,28 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		return err
 	}
 	s.initMetrics()
+	defer s.setState(StateStopped, nil)
 	backoff := s.cfg.MinBackoff
 	for {
 		start := s.cfg.Now()
+		s.setState(StateDialing, nil)
 		err := s.session(ctx)
-		s.setConnected(false)
 		if ctx.Err() != nil {
 			return nil
 		}
+		s.setState(StateBackoff, err)
 		if s.cfg.Now().Sub(start) > s.cfg.MaxBackoff {
 			backoff = s.cfg.MinBackoff // it ran for a while: start over
 		}
-		s.cfg.Logger.Warn("kvevents: stream interrupted, re-dialling",
-			"replica", s.cfg.Replica, "endpoint", s.cfg.Endpoint, "err", err, "backoff", backoff)
+		msg := "kvevents: stream interrupted, re-dialling"
+		switch zmtpguard.Reason(err) {
+		case "":
+		case zmtpguard.ReasonHandshakeTimeout:
+			msg = "kvevents: publisher accepted TCP but completed no ZMTP handshake in time, re-dialling"
+		default:
+			msg = "kvevents: publisher sent what the ZMTP guard refuses, re-dialling"
+		}
+		s.cfg.Logger.Warn(msg, "replica", s.cfg.Replica, "endpoint", s.cfg.Endpoint, "err", err, "backoff", backoff)
 		s.count(func(st *Stats) { st.Redials++ }, s.mRedials)
 		t := time.NewTimer(backoff)
 		select {
@@ -240,6 +311,29 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	}
 }
 
+// guardConfig is the ZMTP guard's configuration for the SUB (onConnect
+// set) or the replay DEALER.
+func (s *Subscriber) guardConfig(onConnect func()) zmtpguard.Config {
+	c := zmtpguard.DefaultConfig()
+	c.MaxFrameBytes, c.MaxMessageBytes = s.cfg.MaxFrameBytes, s.cfg.MaxMessageBytes
+	c.HandshakeTimeout = s.cfg.HandshakeTimeout
+	c.OnConnect = onConnect
+	c.OnRefuse = s.refused
+	return c
+}
+
+// refused counts a connection the guard closed; it runs on a zmq4 or the
+// dialling goroutine.
+func (s *Subscriber) refused(e *zmtpguard.Error) {
+	s.mu.Lock()
+	s.stats.Refused[e.Reason]++
+	s.mu.Unlock()
+	if m := s.cfg.Metrics; m != nil {
+		m.refused.WithLabelValues(s.cfg.Replica, e.Reason).Inc()
+	}
+	s.notify()
+}
+
 // quietLogger silences go-zeromq's own logging; errors come back to us.
 var quietLogger = log.New(io.Discard, "", 0)
 
@@ -247,22 +341,33 @@ var quietLogger = log.New(io.Discard, "", 0)
 func (s *Subscriber) session(ctx context.Context) error {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	sub := zmq4.NewSub(sctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietLogger),
+	// The guard closes the connection when sctx ends, so a publisher that
+	// never completes the handshake cannot hold Dial past ctx.
+	gctx, err := zmtpguard.WithConfig(sctx, s.guardConfig(func() { s.setState(StateHandshaking, nil) }))
+	if err != nil {
+		return fmt.Errorf("kvevents: subscriber %s: %w", s.cfg.Replica, err)
+	}
+	sub := zmq4.NewSub(gctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietLogger),
 		zmq4.WithDialerTimeout(s.cfg.MaxBackoff+time.Second))
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, s.cfg.Topic); err != nil {
 		return fmt.Errorf("kvevents: subscribe %s: %w", s.cfg.Replica, err)
 	}
-	if err := sub.Dial(s.cfg.Endpoint); err != nil {
+	if err := sub.Dial(zmtpguard.Endpoint(s.cfg.Endpoint)); err != nil {
 		return fmt.Errorf("kvevents: dial %s at %s: %w", s.cfg.Replica, s.cfg.Endpoint, err)
 	}
-	s.setConnected(true)
+	s.setState(StateConnected, nil)
 
 	// The reader goroutine is owned by this session: closing sub ends Recv,
-	// and stop ends a pending hand-off; the deferred wait joins it.
+	// and stop ends a pending hand-off; the deferred wait joins it. It
+	// queues at most MaxMessageBytes of messages not yet handled (one
+	// message always), so a publisher faster than we apply cannot grow
+	// memory beyond that (zmq4 queues up to 10 more itself).
 	msgs := make(chan zmq4.Msg, 64)
 	errc := make(chan error, 1)
 	stop := make(chan struct{})
+	var queued atomic.Int64         // bytes in msgs
+	space := make(chan struct{}, 1) // signalled when msgs shrinks
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -273,6 +378,15 @@ func (s *Subscriber) session(ctx context.Context) error {
 				errc <- err
 				return
 			}
+			n := msgBytes(m)
+			for q := queued.Load(); q > 0 && q+n > s.cfg.MaxMessageBytes; q = queued.Load() {
+				select {
+				case <-space:
+				case <-stop:
+					return
+				}
+			}
+			queued.Add(n)
 			select {
 			case msgs <- m:
 			case <-stop:
@@ -302,6 +416,11 @@ func (s *Subscriber) session(ctx context.Context) error {
 		case err := <-errc:
 			return fmt.Errorf("kvevents: receive from %s: %w", s.cfg.Replica, err)
 		case m := <-msgs:
+			queued.Add(-msgBytes(m))
+			select {
+			case space <- struct{}{}:
+			default:
+			}
 			s.live(ctx, m)
 		case <-poll:
 			s.catchUp(ctx)
@@ -310,6 +429,15 @@ func (s *Subscriber) session(ctx context.Context) error {
 			pollTimer.Reset(s.cfg.PollInterval)
 		}
 	}
+}
+
+// msgBytes is the size of m's frames together.
+func msgBytes(m zmq4.Msg) int64 {
+	var n int64
+	for _, f := range m.Frames {
+		n += int64(len(f))
+	}
+	return n
 }
 
 // live handles one message from the SUB socket.
@@ -408,9 +536,22 @@ func (s *Subscriber) deliver(ctx context.Context, seq uint64, payload []byte, al
 	s.apply(seq, payload)
 }
 
-// apply decodes and applies the batch with seq s.next.
+// apply decodes and applies the batch with seq s.next. A panic in doing so
+// (a bug: the decoder is fuzzed) skips the batch, counted as dropped
+// "panic" and logged with its stack; the stream goes on.
 func (s *Subscriber) apply(seq uint64, payload []byte) {
 	s.next = seq + 1
+	defer func() {
+		if r := recover(); r != nil {
+			s.cfg.Logger.Error("kvevents: panic applying a batch; batch skipped", "replica", s.cfg.Replica,
+				"seq", seq, "bytes", len(payload), "panic", r, "stack", string(debug.Stack()))
+			s.setLastSeq(seq, 0, false)
+			s.drop("panic", 1)
+		}
+	}()
+	if s.applyHook != nil {
+		s.applyHook(seq, payload)
+	}
 	b, err := DecodeBatch(payload)
 	if err != nil {
 		s.cfg.Logger.Warn("kvevents: undecodable batch", "replica", s.cfg.Replica, "seq", seq, "err", err)
@@ -542,10 +683,14 @@ func (s *Subscriber) replay(ctx context.Context) error {
 func (s *Subscriber) replayFrom(ctx context.Context, start uint64) (int, error) {
 	rctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	d := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietLogger),
+	gctx, err := zmtpguard.WithConfig(rctx, s.guardConfig(nil))
+	if err != nil {
+		return 0, err
+	}
+	d := zmq4.NewDealer(gctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietLogger),
 		zmq4.WithDialerTimeout(s.cfg.ReplayTimeout), zmq4.WithTimeout(s.cfg.ReplayTimeout))
 	defer d.Close()
-	if err := d.Dial(s.cfg.ReplayEndpoint); err != nil {
+	if err := d.Dial(zmtpguard.Endpoint(s.cfg.ReplayEndpoint)); err != nil {
 		return 0, fmt.Errorf("dial %s: %w", s.cfg.ReplayEndpoint, err)
 	}
 	var req [8]byte
@@ -636,9 +781,26 @@ func (s *Subscriber) drop(reason string, n int) {
 	s.notify()
 }
 
-func (s *Subscriber) setConnected(c bool) {
+// setState records the connection's state and, with a non-nil err, the
+// error that ended the last connection.
+func (s *Subscriber) setState(state string, err error) {
 	s.mu.Lock()
-	s.stats.Connected = c
+	s.stats.State = state
+	s.stats.Connected = state == StateConnected
+	if err != nil {
+		s.stats.LastError = err.Error()
+	}
 	s.mu.Unlock()
+	// Stopped is not exported: Run ends when the replica leaves the pool,
+	// after its series were deleted (Metrics.Forget).
+	if m := s.cfg.Metrics; m != nil && state != StateStopped {
+		for _, st := range states {
+			v := 0.0
+			if st == state {
+				v = 1
+			}
+			m.state.WithLabelValues(s.cfg.Replica, st).Set(v)
+		}
+	}
 	s.notify()
 }
