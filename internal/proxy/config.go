@@ -159,7 +159,10 @@ type Config struct {
 	MaxBodyBytes int64
 	// MaxResponseBytes bounds the part of a non-streamed response the
 	// proxy reads to check it and find its usage; a larger response is
-	// passed through unchecked (> 0).
+	// passed through unchecked, as it arrives (> 0). The default, 1 MiB
+	// (epp's ServerConfig.MaxResponseBytes), holds a completion of ~250k
+	// tokens of text; what exceeds it (logprobs, large embedding batches)
+	// passes through without being held whole.
 	MaxResponseBytes int64
 	// MaxRetries is how many other replicas a request that failed before
 	// any byte reached the client is retried on (≥ 0).
@@ -210,6 +213,10 @@ type Config struct {
 	// replica is up) with Retry-After (docs/overload.md).
 	Queue cluster.QueueConfig
 
+	// FrontDoor bounds what hostile clients and failing replicas can take
+	// from the proxy (frontdoor_config.go; docs/security.d/frontdoor.md).
+	FrontDoor
+
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
 	// Tokenizer, when set and Keyer is nil, is the replicas' tokenizer:
@@ -258,12 +265,13 @@ func DefaultConfig() Config {
 		MetricsPath:           "/metrics",
 		ScrapeInterval:        5 * time.Second,
 		MaxBodyBytes:          16 << 20,
-		MaxResponseBytes:      64 << 20,
+		MaxResponseBytes:      1 << 20,
 		MaxRetries:            2,
 		DrainTimeout:          30 * time.Second,
 		KVLinkGbps:            400,
 		KVLinkLatency:         time.Millisecond,
 		Queue:                 cluster.DefaultQueueConfig(),
+		FrontDoor:             DefaultFrontDoor(),
 	}
 }
 
@@ -389,6 +397,9 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("proxy: config: %w", c.Queue.Validate())
 	case c.MaxPromptTokens <= 0:
 		return bad("max_prompt_tokens", "must be > 0, got %d", c.MaxPromptTokens)
+	}
+	if err := c.FrontDoor.validate(c.MaxBodyBytes); err != nil {
+		return fmt.Errorf("proxy: config: %w", err)
 	}
 	return nil
 }
@@ -563,6 +574,7 @@ type fileConfig struct {
 	IgnoreCacheTiers      *bool             `json:"ignore_cache_tiers"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
 	Queue                 *fileQueue        `json:"queue"`
+	fileFrontDoor
 }
 
 // fileQueue is the YAML form of Config.Queue: every field optional.
@@ -745,6 +757,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	if f.Queue != nil {
 		f.Queue.apply(&c.Queue)
 	}
+	f.fileFrontDoor.apply(&c.FrontDoor)
 	if f.Pools != nil {
 		if f.Backends != nil || f.Discovery != nil {
 			return base, errors.New("proxy: parse config: pools: backends and discovery belong to each pool, not beside pools")
