@@ -276,9 +276,9 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 // readBodyWithin reads the request body, bounded by limit, into a buffer that
 // grows with the bytes that arrive: sized at once for a declared length of
 // up to trustedBodyBytes, then doubled (to the declared length at most)
-// each time it fills. Each buffer's size is reserved from budget before it
-// is allocated (nil: no bound); readBody returns the bytes reserved, which
-// the caller releases once it drops the body (none on error).
+// each time it fills. The buffer's size is reserved from budget before it
+// is allocated (nil: no bound); readBodyWithin returns the bytes reserved,
+// which the caller releases once it drops the body (none on error).
 func readBodyWithin(w http.ResponseWriter, r *http.Request, limit int64, budget *byteBudget) (body []byte, held int64, err error) {
 	if r.ContentLength > limit {
 		return nil, 0, fmt.Errorf("proxy: read body: %w: %d bytes over the limit of %d", ErrBodyTooLarge, r.ContentLength, limit)
@@ -302,13 +302,14 @@ func readBodyWithin(w http.ResponseWriter, r *http.Request, limit int64, budget 
 				next = min(next, r.ContentLength+bytes.MinRead)
 			}
 			next = max(min(next, limit+bytes.MinRead), int64(len(buf))+bytes.MinRead)
-			if err := budget.reserve(next); err != nil {
+			// Only the new buffer is counted: the old one is garbage once
+			// copied.
+			if err := budget.reserve(next - held); err != nil {
 				budget.release(held)
 				return nil, 0, fmt.Errorf("proxy: read body: %w", err)
 			}
 			grown := make([]byte, len(buf), next)
 			copy(grown, buf)
-			budget.release(held)
 			buf, held = grown, next
 		}
 		n, rerr := src.Read(buf[len(buf):cap(buf)])

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
@@ -129,12 +130,18 @@ type byteBudget struct {
 }
 
 // newByteBudget returns a budget of max bytes (nil for max ≤ 0: no bound).
+// It allows bytes.MinRead over max: a body of max_body_bytes is read into a
+// buffer with that much to spare (readBodyWithin), and must fit a budget
+// of max_body_bytes.
 func newByteBudget(max int64) *byteBudget {
 	if max <= 0 {
 		return nil
 	}
 	return &byteBudget{max: max}
 }
+
+// bound is the most the budget lets be held.
+func (b *byteBudget) bound() int64 { return b.max + bytes.MinRead }
 
 // reserve takes n bytes, or returns an error wrapping ErrBodyMemory and
 // takes nothing when they would exceed the bound.
@@ -144,7 +151,7 @@ func (b *byteBudget) reserve(n int64) error {
 	}
 	for {
 		u := b.used.Load()
-		if u+n > b.max {
+		if u+n > b.bound() {
 			return fmt.Errorf("%w: %d bytes of request bodies held, %d more would pass max_inflight_body_bytes (%d)", ErrBodyMemory, u, n, b.max)
 		}
 		if b.used.CompareAndSwap(u, u+n) {
