@@ -89,6 +89,14 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"queue":                   func() { c.Queue.On = f.cfg.Queue.On },
 		"trusted-proxies":         func() { c.Tenants.TrustedProxies = f.cfg.Tenants.TrustedProxies },
 	}
+	// The front door's bounds (proxy.FrontDoor).
+	fd := &f.cfg.FrontDoor
+	set["max-inflight-body-bytes"] = func() { c.MaxInflightBodyBytes = fd.MaxInflightBodyBytes }
+	set["client-write-timeout"] = func() { c.ClientWriteTimeout = fd.ClientWriteTimeout }
+	set["allow-path"] = func() { c.AllowedPaths = append([]string(nil), fd.AllowedPaths...) }
+	set["breaker-failures"] = func() { c.BreakerFailures = fd.BreakerFailures }
+	set["breaker-window"] = func() { c.BreakerWindow = fd.BreakerWindow }
+	set["breaker-ejection-time"] = func() { c.BreakerEjectionTime = fd.BreakerEjectionTime }
 	for name, cp := range f.queueCopy {
 		set[name] = func() { cp(&c.Queue.Admission, &f.cfg.Queue.Admission) }
 	}
@@ -216,11 +224,24 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	fs.BoolVar(&d.Queue.On, "queue", d.Queue.On, "router-side queue: while every replica is saturated requests wait in the router by priority (x-prefixlb-priority) and tenant, and are shed with 429 past their deadline or timeout (docs/overload.md; --queue=false: off)")
 	f.queueCopy = queueFlags(fs, q)
 	fs.StringSliceVar(&d.Tenants.TrustedProxies, "trusted-proxies", nil, "CIDRs or addresses of the gateways whose x-prefixlb-tenant, -priority and -ttft-slo headers are believed (YAML trusted_proxies; default: no client's; docs/overload.md)")
+	frontDoorFlags(fs, &d.FrontDoor)
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	return cmd
 }
 
 func init() { rootCmd.AddCommand(newServeCmd()) }
+
+// frontDoorFlags registers the flags of the front door's bounds
+// (proxy.FrontDoor; docs/router.md, Limits) over fd, which holds their
+// defaults.
+func frontDoorFlags(fs *pflag.FlagSet, fd *proxy.FrontDoor) {
+	fs.Int64Var(&fd.MaxInflightBodyBytes, "max-inflight-body-bytes", fd.MaxInflightBodyBytes, "request-body bytes held in memory at once, all requests together, as the bodies arrive; a request over it gets 429 with Retry-After (0: no bound; else ≥ --max-body-bytes)")
+	fs.DurationVar(&fd.ClientWriteTimeout, "client-write-timeout", fd.ClientWriteTimeout, "longest a write to a client may make no progress; a client that stops reading loses its request, which frees its slot and replica (0: none)")
+	fs.StringArrayVar(&fd.AllowedPaths, "allow-path", fd.AllowedPaths, "a /v1 request served, \"METHOD /v1/path\" (or /v1/prefix/*, METHOD * for any); repeat it; the ones given replace the default list; \"*\" serves every /v1 request")
+	fs.IntVar(&fd.BreakerFailures, "breaker-failures", fd.BreakerFailures, "circuit breaker: failed requests (5xx, connection errors, timeouts, garbage) of a replica's last --breaker-window that eject it even while its health check passes (0: off)")
+	fs.IntVar(&fd.BreakerWindow, "breaker-window", fd.BreakerWindow, "circuit breaker: a replica's last requests weighed")
+	fs.DurationVar(&fd.BreakerEjectionTime, "breaker-ejection-time", fd.BreakerEjectionTime, "circuit breaker: how long an ejection lasts, times the replica's recent ejections (up to 10 times)")
+}
 
 // runServe builds the configuration (defaults, file, flags), then serves
 // until ctx ends and drains.

@@ -160,7 +160,10 @@ type Config struct {
 	MaxBodyBytes int64
 	// MaxResponseBytes bounds the part of a non-streamed response the
 	// proxy reads to check it and find its usage; a larger response is
-	// passed through unchecked (> 0).
+	// passed through unchecked, as it arrives (> 0). The default, 1 MiB
+	// (epp's ServerConfig.MaxResponseBytes), holds a completion of ~250k
+	// tokens of text; what exceeds it (logprobs, large embedding batches)
+	// passes through without being held whole.
 	MaxResponseBytes int64
 	// MaxRetries is how many other replicas a request that failed before
 	// any byte reached the client is retried on (≥ 0).
@@ -220,6 +223,9 @@ type Config struct {
 	// answered 429 with Retry-After past it (docs/overload.md, Trusted
 	// headers and quotas).
 	Tenants tenant.Config
+	// FrontDoor bounds what hostile clients and failing replicas can take
+	// from the proxy (frontdoor_config.go; docs/security.d/frontdoor.md).
+	FrontDoor
 
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
@@ -269,12 +275,13 @@ func DefaultConfig() Config {
 		MetricsPath:           "/metrics",
 		ScrapeInterval:        5 * time.Second,
 		MaxBodyBytes:          16 << 20,
-		MaxResponseBytes:      64 << 20,
+		MaxResponseBytes:      1 << 20,
 		MaxRetries:            2,
 		DrainTimeout:          30 * time.Second,
 		KVLinkGbps:            400,
 		KVLinkLatency:         time.Millisecond,
 		Queue:                 cluster.DefaultQueueConfig(),
+		FrontDoor:             DefaultFrontDoor(),
 	}
 }
 
@@ -405,6 +412,9 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("proxy: config: %w", err)
 	}
 	c.Queue.Tenants = c.Tenants.Names()
+	if err := c.FrontDoor.validate(c.MaxBodyBytes); err != nil {
+		return fmt.Errorf("proxy: config: %w", err)
+	}
 	return nil
 }
 
@@ -583,6 +593,7 @@ type fileConfig struct {
 	TrustedProxies           *[]string        `json:"trusted_proxies"`
 	AnonymousTokensPerMinute *int64           `json:"anonymous_tokens_per_minute"`
 	RequireTenant            *bool            `json:"require_tenant"`
+	fileFrontDoor
 }
 
 // fileQueue is the YAML form of Config.Queue: every field optional.
@@ -781,6 +792,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	if f.RequireTenant != nil {
 		c.Tenants.RequireTenant = *f.RequireTenant
 	}
+	f.fileFrontDoor.apply(&c.FrontDoor)
 	if f.Pools != nil {
 		if f.Backends != nil || f.Discovery != nil {
 			return base, errors.New("proxy: parse config: pools: backends and discovery belong to each pool, not beside pools")

@@ -25,6 +25,9 @@ var (
 	ErrPromptTooLong = cluster.ErrPromptTooLong
 	// ErrOverloaded is returned for a request over Config.MaxConcurrent.
 	ErrOverloaded = errors.New("too many requests in flight")
+	// ErrBodyMemory is returned for a request whose body would take the
+	// request-body bytes held over FrontDoor.MaxInflightBodyBytes.
+	ErrBodyMemory = errors.New("request bodies in memory at their bound")
 	// ErrUnauthorized is returned for an admin or debug request without the
 	// configured bearer token.
 	ErrUnauthorized = errors.New("missing or wrong bearer token")
@@ -37,6 +40,10 @@ var (
 	// errIdle marks an upstream that sent nothing for Config.IdleTimeout.
 	errIdle = errors.New("replica idle timeout")
 )
+
+// codeClientTimeout is the prefixlb_requests_total outcome of a request
+// whose client stopped reading (FrontDoor.ClientWriteTimeout).
+const codeClientTimeout = "client_timeout"
 
 // Reasons an attempt failed, as metric labels.
 const (
@@ -74,7 +81,7 @@ func statusOf(err error) int {
 		return http.StatusBadRequest
 	case errors.Is(err, ErrBodyTimeout):
 		return http.StatusRequestTimeout
-	case errors.Is(err, ErrOverloaded):
+	case errors.Is(err, ErrOverloaded), errors.Is(err, ErrBodyMemory):
 		return http.StatusTooManyRequests
 	case errors.Is(err, ErrBodyTooLarge):
 		return http.StatusRequestEntityTooLarge

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"mime"
 	"net"
 	"net/http"
@@ -51,10 +52,19 @@ type exchange struct {
 	// wrote is set once any byte of the response went to the client: from
 	// then on the request cannot be retried.
 	wrote bool
-	// code is the outcome label of prefixlb_requests_total.
-	code string
+	// code is the outcome label of prefixlb_requests_total; status the
+	// status sent to the client (writeHead; 0: none yet).
+	code   string
+	status int
 	// tq is the request's tenant and quota (tenants.go).
 	tq tenantState
+	// cw is w when ClientWriteTimeout bounds the writes to the client
+	// (nil: no bound).
+	cw *clientWriter
+	// abort makes the handler end by aborting the response (the connection
+	// closed, HTTP/2's stream reset): a response whose rest could not be
+	// read must not end as if it were whole.
+	abort bool
 }
 
 // result is the outcome of one attempt on one replica.
@@ -79,12 +89,35 @@ type storedResponse struct {
 // serveInference routes and forwards one /v1 request.
 func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind openai.Kind) {
 	x := &exchange{p: p, w: w, r: r, start: time.Now()}
+	if d := p.cfg.ClientWriteTimeout; d > 0 {
+		x.cw = newClientWriter(w, d)
+		x.w, w = x.cw, x.cw
+	}
 	var last *backend // the replica of the last attempt
+	var held int64    // the body's bytes reserved from p.bodies
 	defer func() {
+		p.bodies.release(held)
+		if x.cw != nil {
+			x.cw.finish()
+			if x.cw.timedOut() {
+				x.code = codeClientTimeout
+				name := ""
+				if last != nil {
+					name = last.Name
+				}
+				p.log.Info("client stopped reading: write timed out, request ended", "replica", name,
+					"client", r.RemoteAddr, "client_write_timeout", p.cfg.ClientWriteTimeout)
+			}
+		}
 		if last != nil {
 			last.m.request(x.code).Inc()
 		} else {
 			p.m.requests.WithLabelValues(p.policy, "", x.code).Inc()
+		}
+		if x.abort {
+			// As httputil.ReverseProxy ends a body it could not copy whole:
+			// net/http closes the connection without ending the response.
+			panic(http.ErrAbortHandler)
 		}
 	}()
 	fail := func(err error) {
@@ -93,8 +126,13 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	if !x.identify() {
 		return
 	}
-	body, err := readBody(w, r, p.cfg.MaxBodyBytes)
+	body, n, err := readBodyWithin(w, r, p.cfg.MaxBodyBytes, p.bodies)
+	held = n
 	if err != nil {
+		if errors.Is(err, ErrBodyMemory) {
+			p.m.refused.WithLabelValues(refusedBodyMemory).Inc()
+			w.Header().Set("Retry-After", "1")
+		}
 		fail(err)
 		return
 	}
@@ -129,6 +167,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 	var tried []int
 	var lastRes result
 	var lastD policy.Decision
+	retries := 0 // attempts after the first: another replica was chosen
 	for attempt := 0; ; attempt++ {
 		preq.ID = p.nextID.Add(1)
 		var (
@@ -155,6 +194,14 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 			}
 			break // no replica left to try: answer the last failure
 		}
+		if attempt > 0 {
+			// Another replica was chosen: the retry of the last failure
+			// happens (and only now is it one).
+			retries++
+			reason := reasonOf(lastRes.err)
+			p.m.retries.WithLabelValues(last.Name, reason).Inc()
+			p.log.Warn("retrying on another replica", "replica", last.Name, "next", b.Name, "reason", reason, "err", lastRes.err)
+		}
 		last = b
 		b.m.decision(d.Branch).Inc()
 		x.body, x.prefilled = x.orig, nil
@@ -167,7 +214,8 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		} else if p.pdOn {
 			p.m.pd.WithLabelValues(pdLocal).Inc()
 		}
-		res := x.attempt(ctx, preq.ID, &d, b, attempt)
+		res := x.attempt(ctx, preq.ID, &d, b, retries)
+		p.observe(b, x.verdict(ctx, res))
 		if res.err == nil {
 			return
 		}
@@ -175,9 +223,6 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		if !res.retry || x.wrote || ctx.Err() != nil || attempt >= p.cfg.MaxRetries {
 			break
 		}
-		reason := reasonOf(res.err)
-		p.m.retries.WithLabelValues(b.Name, reason).Inc()
-		p.log.Warn("retrying on another replica", "replica", b.Name, "reason", reason, "err", res.err)
 		if res.dead {
 			p.checked(b, false, true)
 		}
@@ -190,7 +235,7 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		x.code = "cancelled"
 		return
 	}
-	x.setRouteHeaders(&lastD, last, len(tried))
+	x.setRouteHeaders(&lastD, last, retries)
 	if lastRes.resp != nil {
 		x.code = strconv.Itoa(lastRes.resp.status)
 		copyHeader(w.Header(), lastRes.resp.header)
@@ -215,27 +260,84 @@ func reasonOf(err error) string {
 	return reasonConn
 }
 
-// readBody reads the request body, bounded by limit.
+// Sizes of readBody's buffer.
+const (
+	// trustedBodyBytes is how much of a declared Content-Length the buffer
+	// is sized for before the bytes arrive: a body of up to 64 KiB (a
+	// 16k-token prompt) is read into one buffer of its size, with no copy
+	// (io.ReadAll would grow and copy a 25 KB body eight times), while a
+	// client that declares 16 MiB and sends nothing holds 64 KiB, not
+	// 16 MiB (issue 26, D2). Beyond it the buffer doubles as bytes come.
+	trustedBodyBytes = 64 << 10
+	// unknownBodyBytes is the first buffer of a body of unknown length
+	// (chunked).
+	unknownBodyBytes = 4 << 10
+)
+
+// readBody reads the request body, bounded by limit, into a buffer that
+// grows with the bytes that arrive (readBodyWithin), counted against no
+// budget.
 func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
+	body, _, err := readBodyWithin(w, r, limit, nil)
+	return body, err
+}
+
+// readBodyWithin reads the request body, bounded by limit, into a buffer that
+// grows with the bytes that arrive: sized at once for a declared length of
+// up to trustedBodyBytes, then doubled (to the declared length at most)
+// each time it fills. The buffer's size is reserved from budget before it
+// is allocated (nil: no bound); readBodyWithin returns the bytes reserved,
+// which the caller releases once it drops the body (none on error).
+func readBodyWithin(w http.ResponseWriter, r *http.Request, limit int64, budget *byteBudget) (body []byte, held int64, err error) {
 	if r.ContentLength > limit {
-		return nil, fmt.Errorf("proxy: read body: %w: %d bytes over the limit of %d", ErrBodyTooLarge, r.ContentLength, limit)
+		return nil, 0, fmt.Errorf("proxy: read body: %w: %d bytes over the limit of %d", ErrBodyTooLarge, r.ContentLength, limit)
 	}
-	// Read into one buffer of the declared size (a 4k-token prompt is
-	// ~25 KB: io.ReadAll would grow and copy it eight times).
-	buf := bytes.NewBuffer(make([]byte, 0, max(r.ContentLength, 0)+bytes.MinRead))
-	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
-	body := buf.Bytes()
-	if err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			return nil, fmt.Errorf("proxy: read body: %w: over the limit of %d bytes", ErrBodyTooLarge, limit)
-		}
-		if errors.Is(err, ErrBodyTimeout) {
-			return nil, fmt.Errorf("proxy: read body: %w", err)
-		}
-		return nil, fmt.Errorf("proxy: read body: %w: %v", openai.ErrBadRequest, err)
+	// The buffer has bytes.MinRead to spare past a declared length, so the
+	// read that finds the end needs no growth (as bytes.Buffer.ReadFrom).
+	size := int64(unknownBodyBytes)
+	if r.ContentLength >= 0 {
+		size = min(r.ContentLength, trustedBodyBytes) + bytes.MinRead
 	}
-	return body, nil
+	if err := budget.reserve(size); err != nil {
+		return nil, 0, fmt.Errorf("proxy: read body: %w", err)
+	}
+	held = size
+	buf := make([]byte, 0, size)
+	src := http.MaxBytesReader(w, r.Body, limit)
+	for {
+		if len(buf) == cap(buf) {
+			next := 2 * int64(cap(buf))
+			if r.ContentLength > int64(len(buf)) {
+				next = min(next, r.ContentLength+bytes.MinRead)
+			}
+			next = max(min(next, limit+bytes.MinRead), int64(len(buf))+bytes.MinRead)
+			// Only the new buffer is counted: the old one is garbage once
+			// copied.
+			if err := budget.reserve(next - held); err != nil {
+				budget.release(held)
+				return nil, 0, fmt.Errorf("proxy: read body: %w", err)
+			}
+			grown := make([]byte, len(buf), next)
+			copy(grown, buf)
+			buf, held = grown, next
+		}
+		n, rerr := src.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if rerr == io.EOF {
+			return buf, held, nil
+		}
+		if rerr != nil {
+			budget.release(held)
+			var mbe *http.MaxBytesError
+			if errors.As(rerr, &mbe) {
+				return nil, 0, fmt.Errorf("proxy: read body: %w: over the limit of %d bytes", ErrBodyTooLarge, limit)
+			}
+			if errors.Is(rerr, ErrBodyTimeout) {
+				return nil, 0, fmt.Errorf("proxy: read body: %w", rerr)
+			}
+			return nil, 0, fmt.Errorf("proxy: read body: %w: %v", openai.ErrBadRequest, rerr)
+		}
+	}
 }
 
 // The explanation headers' keys in canonical form, as Header.Set would
@@ -377,7 +479,7 @@ func (x *exchange) outRequestWith(ctx context.Context, b *backend, body []byte) 
 
 // newBackend is the proxy's state of pool member m, counting in bm.
 func newBackend(m *cluster.Member, bm *backendMetrics) *backend {
-	return &backend{Member: m, basePath: strings.TrimSuffix(m.Base.Path, "/"), host: hostOf(m.Base), m: bm}
+	return &backend{Member: m, basePath: strings.TrimSuffix(m.Base.Path, "/"), host: hostOf(m.Base), m: bm, hcOK: true}
 }
 
 // hostOf is u's host less an empty port ("h:" is "h"), as
@@ -426,6 +528,7 @@ func (x *exchange) writeHead(d *policy.Decision, b *backend, n int, resp *http.R
 	x.w.WriteHeader(resp.StatusCode)
 	x.wrote = true
 	x.code = strconv.Itoa(resp.StatusCode)
+	x.status = resp.StatusCode
 }
 
 // stream passes a Server-Sent Events response through event by event,
@@ -536,7 +639,8 @@ func drainAfterDone(fr *openai.Framer, cancel func()) {
 
 // buffered forwards a response that is not a stream: it reads it (up to
 // MaxResponseBytes), checks that a successful completion is JSON, learns its
-// usage, and answers. A larger response is passed through unchecked.
+// usage, and answers. A larger response is passed through unchecked
+// (passThrough).
 func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, body io.Reader, readFailure func(error) *attemptError) result {
 	p := x.p
 	limit := p.cfg.MaxResponseBytes
@@ -549,19 +653,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 	out, cached := 0, -1
 	var timings *openai.Timings
 	if int64(len(buf)) > limit {
-		x.writeHead(d, b, n, resp, -1)
-		_, _ = x.w.Write(buf)
-		if _, err := io.Copy(x.w, body); err != nil {
-			p.log.Warn("copy large response", "replica", b.Name, "err", err)
-			ok = false
-			x.code = "aborted"
-		}
-		if ok {
-			x.done(id, d, b, router.Finish{CachedTokens: -1, OK: true})
-		} else {
-			p.finish(id, 0, -1, false)
-		}
-		return result{}
+		return x.passThrough(id, d, b, n, resp, buf, body, readFailure)
 	}
 	if ok && resp.StatusCode < 300 && x.req.Kind != openai.KindOther {
 		c, isJSON := openai.ReadChunk(buf)
@@ -575,13 +667,81 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 		}
 	}
 	x.writeHead(d, b, n, resp, len(buf))
-	_, _ = x.w.Write(buf)
+	if _, err := x.w.Write(buf); err != nil {
+		p.finish(id, out, -1, false)
+		x.code = "cancelled"
+		return result{err: fmt.Errorf("proxy: write to client: %w", err)}
+	}
 	if ok {
 		x.done(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: true, Timings: timings.Calibration()})
 	} else {
 		p.finish(id, out, -1, false)
 	}
 	return result{}
+}
+
+// passThrough forwards a non-streamed response larger than
+// MaxResponseBytes, unchecked: its head (read already), then the rest as it
+// arrives, holding one copy buffer rather than the whole answer. The
+// replica's Content-Length is kept when it sent one. A rest that cannot be
+// read aborts the response (the client sees it cut, never a short body
+// that looks whole).
+func (x *exchange) passThrough(id uint64, d *policy.Decision, b *backend, n int, resp *http.Response, head []byte, body io.Reader, readFailure func(error) *attemptError) result {
+	p := x.p
+	length := -1
+	if resp.ContentLength >= 0 && resp.ContentLength <= math.MaxInt {
+		length = int(resp.ContentLength)
+	}
+	x.writeHead(d, b, n, resp, length)
+	werr, rerr := copyResponse(x.w, head, body)
+	switch {
+	case werr != nil:
+		p.finish(id, 0, -1, false)
+		x.code = "cancelled"
+		return result{err: fmt.Errorf("proxy: write to client: %w", werr)}
+	case rerr != nil:
+		p.finish(id, 0, -1, false)
+		err := readFailure(rerr)
+		if x.r.Context().Err() != nil {
+			x.code = "cancelled"
+			return result{err: err}
+		}
+		p.log.Warn("large response cut", "replica", b.Name, "err", err)
+		x.code, x.abort = "aborted", true
+		return result{err: err}
+	}
+	if resp.StatusCode < 400 {
+		x.done(id, d, b, router.Finish{CachedTokens: -1, OK: true})
+	} else {
+		p.finish(id, 0, -1, false)
+	}
+	return result{}
+}
+
+// copyBufferBytes is passThrough's copy buffer, io.Copy's size.
+const copyBufferBytes = 32 << 10
+
+// copyResponse writes head, then what body reads to its end, to w, and
+// tells a failed write (werr) from a failed read (rerr).
+func copyResponse(w io.Writer, head []byte, body io.Reader) (werr, rerr error) {
+	if _, err := w.Write(head); err != nil {
+		return err, nil
+	}
+	buf := make([]byte, copyBufferBytes)
+	for {
+		n, err := body.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return werr, nil
+			}
+		}
+		if err == io.EOF {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
 }
 
 // done records a request that the replica answered, with what the front

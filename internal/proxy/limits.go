@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
@@ -11,14 +12,15 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/openai"
 )
 
 // limited wraps an inference handler with the checks that do not need the
-// body: a path with dot segments is refused (400), the bound on requests in
-// flight (Config.MaxConcurrent, a semaphore of that many slots, answered 429
+// body: a path with dot segments is refused (400), one not in AllowedPaths
+// too (404, allowed), the bound on requests in flight (Config.MaxConcurrent, a semaphore of that many slots, answered 429
 // with Retry-After when full) and the deadline for reading the body
 // (Config.BodyReadTimeout).
 func (p *Proxy) limited(h http.HandlerFunc) http.HandlerFunc {
@@ -31,10 +33,18 @@ func (p *Proxy) limited(h http.HandlerFunc) http.HandlerFunc {
 			writeError(w, fmt.Errorf("proxy: %w: path %q has dot segments", openai.ErrBadRequest, r.URL.Path))
 			return
 		}
+		if !p.allowRequest(w, r) {
+			return
+		}
 		if p.slots != nil {
 			select {
 			case p.slots <- struct{}{}:
-				defer func() { <-p.slots }()
+				defer func() {
+					<-p.slots
+					if p.hookReleased != nil {
+						p.hookReleased()
+					}
+				}()
 			default:
 				p.m.requests.WithLabelValues(p.policy, "", strconv.Itoa(http.StatusTooManyRequests)).Inc()
 				w.Header().Set("Retry-After", "1")
@@ -109,4 +119,110 @@ func digestToken(tok string) tokenDigest { return sha256.Sum256([]byte(tok)) }
 func tokenMatches(got string, want tokenDigest) bool {
 	g := digestToken(got)
 	return subtle.ConstantTimeCompare(g[:], want[:]) == 1
+}
+
+// byteBudget bounds the bytes held at once by all requests together
+// (FrontDoor.MaxInflightBodyBytes). A nil *byteBudget bounds nothing. It is
+// safe for concurrent use.
+type byteBudget struct {
+	max  int64
+	used atomic.Int64
+}
+
+// newByteBudget returns a budget of max bytes (nil for max ≤ 0: no bound).
+// It allows bytes.MinRead over max: a body of max_body_bytes is read into a
+// buffer with that much to spare (readBodyWithin), and must fit a budget
+// of max_body_bytes.
+func newByteBudget(max int64) *byteBudget {
+	if max <= 0 {
+		return nil
+	}
+	return &byteBudget{max: max}
+}
+
+// bound is the most the budget lets be held.
+func (b *byteBudget) bound() int64 { return b.max + bytes.MinRead }
+
+// reserve takes n bytes, or returns an error wrapping ErrBodyMemory and
+// takes nothing when they would exceed the bound.
+func (b *byteBudget) reserve(n int64) error {
+	if b == nil {
+		return nil
+	}
+	for {
+		u := b.used.Load()
+		if u+n > b.bound() {
+			return fmt.Errorf("%w: %d bytes of request bodies held, %d more would pass max_inflight_body_bytes (%d)", ErrBodyMemory, u, n, b.max)
+		}
+		if b.used.CompareAndSwap(u, u+n) {
+			return nil
+		}
+	}
+}
+
+// release gives back n bytes reserved.
+func (b *byteBudget) release(n int64) {
+	if b != nil && n != 0 {
+		b.used.Add(-n)
+	}
+}
+
+// held is the bytes reserved now.
+func (b *byteBudget) held() int64 {
+	if b == nil {
+		return 0
+	}
+	return b.used.Load()
+}
+
+// allowed wraps h with the AllowedPaths check (allowRequest).
+func (p *Proxy) allowed(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if p.allowRequest(w, r) {
+			h(w, r)
+		}
+	}
+}
+
+// allowRequest reports whether r's method and path are in AllowedPaths; if
+// not, it answers 404 with an OpenAI-style error naming the setting, and
+// counts the refusal.
+func (p *Proxy) allowRequest(w http.ResponseWriter, r *http.Request) bool {
+	if p.allow.allows(r.Method, r.URL.Path) {
+		return true
+	}
+	p.m.refused.WithLabelValues(refusedPath).Inc()
+	p.m.requests.WithLabelValues(p.policy, "", strconv.Itoa(http.StatusNotFound)).Inc()
+	writeErrorStatus(w, http.StatusNotFound, fmt.Errorf("proxy: %s %s is not served here: not in allowed_paths", r.Method, r.URL.Path))
+	return false
+}
+
+// warnOpenAdmin logs a warning when the proxy listens on addr beyond
+// loopback without an admin token: /debug/* (routing decisions, each
+// replica's cache, Go's profiler) and /ui are then open to whoever reaches
+// the address (admin lets every request through when AdminToken is empty,
+// which is kept for loopback, where only the host's users reach it).
+func (p *Proxy) warnOpenAdmin(addr net.Addr) {
+	if p.cfg.AdminToken != "" || isLoopback(addr) {
+		return
+	}
+	p.log.Warn("listening beyond loopback without an admin token: /debug/* (routing decisions, replicas' caches, the Go profiler) and /ui are open to anyone who can reach this address; set --admin-token or $PREFIXLB_ADMIN_TOKEN (admin_token), or listen on 127.0.0.1",
+		"listen", addr.String())
+}
+
+// isLoopback reports whether addr is a TCP address on a loopback IP (not an
+// unspecified one, 0.0.0.0 or ::, which listens on every interface).
+func isLoopback(addr net.Addr) bool {
+	switch a := addr.(type) {
+	case *net.TCPAddr:
+		return a.IP.IsLoopback()
+	case *net.UnixAddr:
+		return true // a socket file: the host's users only
+	}
+	host, _, err := net.SplitHostPort(addr.String())
+	if err != nil {
+		return false
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

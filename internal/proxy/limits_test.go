@@ -549,6 +549,10 @@ func TestNoUpstreamFromRequest(t *testing.T) {
 	evilHost := strings.TrimPrefix(evil.srv.URL, "http://")
 	cfg := testConfig()
 	cfg.Backends = []Backend{{Name: "a", URL: a.srv.URL}, {Name: "b", URL: b.srv.URL}}
+	// Every /v1 path forwarded, as before allowed_paths: what is tested
+	// here is where a forwarded request goes (TestAllowedPaths tests what
+	// the default refuses).
+	cfg.AllowedPaths = []string{"*"}
 	_, addr := serveLoopback(t, cfg)
 
 	body := `{"model":"m","prompt":"hello there"}`

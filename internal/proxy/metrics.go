@@ -17,6 +17,12 @@ type metrics struct {
 	latency          *prometheus.HistogramVec // replica
 	retries          *prometheus.CounterVec   // replica, reason
 	health           *prometheus.CounterVec   // replica, result
+	// refused counts requests the front door refused before routing
+	// (reason: refusedBodyMemory, refusedPath); ejections the replicas
+	// taken out of routing (replica, reason: ejectHealth, ejectDial,
+	// ejectBreaker).
+	refused   *prometheus.CounterVec
+	ejections *prometheus.CounterVec
 	// pd and pdPrefill are prefill/decode disaggregation's (pd.go), with
 	// prefill-role replicas only.
 	pd        *prometheus.CounterVec // outcome
@@ -36,7 +42,7 @@ func newMetrics() (*metrics, error) {
 		Metrics: cm,
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "prefixlb_requests_total",
-			Help: "Client requests by policy, final replica and outcome (HTTP status; \"aborted\": the stream failed after its status was sent; \"cancelled\": the client left).",
+			Help: "Client requests by policy, final replica and outcome (HTTP status; \"aborted\": the response failed after its status was sent; \"cancelled\": the client left; \"client_timeout\": the client stopped reading for client_write_timeout).",
 		}, []string{"policy", "replica", "code"}),
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "prefixlb_inflight",
@@ -61,6 +67,17 @@ func newMetrics() (*metrics, error) {
 			Help: "Active health checks by replica and result (ok, fail).",
 		}, []string{"replica", "result"}),
 	}
+	m.refused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "prefixlb_refused_total",
+		Help: "Requests refused before routing, by reason: body_memory (max_inflight_body_bytes reached: 429), path_not_allowed (not in allowed_paths: 404).",
+	}, []string{"reason"})
+	m.ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "prefixlb_replica_ejections_total",
+		Help: "Replicas taken out of routing, by replica and reason: health (eject_after failed health checks), dial (a refused connection), breaker (breaker_failures of its last breaker_window requests failed).",
+	}, []string{"replica", "reason"})
+	for _, r := range []string{refusedBodyMemory, refusedPath} {
+		m.refused.WithLabelValues(r)
+	}
 	m.pd = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "prefixlb_pd_requests_total",
 		Help: "Requests of a cluster with prefill replicas by outcome: disaggregated (prefilled on a prefill replica, KV moved), local (the policy kept it on one replica), prefill_failed and no_kv_params (the prefill leg failed, or answered without kv_transfer_params: the decode replica prefilled).",
@@ -70,7 +87,7 @@ func newMetrics() (*metrics, error) {
 		Help:    "Time of a disaggregated request's prefill leg, from sending it to its answer.",
 		Buckets: latencyBuckets,
 	})
-	for _, c := range []prometheus.Collector{m.requests, m.inflight, m.ttft, m.latency, m.retries, m.health} {
+	for _, c := range []prometheus.Collector{m.requests, m.inflight, m.ttft, m.latency, m.retries, m.health, m.refused, m.ejections} {
 		if err := m.Reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -88,9 +105,27 @@ func (m *metrics) replicaAdded(name string) {
 func (m *metrics) replicaRemoved(name string) {
 	l := prometheus.Labels{"replica": name}
 	for _, v := range []*prometheus.MetricVec{m.requests.MetricVec, m.inflight.MetricVec, m.ttft.MetricVec,
-		m.latency.MetricVec, m.retries.MetricVec, m.health.MetricVec} {
+		m.latency.MetricVec, m.retries.MetricVec, m.health.MetricVec, m.ejections.MetricVec} {
 		v.DeletePartialMatch(l)
 	}
+}
+
+// Reasons of prefixlb_refused_total and prefixlb_replica_ejections_total.
+const (
+	refusedBodyMemory = "body_memory"
+	refusedPath       = "path_not_allowed"
+	ejectHealth       = "health"
+	ejectDial         = "dial"
+	ejectBreaker      = "breaker"
+)
+
+// bodyBytesGauge exports the request-body bytes held (budget b; nil: none
+// counted) as prefixlb_inflight_body_bytes.
+func (m *metrics) bodyBytesGauge(b *byteBudget) error {
+	return m.Reg.Register(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "prefixlb_inflight_body_bytes",
+		Help: "Request-body bytes held in memory now, as reserved against max_inflight_body_bytes (0 when it is 0: not counted).",
+	}, func() float64 { return float64(b.held()) }))
 }
 
 // backendMetrics are one replica's children of the request-path metric

@@ -70,6 +70,12 @@ type backend struct {
 	// fails and oks count consecutive failed and good health checks
 	// (guarded by the core's Mu).
 	fails, oks int
+	// hcOK is the health checks' verdict (guarded by Mu): the replica is
+	// in routing (Member.Healthy) while it holds and brk does not hold it
+	// out.
+	hcOK bool
+	// brk is its circuit breaker (breaker.go; guarded by Mu; nil: off).
+	brk *breaker
 	// basePath is the URL's path less a final "/", host its host less
 	// an empty port: what forwarded requests are built from (outRequest).
 	basePath, host string
@@ -113,6 +119,13 @@ type Proxy struct {
 	// tenants tells who each request is from and holds their quotas
 	// (tenants.go).
 	tenants *cluster.Tenants
+	// bodies bounds the request-body bytes held (nil: no bound); allow is
+	// AllowedPaths compiled (frontdoor_config.go).
+	bodies *byteBudget
+	allow  allowlist
+	// hookReleased, when set (tests), is called after an inference request
+	// gave its max_concurrent slot back.
+	hookReleased func()
 }
 
 // New builds a Proxy from cfg (validated here). It starts nothing: serve
@@ -154,6 +167,13 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	if cfg.MaxConcurrent > 0 {
 		p.slots = make(chan struct{}, cfg.MaxConcurrent)
+	}
+	p.bodies = newByteBudget(cfg.MaxInflightBodyBytes)
+	if err := m.bodyBytesGauge(p.bodies); err != nil {
+		return nil, fmt.Errorf("proxy: metrics: %w", err)
+	}
+	if p.allow, err = newAllowlist(cfg.AllowedPaths); err != nil {
+		return nil, fmt.Errorf("proxy: config: allowed_paths: %w", err)
 	}
 	if cfg.Queue.On {
 		gm, err := cluster.NewGateMetrics(m.Reg)
@@ -212,7 +232,9 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	p.pool.Hooks = cluster.PoolHooks{
 		Added: func(m *cluster.Member) {
-			m.Front = newBackend(m, p.m.forBackend(core.Policy, m.Name))
+			b := newBackend(m, p.m.forBackend(core.Policy, m.Name))
+			b.brk = newBreaker(cfg.BreakerFailures, cfg.BreakerWindow, cfg.BreakerEjectionTime)
+			m.Front = b
 			p.m.replicaAdded(m.Name)
 		},
 		Removed: func(m *cluster.Member) { p.m.replicaRemoved(m.Name) },
@@ -272,7 +294,7 @@ func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindCompletion) }))
 	mux.HandleFunc("POST /v1/chat/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindChat) }))
-	mux.HandleFunc("GET /v1/models", p.serveModels)
+	mux.HandleFunc("GET /v1/models", p.allowed(p.serveModels))
 	mux.HandleFunc("/v1/", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindOther) }))
 	mux.HandleFunc("GET /health", p.serveHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.Reg, promhttp.HandlerOpts{}))
@@ -286,6 +308,9 @@ func (p *Proxy) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeErrorStatus(w, http.StatusNotFound, fmt.Errorf("no route for %s %s", r.Method, r.URL.Path))
 	})
+	if p.cfg.ClientWriteTimeout > 0 {
+		return clearWriteDeadline(mux)
+	}
 	return mux
 }
 
@@ -341,7 +366,15 @@ func (p *Proxy) serveHandler(ctx context.Context, ln net.Listener, h http.Handle
 		IdleTimeout:       p.cfg.ClientIdleTimeout,
 		MaxHeaderBytes:    p.cfg.MaxHeaderBytes,
 		ErrorLog:          slog.NewLogLogger(p.log.Handler(), slog.LevelWarn),
+		// A connection back to idle drops the write deadline its last
+		// response left (clientWriter.finish).
+		ConnState: func(c net.Conn, st http.ConnState) {
+			if st == http.StateIdle {
+				_ = c.SetWriteDeadline(time.Time{})
+			}
+		},
 	}
+	p.warnOpenAdmin(ln.Addr())
 	if p.hookShutdown != nil {
 		srv.RegisterOnShutdown(p.hookShutdown)
 	}
@@ -451,28 +484,48 @@ func (p *Proxy) finishWith(id uint64, fin router.Finish) {
 // or a passive one: a request that could not connect) and ejects or
 // re-admits it when a threshold is crossed. eject=true takes the replica
 // out at once (it refused a connection).
+//
+// A replica the circuit breaker holds out (breaker.go) is re-admitted by
+// the first good check once its ejection time is up, if its last
+// ReadmitAfter checks passed (counted from the ejection).
 func (p *Proxy) checked(b *backend, ok, eject bool) {
+	now := time.Now()
 	p.mu.Lock()
-	healthy := b.Healthy()
+	hc := b.hcOK
 	if ok {
 		b.fails, b.oks = 0, b.oks+1
-		if !healthy && b.oks >= p.cfg.ReadmitAfter {
-			healthy = true
+		if !hc && b.oks >= p.cfg.ReadmitAfter {
+			hc = true
 		}
 	} else {
 		b.oks, b.fails = 0, b.fails+1
-		if healthy && (eject || b.fails >= p.cfg.EjectAfter) {
-			healthy = false
+		if hc && (eject || b.fails >= p.cfg.EjectAfter) {
+			hc = false
 		}
 	}
+	ejectedNow := b.hcOK && !hc
+	b.hcOK = hc
+	readmitted := false
+	if ok && b.brk.due(now) && b.oks >= p.cfg.ReadmitAfter {
+		b.brk.readmit(now)
+		readmitted = true
+	}
+	healthy := hc && !b.brk.ejected()
 	changed := healthy != b.Healthy()
 	up, _ := p.pool.SetHealthy(b.Member, healthy)
 	p.mu.Unlock()
+	if ejectedNow {
+		reason := ejectHealth
+		if eject {
+			reason = ejectDial
+		}
+		p.m.ejections.WithLabelValues(b.Name, reason).Inc()
+	}
 	if !changed {
 		return
 	}
 	if healthy {
-		p.log.Info("replica re-admitted", "replica", b.Name)
+		p.log.Info("replica re-admitted", "replica", b.Name, "breaker", readmitted)
 	} else {
 		p.log.Warn("replica ejected", "replica", b.Name, "passive", eject)
 	}
