@@ -244,9 +244,14 @@ func (r row) errorList() string {
 // runLoad runs reqs against target in a goroutine it owns; wait returns the
 // output once the run has ended, and stop cancels and waits (a cleanup).
 func runLoad(ctx context.Context, target string, reqs []workload.Request, maxDuration time.Duration) (client *countingTransport, start time.Time, wait func() (loadgen.Output, error)) {
+	return runLoadHeader(ctx, target, reqs, maxDuration, nil)
+}
+
+// runLoadHeader is runLoad with header sent on every request (an API key).
+func runLoadHeader(ctx context.Context, target string, reqs []workload.Request, maxDuration time.Duration, header http.Header) (client *countingTransport, start time.Time, wait func() (loadgen.Output, error)) {
 	hc, ct := newLoadClient()
 	cfg := loadgen.DefaultConfig()
-	cfg.Target, cfg.Model, cfg.Client = target, modelName, hc
+	cfg.Target, cfg.Model, cfg.Client, cfg.Header = target, modelName, hc, header
 	cfg.Policy = "e2"
 	cfg.RequestTimeout = 40 * time.Second // past the router's 20s request timeout: a client timeout is a lost request
 	cfg.MaxDuration = maxDuration

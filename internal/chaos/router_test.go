@@ -54,6 +54,13 @@ var routerFlags = []string{
 // newRouter writes a config naming backends and starts the router.
 func newRouter(t testing.TB, dir string, backends []backend, extra ...string) *router {
 	t.Helper()
+	return newRouterYAML(t, dir, backends, "", extra...)
+}
+
+// newRouterYAML is newRouter with more of the config file: yaml is
+// appended after the backends (top-level keys such as tenants).
+func newRouterYAML(t testing.TB, dir string, backends []backend, yaml string, extra ...string) *router {
+	t.Helper()
 	var cfg strings.Builder
 	cfg.WriteString("backends:\n")
 	for _, b := range backends {
@@ -65,6 +72,7 @@ func newRouter(t testing.TB, dir string, backends []backend, extra ...string) *r
 			fmt.Fprintf(&cfg, "  role: %q\n", b.Role)
 		}
 	}
+	cfg.WriteString(yaml)
 	path := filepath.Join(dir, "router.yaml")
 	if err := os.WriteFile(path, []byte(cfg.String()), 0o600); err != nil {
 		t.Fatalf("chaos: write router config: %v", err)

@@ -1,0 +1,479 @@
+package chaos
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prefixlb/prefixlb/internal/loadgen"
+	"github.com/prefixlb/prefixlb/internal/report"
+	"github.com/prefixlb/prefixlb/internal/workload"
+)
+
+// The hostile column (issue 26): one cluster, one router with its default
+// limits, a tenant's steady load, and attacks on the router one after
+// another, each for a phase of the load. For every attack the tenant's
+// requests must all be served, with p99 TTFT within 2× of the clean
+// phase's; the router's resident memory stays under 512 MiB throughout;
+// and SIGTERM during attacks ends the router within its drain timeout.
+const (
+	hostilePhase    = 8 * time.Second
+	hostileWarmUp   = 6 * time.Second
+	hostileRSSLimit = 512 << 20
+	// hostileDrain is the router's --drain-timeout (routerFlags).
+	hostileDrain = 2 * time.Second
+	// API keys of the tenants (the config holds their SHA-256 digests).
+	goodKey  = "sk-chaos-good-tenant"
+	noisyKey = "sk-chaos-noisy-tenant"
+	// noisyRate is the noisy tenant's request rate, 4× its quota.
+	noisyRate = 15.0
+)
+
+// hostileAttack is one phase: start returns what stops it.
+type hostileAttack struct {
+	name  string
+	start func(t *testing.T, h *hostileRig) (stop func())
+	// check asserts what the attack must leave, after its phase.
+	check func(t *testing.T, h *hostileRig)
+}
+
+// hostileRig is the cluster under attack.
+type hostileRig struct {
+	engines     []*engine
+	front0      *front   // engine 0's HTTP
+	pub0, rep0  *kvFront // engine 0's KV-event PUB and replay ROUTER
+	router      *router
+	cleanThresh float64 // the queue's predicted-wait threshold before any attack
+	notes       map[string]string
+}
+
+func sha(s string) string {
+	d := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(d[:])
+}
+
+func TestChaosHostile(t *testing.T) {
+	if testing.Short() {
+		t.Skip("chaos: starts processes for ~90 s")
+	}
+	dir := t.TempDir()
+	h := &hostileRig{notes: map[string]string{}}
+	for i := range 3 {
+		h.engines = append(h.engines, newEngine(t, dir, fmt.Sprintf("engine%d", i)))
+	}
+	var bs []backend
+	for i, e := range h.engines {
+		b := backend{URL: e.url(), KVEvents: e.kvEndpoint(), KVReplay: e.replayEndpoint()}
+		if i == 0 {
+			h.front0 = newFront(t, e.url())
+			h.pub0 = newKVFront(t, fmt.Sprintf("127.0.0.1:%d", e.kvPort))
+			h.rep0 = newKVFront(t, fmt.Sprintf("127.0.0.1:%d", e.replay))
+			b = backend{URL: h.front0.srv.URL, KVEvents: h.pub0.endpoint(), KVReplay: h.rep0.endpoint()}
+		}
+		bs = append(bs, b)
+	}
+
+	// The noisy tenant's quota is a quarter of what it sends, in the
+	// router's reckoning (prompt tokens + max_tokens), with two seconds'
+	// burst so that the phase sees the quota and not the burst.
+	noisyReqs := genWorkload(t, "toolbench", int(noisyRate*hostilePhase.Seconds()), noisyRate, 7)
+	var demand float64
+	for _, r := range noisyReqs {
+		demand += float64(len(r.Tokens) + r.OutputTokens)
+	}
+	perMinute := demand / float64(len(noisyReqs)) * noisyRate * 60
+	quota := int64(perMinute / 4)
+	yaml := fmt.Sprintf("tenants:\n- name: good\n  api_key_sha256: [%q]\n- name: noisy\n  api_key_sha256: [%q]\n  tokens_per_minute: %d\n  burst_tokens: %d\n",
+		sha(goodKey), sha(noisyKey), quota, quota/30)
+	// Defaults everywhere but the client write timeout, which is shortened
+	// from 30 s so that the zero-window clients are cut within their phase.
+	h.router = newRouterYAML(t, dir, bs, yaml, "--client-write-timeout", "3s")
+	rss := sampleRSS(h.router.p.pid(), 100*time.Millisecond)
+	defer rss.stop()
+
+	attacks := hostileAttacks()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	n := int(loadRate * (hostileWarmUp + time.Duration(1+len(attacks))*hostilePhase).Seconds())
+	reqs := genWorkload(t, "toolbench", n, loadRate, 1)
+	total := hostileWarmUp + time.Duration(1+len(attacks))*hostilePhase
+	wait := runTenantLoad(ctx, h.router.url(), goodKey, reqs, total)
+	start := time.Now()
+
+	sleepUntil(ctx, start.Add(hostileWarmUp+hostilePhase/2))
+	h.cleanThresh = queueThreshold(t, h.router)
+	type phase struct {
+		name     string
+		from, to time.Duration
+		peakRSS  int64
+	}
+	phases := []phase{{name: "clean", from: hostileWarmUp, to: hostileWarmUp + hostilePhase}}
+	sleepUntil(ctx, start.Add(hostileWarmUp+hostilePhase))
+	for i, a := range attacks {
+		from := hostileWarmUp + time.Duration(i+1)*hostilePhase
+		rss.peak.Store(0)
+		stop := a.start(t, h)
+		sleepUntil(ctx, start.Add(from+hostilePhase))
+		stop()
+		phases = append(phases, phase{name: a.name, from: from, to: from + hostilePhase, peakRSS: rss.peak.Load()})
+		if h.router.p.exited() {
+			t.Fatalf("chaos: the router exited during %q", a.name)
+		}
+		if a.check != nil {
+			a.check(t, h)
+		}
+	}
+	out, err := wait()
+	if err != nil {
+		t.Fatalf("chaos: load: %v", err)
+	}
+
+	// Each phase: the tenant's requests sent in it, all served, p99 TTFT.
+	clean := tenantWindow(out.Records, phases[0].from, phases[0].to)
+	t.Logf("hostile %-14s sent=%d served=%d ttft p50/p99 %.1f/%.1f ms", "clean", clean.sent, clean.served, clean.p50, clean.p99)
+	if clean.served != clean.sent || clean.sent < 60 {
+		t.Fatalf("chaos: clean phase: %d of %d served (errors %v)", clean.served, clean.sent, clean.errors)
+	}
+	for _, p := range phases[1:] {
+		w := tenantWindow(out.Records, p.from, p.to)
+		t.Logf("hostile %-14s sent=%d served=%d ttft p50/p99 %.1f/%.1f ms (%.2f× clean p99) router RSS peak %.0f MiB %s",
+			p.name, w.sent, w.served, w.p50, w.p99, w.p99/clean.p99, float64(p.peakRSS)/(1<<20), h.notes[p.name])
+		if w.served != w.sent {
+			t.Errorf("chaos: %s: the tenant had %d of %d requests served: %v", p.name, w.served, w.sent, w.errors)
+		}
+		if w.p99 > 2*clean.p99 {
+			t.Errorf("chaos: %s: the tenant's p99 TTFT %.1f ms is over 2× the clean phase's %.1f ms", p.name, w.p99, clean.p99)
+		}
+	}
+
+	// The KV stream of engine 0 is back once the attacks on it ended.
+	waitFor(t, 15*time.Second, "engine 0's KV stream connected again", func() bool {
+		m, err := scrapeWhere(h.router.url()+"/metrics", "state", "connected")
+		return err == nil && m["prefixlb_kvevents_state"] == 3
+	})
+
+	// SIGTERM while slow bodies, clients that never read and a silent KV
+	// peer all hold the router: it ends within its drain timeout.
+	h.pub0.setMode(kvSilent)
+	slow := startSlowBodies(strings.TrimPrefix(h.router.url(), "http://"), 50, 16<<20-1)
+	defer slow.stop()
+	zw := startZeroWindow(strings.TrimPrefix(h.router.url(), "http://"), 10, longStreamBody())
+	defer zw.stop()
+	waitFor(t, 10*time.Second, "the attackers' connections open", func() bool {
+		return slow.opened.Load() >= 50 && zw.opened.Load() >= 10 && h.pub0.mutes.Load() > 0
+	})
+	time.Sleep(500 * time.Millisecond) // the zero-window streams reach their replicas
+	sent := time.Now()
+	if err := h.router.p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("chaos: SIGTERM: %v", err)
+	}
+	select {
+	case <-h.router.p.done:
+	case <-time.After(4 * hostileDrain):
+		t.Fatalf("chaos: the router had not exited %v after SIGTERM (drain timeout %v)", 4*hostileDrain, hostileDrain)
+	}
+	took := time.Since(sent)
+	t.Logf("hostile SIGTERM under attack (50 slow bodies, 10 zero-window streams, a silent KV peer): exited in %v (drain timeout %v)", took.Round(time.Millisecond), hostileDrain)
+	// The drain timeout bounds the wait for requests; the process then
+	// closes its listeners and feeds, which may take a moment more.
+	if took > hostileDrain+time.Second {
+		t.Errorf("chaos: exit took %v after SIGTERM, over the drain timeout %v (+1 s to close)", took, hostileDrain)
+	}
+	rss.stop()
+	t.Logf("hostile router RSS peak over the run %.0f MiB (%d samples)", float64(rss.peak.Load())/(1<<20), rss.samples.Load())
+	for _, p := range phases {
+		if p.peakRSS > hostileRSSLimit {
+			t.Errorf("chaos: %s: router RSS peaked at %.0f MiB, over %d MiB", p.name, float64(p.peakRSS)/(1<<20), hostileRSSLimit>>20)
+		}
+	}
+}
+
+// hostileAttacks are the phases after the clean one, in order. The breaker
+// phase is last: its replica stays ejected for the breaker's ejection time.
+func hostileAttacks() []hostileAttack {
+	return []hostileAttack{
+		{
+			name: "kv-bomb",
+			start: func(_ *testing.T, h *hostileRig) func() {
+				h.pub0.setMode(kvBomb)
+				h.rep0.setMode(kvBomb)
+				return func() { h.pub0.setMode(kvPass); h.rep0.setMode(kvPass) }
+			},
+			check: func(t *testing.T, h *hostileRig) {
+				m := mustScrape(t, h.router)
+				h.notes["kv-bomb"] = fmt.Sprintf("bombs=%d refused=%.0f", h.pub0.bombs.Load(), m["prefixlb_kvevents_refused_total"])
+				if h.pub0.bombs.Load() == 0 || m["prefixlb_kvevents_refused_total"] == 0 {
+					t.Errorf("chaos: kv-bomb: %d bombs sent, %.0f connections refused: the attack did not happen", h.pub0.bombs.Load(), m["prefixlb_kvevents_refused_total"])
+				}
+			},
+		},
+		{
+			name: "kv-silent",
+			start: func(_ *testing.T, h *hostileRig) func() {
+				h.pub0.setMode(kvSilent)
+				return func() { h.pub0.setMode(kvPass) }
+			},
+			check: func(t *testing.T, h *hostileRig) {
+				m, err := scrapeWhere(h.router.url()+"/metrics", "reason", "handshake_timeout")
+				if err != nil {
+					t.Fatal(err)
+				}
+				h.notes["kv-silent"] = fmt.Sprintf("mute_conns=%d handshake_timeouts=%.0f", h.pub0.mutes.Load(), m["prefixlb_kvevents_refused_total"])
+				if m["prefixlb_kvevents_refused_total"] == 0 {
+					t.Errorf("chaos: kv-silent: no handshake timed out (%d silent connections)", h.pub0.mutes.Load())
+				}
+			},
+		},
+		{
+			name: "slow-bodies",
+			start: func(_ *testing.T, h *hostileRig) func() {
+				// 200 requests each declaring a body of 16 MiB - 1 (the
+				// default max_body_bytes is 16 MiB) and sending a byte a
+				// second: 3.2 GiB declared.
+				s := startSlowBodies(strings.TrimPrefix(h.router.url(), "http://"), 200, 16<<20-1)
+				return func() {
+					s.stop()
+					h.notes["slow-bodies"] = fmt.Sprintf("conns=%d refused=%d", s.opened.Load(), s.refused.Load())
+				}
+			},
+		},
+		{
+			name: "zero-window",
+			start: func(_ *testing.T, h *hostileRig) func() {
+				z := startZeroWindow(strings.TrimPrefix(h.router.url(), "http://"), 20, longStreamBody())
+				return func() {
+					z.stop()
+					h.notes["zero-window"] = fmt.Sprintf("conns=%d", z.opened.Load())
+				}
+			},
+			check: func(t *testing.T, h *hostileRig) {
+				m, err := scrapeWhere(h.router.url()+"/metrics", "code", "client_timeout")
+				if err != nil {
+					t.Fatal(err)
+				}
+				h.notes["zero-window"] += fmt.Sprintf(" cut_by_write_timeout=%.0f", m["prefixlb_requests_total"])
+			},
+		},
+		{
+			name:  "spoofed-headers",
+			start: startSpoofers,
+			check: func(t *testing.T, h *hostileRig) {
+				if got := queueThreshold(t, h.router); got != h.cleanThresh {
+					t.Errorf("chaos: spoofed-headers: the queue's predicted-wait threshold is %v, was %v before", got, h.cleanThresh)
+				}
+				m := mustScrape(t, h.router)
+				if m["prefixlb_untrusted_headers_total"] == 0 {
+					t.Errorf("chaos: spoofed-headers: no untrusted header counted")
+				}
+			},
+		},
+		{
+			name: "quota-flood",
+			start: func(t *testing.T, h *hostileRig) func() {
+				ctx, cancel := context.WithCancel(context.Background())
+				reqs := genWorkload(t, "toolbench", int(noisyRate*hostilePhase.Seconds()), noisyRate, 7)
+				wait := runTenantLoad(ctx, h.router.url(), noisyKey, reqs, hostilePhase)
+				return func() {
+					out, _ := wait()
+					cancel()
+					var ok, limited int
+					for _, r := range out.Records {
+						switch {
+						case r.Error == "":
+							ok++
+						case strings.HasPrefix(r.Error, "http 429"):
+							limited++
+						}
+					}
+					h.notes["quota-flood"] = fmt.Sprintf("noisy: sent=%d served=%d 429=%d", len(out.Records), ok, limited)
+					if limited == 0 {
+						t.Errorf("chaos: quota-flood: the tenant at 4× its quota got no 429 (%s)", h.notes["quota-flood"])
+					}
+				}
+			},
+		},
+		{
+			name: "always-500",
+			start: func(_ *testing.T, h *hostileRig) func() {
+				h.front0.setMode(modeFail500)
+				return func() { h.front0.setMode(modePass) }
+			},
+			check: func(t *testing.T, h *hostileRig) {
+				m, err := scrapeWhere(h.router.url()+"/metrics", "reason", "breaker")
+				if err != nil {
+					t.Fatal(err)
+				}
+				h.notes["always-500"] = fmt.Sprintf("500s_answered=%d breaker_ejections=%.0f", h.front0.n.Load(), m["prefixlb_replica_ejections_total"])
+				if m["prefixlb_replica_ejections_total"] == 0 {
+					t.Errorf("chaos: always-500: the breaker never ejected the replica (%d 500s answered)", h.front0.n.Load())
+				}
+			},
+		},
+	}
+}
+
+// startSpoofers sends, at 20 requests a second, small requests whose class
+// headers claim a 1 ns TTFT SLO, priority 1000 and a new tenant name each:
+// the router ignores them from an untrusted peer.
+func startSpoofers(t *testing.T, h *hostileRig) func() {
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	var sent, served atomic.Int64
+	c := &http.Client{Timeout: 10 * time.Second}
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; sleepCtx(ctx, 200*time.Millisecond); i++ {
+				body := fmt.Sprintf(`{"model":%q,"prompt":[%d,%d,%d],"max_tokens":1}`, modelName, 100+g, i, 7)
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, h.router.url()+"/v1/completions", strings.NewReader(body))
+				req.Header.Set("Content-Type", "application/json")
+				req.Header.Set("x-prefixlb-ttft-slo", "1ns")
+				req.Header.Set("x-prefixlb-priority", "1000")
+				req.Header.Set("x-prefixlb-tenant", fmt.Sprintf("spoof-%d-%d", g, i))
+				sent.Add(1)
+				resp, err := c.Do(req)
+				if err != nil {
+					continue
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode == http.StatusOK {
+					served.Add(1)
+				}
+			}
+		}()
+	}
+	before := seriesCount(t, h.router)
+	return func() {
+		cancel()
+		wg.Wait()
+		after := seriesCount(t, h.router)
+		h.notes["spoofed-headers"] = fmt.Sprintf("spoofed=%d served=%d metric_series %d→%d", sent.Load(), served.Load(), before, after)
+		// Each spoofed tenant name would add its queue series; the labels
+		// are bounded, so the page grows by a handful of series at most
+		// (new outcome codes, the untrusted-header counters).
+		if after-before > 40 {
+			t.Errorf("chaos: spoofed-headers: %d tenant names grew the metrics by %d series", sent.Load(), after-before)
+		}
+	}
+}
+
+// longStreamBody is a streamed completion of 2,000 tokens: what a client
+// that never reads asks for.
+func longStreamBody() string {
+	return fmt.Sprintf(`{"model":%q,"prompt":[1,2,3,4,5,6,7,8],"max_tokens":2000,"stream":true}`, modelName)
+}
+
+// tenantWindow is the tenant's requests sent in [from, to).
+type tenantStats struct {
+	sent, served int
+	p50, p99     float64
+	errors       map[string]int
+}
+
+func tenantWindow(recs []report.RequestRecord, from, to time.Duration) tenantStats {
+	s := tenantStats{errors: map[string]int{}}
+	var ttft []float64
+	for _, r := range recs {
+		at := time.Duration(r.SentS * float64(time.Second))
+		if at < from || at >= to {
+			continue
+		}
+		s.sent++
+		if r.Error != "" {
+			e := r.Error
+			if len(e) > 100 {
+				e = e[:100]
+			}
+			s.errors[e]++
+			continue
+		}
+		s.served++
+		ttft = append(ttft, r.TTFTMs)
+	}
+	if len(ttft) > 0 {
+		slices.Sort(ttft)
+		s.p50 = ttft[len(ttft)/2]
+		s.p99 = ttft[int(math.Ceil(0.99*float64(len(ttft))))-1]
+	}
+	return s
+}
+
+// runTenantLoad runs reqs against target with key as the API key.
+func runTenantLoad(ctx context.Context, target, key string, reqs []workload.Request, d time.Duration) func() (loadgen.Output, error) {
+	hdr := http.Header{}
+	hdr.Set("Authorization", "Bearer "+key)
+	_, _, wait := runLoadHeader(ctx, target, reqs, d, hdr)
+	return wait
+}
+
+// queueThreshold reads the queue's predicted-wait threshold in force.
+func queueThreshold(t *testing.T, r *router) float64 {
+	t.Helper()
+	resp, err := http.Get(r.url() + "/debug/queue")
+	if err != nil {
+		t.Fatalf("chaos: /debug/queue: %v", err)
+	}
+	defer resp.Body.Close()
+	var st struct {
+		Threshold *float64 `json:"predicted_wait_threshold"`
+	}
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err := json.Unmarshal(b, &st); err != nil || st.Threshold == nil {
+		t.Fatalf("chaos: /debug/queue: no predicted_wait_threshold in %.200s (%v)", b, err)
+	}
+	return *st.Threshold
+}
+
+// seriesCount counts the series on the router's /metrics page.
+func seriesCount(t *testing.T, r *router) int {
+	t.Helper()
+	resp, err := http.Get(r.url() + "/metrics")
+	if err != nil {
+		t.Fatalf("chaos: metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	n := 0
+	for line := range bytes.SplitSeq(b, []byte("\n")) {
+		if len(line) > 0 && line[0] != '#' {
+			n++
+		}
+	}
+	return n
+}
+
+func mustScrape(t *testing.T, r *router) map[string]float64 {
+	t.Helper()
+	m, err := r.metrics()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// waitFor polls cond every 100 ms until it holds or timeout passes.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("chaos: waited %v for %s", timeout, what)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
