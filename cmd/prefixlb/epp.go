@@ -46,6 +46,7 @@ type eppFlags struct {
 	kvLinkLatency            time.Duration
 	state, routerID, pool    string
 	stateTTL                 time.Duration
+	drainTimeout             time.Duration
 	ports                    discovery.Ports
 	scrape                   time.Duration
 	explain                  bool
@@ -121,6 +122,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.IntVar(&f.maxPromptTokens, "max-prompt-tokens", 1<<20, "longest prompt accepted, in tokens (estimated from bytes without --tokenizer); longer ones get 400, as serve's")
 	fs.StringVar(&f.state, "state", "", "shared in-flight state: redis://[user:pass@]host:6379/DB (\"\": none)")
 	fs.DurationVar(&f.stateTTL, "state-ttl", 15*time.Second, "how long a dead router's counts outlive it")
+	fs.DurationVar(&f.drainTimeout, "drain-timeout", epp.DefaultDrainTimeout, "how long shutdown waits for open ext_proc streams before closing them (as serve's)")
 	fs.StringVar(&f.routerID, "router-id", "", "this router's id in the shared state (default $POD_NAME, else hostname-pid)")
 	fs.StringVar(&f.pool, "pool", "", "key namespace in the shared state (default: the --discovery target)")
 	portFlags(fs, &f.ports, "")
@@ -170,7 +172,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	return epp.Run(ctx, epp.RunConfig{Picker: cfg, GRPCListen: f.grpcListen, HealthListen: f.healthListen,
 		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
 		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, WatchModelRewrites: f.watchModelRewrites, WatchObjectives: f.watchObjectives, State: f.state, RouterID: f.routerID, Pool: f.pool,
-		StateTTL: f.stateTTL, Logger: log})
+		StateTTL: f.stateTTL, DrainTimeout: f.drainTimeout, Logger: log})
 }
 
 // portFlags binds the flags that place each discovered replica's

@@ -1,6 +1,7 @@
 package epp
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -57,6 +58,10 @@ type RunConfig struct {
 	// namespace ("": from the target).
 	State, RouterID, Pool string
 	StateTTL              time.Duration
+	// DrainTimeout bounds the graceful stop at shutdown: streams still open
+	// after it (a long generation's response path, or a client holding a
+	// request unfinished) are cut (0: DefaultDrainTimeout).
+	DrainTimeout time.Duration
 	// Logger receives the logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -73,6 +78,9 @@ func Run(ctx context.Context, rc RunConfig) error {
 	rc.Picker.Logger = log
 	if (rc.Backends == "") == (rc.Discovery == "") {
 		return errors.New("epp: give exactly one of --backend and --discovery")
+	}
+	if rc.DrainTimeout < 0 {
+		return fmt.Errorf("epp: --drain-timeout must be ≥ 0, got %v", rc.DrainTimeout)
 	}
 	var runners []func(context.Context) error
 	if rc.State != "" {
@@ -234,9 +242,7 @@ func Run(ctx context.Context, rc RunConfig) error {
 		}
 		<-egCtx.Done()
 		srv.SetServing(false)
-		for _, s := range servers {
-			s.GracefulStop()
-		}
+		drainServers(servers, cmp.Or(rc.DrainTimeout, DefaultDrainTimeout), log)
 		if metricsSrv != nil {
 			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 			_ = metricsSrv.Shutdown(sctx)
@@ -246,6 +252,34 @@ func Run(ctx context.Context, rc RunConfig) error {
 		return nil
 	})
 	return eg.Wait()
+}
+
+// DefaultDrainTimeout is how long the picker's shutdown waits for open
+// ext_proc streams, as serve's drain_timeout.
+const DefaultDrainTimeout = 30 * time.Second
+
+// drainServers stops the servers gracefully, and forcibly once timeout has
+// passed: a stream left open (a client that never finishes its body, a
+// gateway that never ends a response) cannot hold the shutdown.
+func drainServers(servers []*grpc.Server, timeout time.Duration, log *slog.Logger) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for _, s := range servers {
+			s.GracefulStop()
+		}
+	}()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		log.Warn("epp: drain timeout: closing the streams still open", "drain_timeout", timeout)
+		for _, s := range servers {
+			s.Stop()
+		}
+		<-done
+	}
 }
 
 // redactURL hides a password in a Redis URL for logs.
