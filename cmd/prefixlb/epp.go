@@ -50,6 +50,7 @@ type eppFlags struct {
 	explain                  bool
 	logLevel                 string
 	backendKind              string
+	limits                   epp.Limits
 }
 
 func newEPPCmd() *cobra.Command {
@@ -125,7 +126,17 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringVar(&f.backendKind, "backend-kind", "auto", "replicas' engine: auto (detect each replica's when it joins and is ready again), vllm, sglang or llamacpp")
 	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) and, with e2, x-prefixlb-route-terms (every term of each candidate's cost) to upstream requests")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	limitFlags(fs, &f.limits)
 	return cmd
+}
+
+// limitFlags binds the flags of the ext_proc server's limits (epp.Limits;
+// docs/kubernetes.md "Limits").
+func limitFlags(fs *pflag.FlagSet, l *epp.Limits) {
+	*l = epp.DefaultLimits()
+	fs.IntVar(&l.MaxStreams, "max-streams", l.MaxStreams, "ext_proc streams (requests in the gateway) open at once; one more is answered 429")
+	fs.Int64Var(&l.MaxBufferedBytes, "max-buffered-bytes", l.MaxBufferedBytes, "request-body bytes buffered across all streams until each body is whole; a body that would pass it is answered 429 (the last eighth is kept for bodies ≤ 1 MiB)")
+	fs.DurationVar(&l.StreamIdleTimeout, "stream-idle-timeout", l.StreamIdleTimeout, "longest wait for the next ext_proc message before the request is whole (routed); the stream then ends and frees its buffer. The response path is not bounded")
 }
 
 func init() { rootCmd.AddCommand(newEPPCmd()) }
@@ -162,7 +173,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	return epp.Run(ctx, epp.RunConfig{Picker: cfg, GRPCListen: f.grpcListen, HealthListen: f.healthListen,
 		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
 		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, WatchModelRewrites: f.watchModelRewrites, WatchObjectives: f.watchObjectives, State: f.state, RouterID: f.routerID, Pool: f.pool,
-		StateTTL: f.stateTTL, Logger: log})
+		StateTTL: f.stateTTL, Logger: log, Limits: f.limits})
 }
 
 // portFlags binds the flags that place each discovered replica's
