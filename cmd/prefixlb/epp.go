@@ -54,6 +54,7 @@ type eppFlags struct {
 	backendKind              string
 	tenantsFile              string
 	trustClientHeaders       bool
+	limits                   epp.Limits
 }
 
 func newEPPCmd() *cobra.Command {
@@ -132,7 +133,17 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.tenantsFile, "tenants", "", "YAML file of tenants (tenants: name, api_key_sha256, api_keys_env, tokens_per_minute, burst_tokens; anonymous_tokens_per_minute; require_tenant): told by their API key, with token quotas (docs/overload.md)")
 	fs.BoolVar(&f.trustClientHeaders, "trust-client-headers", false, "believe x-prefixlb-tenant, -priority and -ttft-slo on requests: only when the gateway strips these headers from clients (default: ignored and counted in prefixlb_untrusted_headers_total)")
+	limitFlags(fs, &f.limits)
 	return cmd
+}
+
+// limitFlags binds the flags of the ext_proc server's limits (epp.Limits;
+// docs/kubernetes.md "Limits").
+func limitFlags(fs *pflag.FlagSet, l *epp.Limits) {
+	*l = epp.DefaultLimits()
+	fs.IntVar(&l.MaxStreams, "max-streams", l.MaxStreams, "ext_proc streams (requests in the gateway) open at once; one more is answered 429")
+	fs.Int64Var(&l.MaxBufferedBytes, "max-buffered-bytes", l.MaxBufferedBytes, "request-body bytes buffered across all streams until each body is whole; a body that would pass it is answered 429 (the last eighth is kept for bodies ≤ 1 MiB)")
+	fs.DurationVar(&l.StreamIdleTimeout, "stream-idle-timeout", l.StreamIdleTimeout, "longest wait for the next ext_proc message before the request is whole (routed); the stream then ends and frees its buffer. The response path is not bounded")
 }
 
 func init() { rootCmd.AddCommand(newEPPCmd()) }
@@ -172,7 +183,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 	return epp.Run(ctx, epp.RunConfig{Picker: cfg, GRPCListen: f.grpcListen, HealthListen: f.healthListen,
 		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
 		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, WatchModelRewrites: f.watchModelRewrites, WatchObjectives: f.watchObjectives, State: f.state, RouterID: f.routerID, Pool: f.pool,
-		StateTTL: f.stateTTL, DrainTimeout: f.drainTimeout, Logger: log})
+		StateTTL: f.stateTTL, DrainTimeout: f.drainTimeout, Logger: log, Limits: f.limits})
 }
 
 // portFlags binds the flags that place each discovered replica's

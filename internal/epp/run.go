@@ -64,6 +64,9 @@ type RunConfig struct {
 	DrainTimeout time.Duration
 	// Logger receives the logs (nil: slog.Default()).
 	Logger *slog.Logger
+	// Limits bound the ext_proc streams, their buffered bodies and the
+	// gRPC servers (zero fields: DefaultLimits').
+	Limits Limits
 }
 
 // Run builds the picker, its replica source and shared state, serves
@@ -81,6 +84,9 @@ func Run(ctx context.Context, rc RunConfig) error {
 	}
 	if rc.DrainTimeout < 0 {
 		return fmt.Errorf("epp: --drain-timeout must be ≥ 0, got %v", rc.DrainTimeout)
+	}
+	if err := rc.Limits.Validate(); err != nil {
+		return err
 	}
 	var runners []func(context.Context) error
 	if rc.State != "" {
@@ -146,7 +152,7 @@ func Run(ctx context.Context, rc RunConfig) error {
 		log.Info("epp: model rewrites", "file", rc.ModelRewrites, "rewrites", len(rs), "pool", pool)
 	}
 	runners = append(runners, p.Run)
-	srv := NewServer(p, ServerConfig{Explain: rc.Explain, Logger: log})
+	srv := NewServer(p, ServerConfig{Explain: rc.Explain, Logger: log, Limits: rc.Limits})
 	var source discovery.Watcher
 	if rc.Backends != "" {
 		if rc.Picker.ScrapeInterval <= 0 {
@@ -176,7 +182,7 @@ func Run(ctx context.Context, rc RunConfig) error {
 		listeners = append(listeners, ln)
 		return ln, nil
 	}
-	g := grpc.NewServer()
+	g := grpc.NewServer(rc.Limits.ServerOptions()...)
 	srv.Register(g)
 	healthpb.RegisterHealthServer(g, srv.Health())
 	ln, err := listen("grpc-listen", rc.GRPCListen)
@@ -185,7 +191,7 @@ func Run(ctx context.Context, rc RunConfig) error {
 	}
 	servers := []*grpc.Server{g}
 	if rc.HealthListen != "" {
-		hg := grpc.NewServer()
+		hg := grpc.NewServer(rc.Limits.ServerOptions()...)
 		healthpb.RegisterHealthServer(hg, srv.Health())
 		if _, err := listen("health-listen", rc.HealthListen); err != nil {
 			return err

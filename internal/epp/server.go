@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"strconv"
@@ -63,6 +64,9 @@ const (
 // Envoy builds cap a chunk at 64 KiB (the GIE picker uses the same margin).
 const bodyChunkBytes = 62000
 
+// defaultMaxBodyBytes is ServerConfig.MaxBodyBytes's default.
+const defaultMaxBodyBytes = 16 << 20
+
 // ServerConfig configures a Server.
 type ServerConfig struct {
 	// MaxBodyBytes bounds a request body (default 16 MiB): larger ones get
@@ -76,6 +80,10 @@ type ServerConfig struct {
 	Explain bool
 	// Logger (nil: slog.Default()).
 	Logger *slog.Logger
+	// Limits bound the streams, the buffered bodies and the idle streams
+	// (zero fields: DefaultLimits'). The gRPC server that serves the
+	// Server should be made with Limits.ServerOptions.
+	Limits Limits
 }
 
 // Server is the ext_proc ExternalProcessor service in front of a Picker,
@@ -87,12 +95,15 @@ type Server struct {
 	cfg    ServerConfig
 	log    *slog.Logger
 	health *health.Server
+	slots  streamSlots
+	budget *byteBudget
+	lm     *limitMetrics
 }
 
 // NewServer returns the ext_proc service for p.
 func NewServer(p *Picker, cfg ServerConfig) *Server {
 	if cfg.MaxBodyBytes <= 0 {
-		cfg.MaxBodyBytes = 16 << 20
+		cfg.MaxBodyBytes = defaultMaxBodyBytes
 	}
 	if cfg.MaxResponseBytes <= 0 {
 		cfg.MaxResponseBytes = 1 << 20
@@ -100,7 +111,10 @@ func NewServer(p *Picker, cfg ServerConfig) *Server {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Server{p: p, cfg: cfg, log: cfg.Logger, health: health.NewServer()}
+	cfg.Limits = cfg.Limits.withDefaults()
+	lm := newLimitMetrics(p.Registry())
+	return &Server{p: p, cfg: cfg, log: cfg.Logger, health: health.NewServer(),
+		slots: streamSlots{max: int64(cfg.Limits.MaxStreams)}, budget: newByteBudget(cfg.Limits.MaxBufferedBytes, lm.buffered), lm: lm}
 }
 
 // Register registers the ext_proc service on g.
@@ -129,6 +143,7 @@ type exchange struct {
 	hdr      map[string]string // the headers the router-side queue reads
 	subset   []string
 	body     []byte
+	held     int64 // of s.budget, for body (its capacity)
 	picked   bool
 	pick     Pick
 	status   int // upstream response status (0 unknown)
@@ -136,17 +151,68 @@ type exchange struct {
 	finished bool
 }
 
-// Process implements extprocv3.ExternalProcessorServer.
+// Process implements extprocv3.ExternalProcessorServer. Until the
+// request is routed, each message must come within StreamIdleTimeout of
+// the last; the stream holds one of MaxStreams slots throughout.
 func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	m := s.p.m
+	x := &exchange{s: s, srv: srv}
+	if !s.slots.acquire() {
+		s.lm.limited.WithLabelValues(limitStreams).Inc()
+		s.log.Debug("epp: stream refused", "limit", limitStreams, "max_streams", s.cfg.Limits.MaxStreams)
+		// Answered at once, before reading: Envoy sends the request
+		// headers as it opens the stream, and takes an immediate
+		// response at any point.
+		return x.immediate(typev3.StatusCode_TooManyRequests, fmt.Sprintf("the endpoint picker has %d requests open, its limit", s.cfg.Limits.MaxStreams))
+	}
+	defer s.slots.release()
 	m.streams.Inc()
 	m.streamsN.Inc()
 	defer m.streams.Dec()
-	x := &exchange{s: s, srv: srv}
 	x.watch.max = s.cfg.MaxResponseBytes
 	defer x.finish(false)
+	defer x.release()
+
+	// One goroutine receives, so that the wait for a message can be
+	// bounded; it ends when the stream does (Recv fails once Process has
+	// returned) or when Process no longer takes its messages.
+	type received struct {
+		req *extprocv3.ProcessingRequest
+		err error
+	}
+	msgs := make(chan received)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		for {
+			req, err := srv.Recv()
+			select {
+			case msgs <- received{req, err}:
+			case <-done:
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	idle := time.NewTimer(s.cfg.Limits.StreamIdleTimeout)
+	defer idle.Stop()
 	for {
-		req, err := srv.Recv()
+		var timeout <-chan time.Time
+		if !x.picked { // the request is still arriving
+			idle.Reset(s.cfg.Limits.StreamIdleTimeout)
+			timeout = idle.C
+		}
+		var r received
+		select {
+		case r = <-msgs:
+		case <-timeout:
+			s.lm.limited.WithLabelValues(limitIdle).Inc()
+			s.log.Debug("epp: idle stream ended", "limit", limitIdle, "timeout", s.cfg.Limits.StreamIdleTimeout, "buffered", len(x.body))
+			return status.Errorf(codes.DeadlineExceeded, "epp: no message for %v before the request was whole", s.cfg.Limits.StreamIdleTimeout)
+		}
+		req, err := r.req, r.err
 		if err == io.EOF || status.Code(err) == codes.Canceled {
 			return nil
 		}
@@ -175,9 +241,8 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 		if x.picked { // a body after the decision (should not happen): pass it on
 			return false, x.sendBody(v.RequestBody.GetBody(), v.RequestBody.GetEndOfStream())
 		}
-		x.body = append(x.body, v.RequestBody.GetBody()...)
-		if len(x.body) > x.s.cfg.MaxBodyBytes {
-			return true, x.immediate(typev3.StatusCode_PayloadTooLarge, "request body too large")
+		if code, msg := x.buffer(v.RequestBody.GetBody(), v.RequestBody.GetEndOfStream()); code != 0 {
+			return true, x.immediate(code, msg)
 		}
 		if v.RequestBody.GetEndOfStream() {
 			return x.decide(true, true)
@@ -339,8 +404,49 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 		}
 		err = x.sendBody(body, eos)
 	}
-	x.body = nil
+	x.release()
 	return false, err
+}
+
+// buffer appends b, whose message ends the body when eos, to the request
+// body, growing its buffer (by doubling, up to MaxBodyBytes) only with
+// room in the picker's budget (eos: its reserve too). It returns
+// the status to answer with when the body is over MaxBodyBytes (413) or
+// the budget has no room (429: another try may find some).
+func (x *exchange) buffer(b []byte, eos bool) (typev3.StatusCode, string) {
+	s := x.s
+	need := len(x.body) + len(b)
+	if need > s.cfg.MaxBodyBytes {
+		s.lm.limited.WithLabelValues(limitBody).Inc()
+		return typev3.StatusCode_PayloadTooLarge, fmt.Sprintf("request body too large: over %d bytes", s.cfg.MaxBodyBytes)
+	}
+	if need > cap(x.body) {
+		size := max(need, min(2*cap(x.body), s.cfg.MaxBodyBytes))
+		if eos { // the body is whole: no more to come
+			size = need
+		}
+		if !s.budget.take(int64(size-cap(x.body)), int64(size), eos) {
+			size = need // no room to double: exactly what it needs
+			if !s.budget.take(int64(size-cap(x.body)), int64(size), eos) {
+				s.lm.limited.WithLabelValues(limitBuffered).Inc()
+				s.log.Debug("epp: body refused", "limit", limitBuffered, "body", need, "max_buffered_bytes", s.cfg.Limits.MaxBufferedBytes)
+				return typev3.StatusCode_TooManyRequests, fmt.Sprintf("the endpoint picker holds %d bytes of request bodies, its limit: retry shortly", s.cfg.Limits.MaxBufferedBytes)
+			}
+		}
+		x.held += int64(size - cap(x.body))
+		grown := make([]byte, len(x.body), size)
+		copy(grown, x.body)
+		x.body = grown
+	}
+	x.body = append(x.body, b...)
+	return 0, ""
+}
+
+// release drops the request body and gives its bytes back to the budget.
+func (x *exchange) release() {
+	x.body = nil
+	x.s.budget.give(x.held)
+	x.held = 0
 }
 
 // sendBody streams b back to Envoy unchanged, in chunks of bodyChunkBytes.

@@ -3,11 +3,14 @@ package openai
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"unicode"
 	"unicode/utf16"
 	"unicode/utf8"
+	"unsafe"
 )
 
 // This file is a JSON scanner made for request bodies: one pass over the
@@ -30,6 +33,36 @@ import (
 // maxNestingDepth): the 10001st open object or array is a syntax error.
 const maxJSONDepth = 10000
 
+// Bounds on what one request body may make the parse hold. A body is
+// bounded in bytes at the edge (serve's max_body_bytes, epp's 16 MiB);
+// these bound what the parse builds per byte of it, so that the router's
+// memory for one request stays a small multiple of its body whatever its
+// shape (BenchmarkParseAlloc). A body over one is a client error (400),
+// checked after the body has been read as encoding/json would read it:
+// a syntax or type error still wins.
+const (
+	// MaxMessages bounds a chat body's "messages" list. vLLM sets none
+	// (vllm/entrypoints/openai/chat_completion/protocol.py at 002032ee:
+	// messages: list[ChatCompletionMessageParam]); 10,000 is far above a
+	// real conversation or agent trace and bounds the per-message structs
+	// (a message costs the parse about 170 bytes besides its text).
+	MaxMessages = 10000
+	// MaxContentParts bounds the content parts of all of a chat body's
+	// messages together (so a message's too): each costs the parse about
+	// 20 bytes besides its text, and a part can be 3 bytes of body
+	// ("{},"). Parts are counted as the scan meets them: a body whose
+	// duplicate "messages" keys or "content" keys together hold more is
+	// refused too.
+	MaxContentParts = 100000
+	// MaxNesting bounds how deep the body's objects and lists nest, and
+	// how deep the JSON in a tool call's "arguments" string nests (the chat
+	// template decodes it, recursively). serde_json refuses the 129th
+	// level by default (serde-rs/json src/de.rs at 00016a66,
+	// remaining_depth: 128), so routers built on it (SGLang's) already
+	// refuse deeper bodies; encoding/json allows 10,000.
+	MaxNesting = 128
+)
+
 // jsonSyntaxError is a syntax error worded and placed as encoding/json's
 // SyntaxError: off counts the bytes read up to and including the bad one.
 type jsonSyntaxError struct {
@@ -40,11 +73,40 @@ type jsonSyntaxError struct {
 // jsonScan reads one JSON text. Its methods stop at the first syntax error,
 // recorded in err, and return false from then on.
 type jsonScan struct {
-	b     []byte
-	i     int // the next byte to read
-	depth int // open objects and arrays
-	err   *jsonSyntaxError
-	stops []int // scanString's result, reused
+	b        []byte
+	i        int // the next byte to read
+	depth    int // open objects and arrays
+	maxDepth int // the most depth has been
+	err      *jsonSyntaxError
+	stops    []int // scanString's result, reused
+	// noStops makes scanString leave stops empty: its caller needs only
+	// to know the string's form (formOf).
+	noStops bool
+	// badUTF8 reports that the last string scanned holds a byte that is
+	// not UTF-8.
+	badUTF8 bool
+}
+
+// strForm says what unquoting a JSON string's bytes takes.
+type strForm uint8
+
+// The forms of a string.
+const (
+	formPlain   strForm = iota // nothing: its bytes are the string
+	formEscaped                // escapes, in UTF-8
+	formBadUTF8                // bytes that are not UTF-8 (and maybe escapes)
+)
+
+// formOf is the form of the string scanString last read (plain is its
+// result).
+func (s *jsonScan) formOf(plain bool) strForm {
+	switch {
+	case plain:
+		return formPlain
+	case s.badUTF8:
+		return formBadUTF8
+	}
+	return formEscaped
 }
 
 // fail records a syntax error at b[i] in context (encoding/json's words).
@@ -124,6 +186,7 @@ func (s *jsonScan) open(close byte) (empty, ok bool) {
 	if s.depth > maxJSONDepth {
 		return false, s.fail(s.i, "exceeded max depth", false)
 	}
+	s.maxDepth = max(s.maxDepth, s.depth)
 	s.i++
 	s.ws()
 	if s.i < len(s.b) && s.b[s.i] == close {
@@ -259,7 +322,8 @@ func ctlOrHigh(x uint64) uint64 { return ((x - lanes01*0x20) | x) & lanes80 }
 // encoding/json's scanner does, and returns the bytes between its quotes
 // and whether they are the string as they stand (no escapes, and UTF-8).
 // When they are not, s.stops lists where unquote has work: the offsets
-// (in raw) of each escape and of each byte that is not UTF-8.
+// (in raw) of each escape and of each byte that is not UTF-8 (unless
+// s.noStops).
 //
 // It finds the next '"' and '\\' with bytes.IndexByte (vector code) and
 // checks the text between them for control bytes and UTF-8 32 bytes at a
@@ -269,6 +333,8 @@ func (s *jsonScan) scanString() (raw []byte, plain, ok bool) {
 	start := s.i + 1
 	i := start
 	s.stops = s.stops[:0]
+	plain = true
+	s.badUTF8 = false
 	quote, esc := -1, -1 // the next '"' and '\\' at or after i (len(b): none)
 	for {
 		if quote < i {
@@ -303,7 +369,10 @@ func (s *jsonScan) scanString() (raw []byte, plain, ok bool) {
 			default:
 				r, n := utf8.DecodeRune(b[i:end])
 				if r == utf8.RuneError && n == 1 {
-					s.stops = append(s.stops, i-start)
+					plain, s.badUTF8 = false, true
+					if !s.noStops {
+						s.stops = append(s.stops, i-start)
+					}
 				}
 				i += n
 			}
@@ -314,9 +383,12 @@ func (s *jsonScan) scanString() (raw []byte, plain, ok bool) {
 		}
 		if b[i] == '"' {
 			s.i = i + 1
-			return b[start:i], len(s.stops) == 0, true
+			return b[start:i], plain, true
 		}
-		s.stops = append(s.stops, i-start) // an escape
+		plain = false // an escape
+		if !s.noStops {
+			s.stops = append(s.stops, i-start)
+		}
 		i++
 		if i >= len(b) {
 			return nil, false, s.fail(i, "in string escape code", true)
@@ -349,9 +421,30 @@ func (s *jsonScan) str() (string, bool) {
 		return "", false
 	}
 	if plain {
+		if w := wellKnown(raw); w != "" {
+			return w, true
+		}
 		return string(raw), true
 	}
 	return unquote(raw, s.stops), true
+}
+
+// wellKnown returns the string b spells when it is one that most bodies
+// hold many times (a message's role), without allocating it ("" if not).
+func wellKnown(b []byte) string {
+	switch string(b) { // compared without a copy
+	case "user":
+		return "user"
+	case "assistant":
+		return "assistant"
+	case "system":
+		return "system"
+	case "tool":
+		return "tool"
+	case "developer":
+		return "developer"
+	}
+	return ""
 }
 
 // unquote unquotes raw, the bytes of a valid JSON string between its
@@ -729,19 +822,73 @@ type reqBody struct {
 	prompt, input, tools, addGen, kwarg []byte
 	// promptIDs is the prompt read as token ids, when it is (nil if not).
 	promptIDs [][]uint32
-	// messages is nil when absent or null.
-	messages []chatMsg
-	// msgStore backs messages: a second "messages" list decodes into the
-	// first one's elements, as encoding/json reuses a slice.
-	msgStore []chatMsg
+	// msgs backs the messages: a second "messages" list decodes into the
+	// first one's elements, as encoding/json reuses a slice. hasMsgs is
+	// whether the last "messages" was a list (not absent or null), nMsgs
+	// how many elements it had: the messages are msgs' first nMsgs. The
+	// elements past MaxMessages are read, for their errors, but not kept.
+	msgs    blockList[chatMsg]
+	hasMsgs bool
+	nMsgs   int
+	// parts holds the content parts of every message, each message's a
+	// run of it. partsOver is set when more than MaxContentParts were
+	// met: those past it were read but not kept.
+	parts     blockList[chatPart]
+	partsOver bool
 }
 
-// chatMsg is one element of "messages".
+// blockLen is how many elements a block of a blockList holds.
+const blockLen = 256
+
+// blockList is a list kept in blocks of blockLen elements, only the
+// first grown by append: a long list is never copied as it grows, where
+// append's 1.25× steps would allocate about five times the final list on
+// the way (BenchmarkParseAlloc/many-small).
+type blockList[T any] struct {
+	blocks [][]T
+	n      int // elements held
+}
+
+// at returns element i (i < n).
+func (l *blockList[T]) at(i int) *T { return &l.blocks[i/blockLen][i%blockLen] }
+
+// add appends a zero element and returns it.
+func (l *blockList[T]) add() *T {
+	b := l.n / blockLen
+	if b == len(l.blocks) {
+		c := 4 // the first block starts small: most bodies are small
+		if b > 0 {
+			c = blockLen
+		}
+		l.blocks = append(l.blocks, make([]T, 0, c))
+	}
+	var zero T
+	l.blocks[b] = append(l.blocks[b], zero)
+	l.n++
+	return &l.blocks[b][len(l.blocks[b])-1]
+}
+
+// chatMsg is one element of "messages": 64 bytes besides what it
+// aliases, the rarer fields behind a pointer.
 type chatMsg struct {
-	role, name, toolCallID string
-	reasoning              optString
-	content                chatContent
-	toolCalls              []byte // raw, nil when absent
+	role    string
+	content chatContent
+	more    *chatMore // nil while none of its fields was met
+}
+
+// chatMore holds a message's rarer fields.
+type chatMore struct {
+	name, toolCallID string
+	reasoning        optString
+	toolCalls        []byte // raw, nil when absent
+}
+
+// extra returns m's rarer fields, allocating them on first use.
+func (m *chatMsg) extra() *chatMore {
+	if m.more == nil {
+		m.more = &chatMore{}
+	}
+	return m.more
 }
 
 // The kinds of a message's content.
@@ -753,30 +900,50 @@ const (
 	contentOther // a number, a boolean or an object
 )
 
-// chatContent is a message's "content".
+// chatContent is a message's "content". A string is left quoted, for
+// renderChat to unquote into the rendering, which the message's content
+// then shares; a list's parts are decoded as the scan meets them, into
+// reqBody.parts.
 type chatContent struct {
-	kind int
-	// A string is left quoted (its bytes between the quotes, and where
-	// they need unquoting, as scanString found) for renderChat to unquote
-	// into the rendering, which the message's content then shares.
-	raw   []byte
-	stops []int
-	parts []chatPart // contentParts
+	kind uint8
+	form strForm // a string's
+	// n is how many parts a list has, first the index of the first in
+	// reqBody.parts (where it was kept).
+	n, first uint32
+	// raw is a string's bytes between its quotes, or a list's JSON (which
+	// its parts' offsets are into).
+	raw []byte
 }
 
+// The part types renderChat tells apart.
+const (
+	partUntyped   = iota // no "type", or ""
+	partText             // "text"
+	partInputText        // "input_text"
+	partOther            // any other type
+)
+
 // chatPart is one element of a content list, decoded as encoding/json
-// decodes it into {Type string; Text *string} on its own.
+// decodes it into {Type string; Text *string} on its own: 20 bytes, its
+// JSON and its text as offsets into its content's raw.
 type chatPart struct {
-	raw  []byte // the part's JSON
-	typ  string
-	text optString
-	// err is that decoding's error ("" if none).
-	err string
+	off, end   uint32 // the part's JSON
+	toff, tend uint32 // its "text" string's bytes between the quotes
+	typ        uint8
+	textSet    bool    // "text" is a string
+	textForm   strForm // ... of this form
+	// bad reports that decoding the part on its own fails (partError
+	// says why).
+	bad bool
 }
 
 // decodeBody reads a request body. It returns the syntax error or the
-// first type error, worded for the client, as encoding/json would.
+// first type error, worded for the client, as encoding/json would, then
+// a body nested deeper than MaxNesting.
 func decodeBody(body []byte) (*reqBody, string) {
+	if uint64(len(body)) > math.MaxUint32 { // chatPart's offsets
+		return nil, "request body over 4 GiB"
+	}
 	s := &jsonScan{b: body}
 	f := &reqBody{}
 	var te typeErrors
@@ -804,7 +971,15 @@ func decodeBody(body []byte) (*reqBody, string) {
 	if te.first != "" {
 		return nil, te.first
 	}
+	if s.maxDepth > MaxNesting {
+		return nil, nestingError(s.maxDepth)
+	}
 	return f, ""
+}
+
+// nestingError words a body nested depth levels deep.
+func nestingError(depth int) string {
+	return "request body nests " + strconv.Itoa(depth) + " levels deep, more than the " + strconv.Itoa(MaxNesting) + " allowed"
 }
 
 // object reads the body's top-level object.
@@ -860,6 +1035,12 @@ func (f *reqBody) promptValue(s *jsonScan) bool {
 	start := s.i
 	if s.peek() == '[' && s.depth+2 <= maxJSONDepth {
 		if ids, next, ok := scanTokenIDs(s.b, s.i); ok {
+			// The lists it read count in the body's depth.
+			depth := s.depth + 1
+			if j := skipSpace(s.b, start+1); j < len(s.b) && s.b[j] == '[' {
+				depth++
+			}
+			s.maxDepth = max(s.maxDepth, depth)
 			s.i = next
 			f.prompt, f.promptIDs = s.b[start:next:next], ids
 			return true
@@ -875,7 +1056,7 @@ func (f *reqBody) messagesValue(s *jsonScan, te *typeErrors) bool {
 	switch c := s.peek(); c {
 	case '[':
 	case 'n':
-		f.messages, f.msgStore = nil, nil
+		f.msgs, f.parts, f.hasMsgs, f.nMsgs = blockList[chatMsg]{}, blockList[chatPart]{}, false, 0
 		return s.literal()
 	default:
 		if c != 0 {
@@ -889,17 +1070,25 @@ func (f *reqBody) messagesValue(s *jsonScan, te *typeErrors) bool {
 	}
 	if empty {
 		// encoding/json makes a new empty slice: the old elements are gone.
-		f.messages, f.msgStore = []chatMsg{}, nil
+		f.msgs, f.parts, f.hasMsgs, f.nMsgs = blockList[chatMsg]{}, blockList[chatPart]{}, true, 0
 		return true
 	}
 	n := 0
+	var spare chatMsg // the elements past MaxMessages, read but not kept
 	for {
-		if n == len(f.msgStore) {
-			f.msgStore = append(f.msgStore, chatMsg{})
+		var m *chatMsg
+		switch {
+		case n < f.msgs.n:
+			m = f.msgs.at(n)
+		case n < MaxMessages:
+			m = f.msgs.add()
+		default:
+			spare = chatMsg{}
+			m = &spare
 		}
 		switch c := s.peek(); c {
 		case '{':
-			ok = f.message(s, &f.msgStore[n], te)
+			ok = f.message(s, m, te, m != &spare)
 		case 'n':
 			ok = s.literal() // null leaves the element as it is
 		default:
@@ -920,12 +1109,13 @@ func (f *reqBody) messagesValue(s *jsonScan, te *typeErrors) bool {
 			break
 		}
 	}
-	f.messages = f.msgStore[:n]
+	f.hasMsgs, f.nMsgs = true, n
 	return true
 }
 
-// message reads one message object into m.
-func (f *reqBody) message(s *jsonScan, m *chatMsg, te *typeErrors) bool {
+// message reads one message object into m; keep is false for one past
+// MaxMessages, whose parts are counted but not kept.
+func (f *reqBody) message(s *jsonScan, m *chatMsg, te *typeErrors, keep bool) bool {
 	empty, ok := s.open('}')
 	for ok && !empty {
 		var key []byte
@@ -936,15 +1126,16 @@ func (f *reqBody) message(s *jsonScan, m *chatMsg, te *typeErrors) bool {
 		case keyIs(key, "role"):
 			ok = s.stringInto(&m.role, nil, te, "messages.role")
 		case keyIs(key, "content"):
-			ok = s.content(&m.content)
+			ok = f.content(s, &m.content, keep)
 		case keyIs(key, "name"):
-			ok = s.stringInto(&m.name, nil, te, "messages.name")
+			ok = s.stringInto(&m.extra().name, nil, te, "messages.name")
 		case keyIs(key, "tool_calls"):
-			m.toolCalls, ok = s.span()
+			m.extra().toolCalls, ok = s.span()
 		case keyIs(key, "tool_call_id"):
-			ok = s.stringInto(&m.toolCallID, nil, te, "messages.tool_call_id")
+			ok = s.stringInto(&m.extra().toolCallID, nil, te, "messages.tool_call_id")
 		case keyIs(key, "reasoning_content"):
-			ok = s.stringInto(&m.reasoning.s, &m.reasoning.set, te, "messages.reasoning_content")
+			mo := m.extra()
+			ok = s.stringInto(&mo.reasoning.s, &mo.reasoning.set, te, "messages.reasoning_content")
 		default:
 			ok = s.skip()
 		}
@@ -960,16 +1151,16 @@ func (f *reqBody) message(s *jsonScan, m *chatMsg, te *typeErrors) bool {
 }
 
 // content reads a message's "content": a string (checked, to be unquoted
-// by renderChat) or a list of parts, decoded now, so that the body is
+// by renderChat) or a list of parts, decoded now into f.parts (when keep,
+// and while they number at most MaxContentParts), so that the body is
 // read once; anything else is kept as a kind, for renderChat to reject.
-func (s *jsonScan) content(c *chatContent) bool {
+func (f *reqBody) content(s *jsonScan, c *chatContent, keep bool) bool {
 	switch s.peek() {
 	case '"':
+		s.noStops = true // renderChat finds them again (unquoteScan)
 		raw, plain, ok := s.scanString()
-		*c = chatContent{kind: contentString, raw: raw}
-		if !plain {
-			c.stops, s.stops = s.stops, nil // the content keeps them
-		}
+		s.noStops = false
+		*c = chatContent{kind: contentString, raw: raw, form: s.formOf(plain)}
 		return ok
 	case 'n':
 		*c = chatContent{kind: contentNull}
@@ -979,62 +1170,244 @@ func (s *jsonScan) content(c *chatContent) bool {
 		*c = chatContent{kind: contentOther}
 		return s.skip()
 	}
-	*c = chatContent{kind: contentParts}
+	start := s.i
+	*c = chatContent{kind: contentParts, first: uint32(f.parts.n)}
 	empty, ok := s.open(']')
-	if !ok || empty {
-		return ok
-	}
-	for {
+	for ok && !empty {
 		var p chatPart
-		start := s.i
+		at := s.i
 		switch k := s.peek(); k {
 		case '{':
-			ok = s.part(&p)
+			var msg string
+			msg, ok = s.part(&p, start)
+			p.bad = msg != ""
 		case 'n':
 			ok = s.literal()
 		default:
-			if k != 0 {
-				p.err = "request body must be a JSON object, got " + kindName(k)
-			}
+			p.bad = k != 0
 			ok = s.skip()
 		}
 		if !ok {
 			return false
 		}
-		p.raw = s.b[start:s.i:s.i]
-		c.parts = append(c.parts, p)
-		more, ok := s.next(']')
-		if !more {
-			return ok
+		p.off, p.end = uint32(at-start), uint32(s.i-start)
+		c.n++
+		if keep && !f.partsOver {
+			if f.parts.n < MaxContentParts {
+				*f.parts.add() = p
+			} else {
+				f.partsOver = true
+			}
+		}
+		var more bool
+		if more, ok = s.next(']'); !more {
+			break
 		}
 	}
+	c.raw = s.b[start:s.i:s.i]
+	return ok
 }
 
-// part reads one content part object.
-func (s *jsonScan) part(p *chatPart) bool {
+// part reads one content part object; base is where its content list
+// starts (the part's offsets are from there). It returns the part's first
+// type error, as encoding/json decoding the part on its own words it ("":
+// none).
+func (s *jsonScan) part(p *chatPart, base int) (string, bool) {
 	var te typeErrors
 	empty, ok := s.open('}')
 	for ok && !empty {
 		var key []byte
 		if key, ok = s.key(); !ok {
-			return false
+			return "", false
 		}
 		switch {
 		case keyIs(key, "type"):
-			ok = s.stringInto(&p.typ, nil, &te, "type")
+			ok = s.partType(p, &te)
 		case keyIs(key, "text"):
-			ok = s.stringInto(&p.text.s, &p.text.set, &te, "text")
+			ok = s.partText(p, base, &te)
 		default:
 			ok = s.skip()
 		}
 		if !ok {
-			return false
+			return "", false
 		}
 		var more bool
 		if more, ok = s.next('}'); !more {
 			break
 		}
 	}
-	p.err = te.first
-	return ok
+	return te.first, ok
+}
+
+// partType reads a part's "type" as a string field (stringInto) and keeps
+// which of the types renderChat tells apart it is.
+func (s *jsonScan) partType(p *chatPart, te *typeErrors) bool {
+	if s.peek() != '"' {
+		var ignored string
+		return s.stringInto(&ignored, nil, te, "type") // null, or a type error
+	}
+	raw, plain, ok := s.scanString()
+	if !ok {
+		return false
+	}
+	t := string(raw) // no copy: only compared
+	if !plain {
+		t = unquote(raw, s.stops)
+	}
+	switch t {
+	case "":
+		p.typ = partUntyped
+	case "text":
+		p.typ = partText
+	case "input_text":
+		p.typ = partInputText
+	default:
+		p.typ = partOther
+	}
+	return true
+}
+
+// partText reads a part's "text" as a *string field (stringInto): a
+// string sets it, null unsets it.
+func (s *jsonScan) partText(p *chatPart, base int, te *typeErrors) bool {
+	switch c := s.peek(); c {
+	case '"':
+		s.noStops = true
+		raw, plain, ok := s.scanString()
+		s.noStops = false
+		if ok {
+			p.toff = uint32(s.i - 1 - len(raw) - base)
+			p.tend = p.toff + uint32(len(raw))
+			p.textSet, p.textForm = true, s.formOf(plain)
+		}
+		return ok
+	case 'n':
+		p.textSet = false
+		return s.literal()
+	default:
+		if c != 0 {
+			te.add("text", "a string", kindName(c))
+		}
+		return s.skip()
+	}
+}
+
+// partError is the error of decoding a part (its JSON) on its own.
+func partError(raw []byte) string {
+	if raw[0] != '{' {
+		return "request body must be a JSON object, got " + kindName(raw[0])
+	}
+	s := jsonScan{b: raw}
+	var p chatPart
+	msg, _ := s.part(&p, 0)
+	return msg
+}
+
+// chatLimits checks a chat body's messages against MaxMessages and
+// MaxContentParts.
+func (f *reqBody) chatLimits() error {
+	if f.nMsgs > MaxMessages {
+		return fmt.Errorf("%w: messages holds %d messages, more than the %d allowed", ErrBadRequest, f.nMsgs, MaxMessages)
+	}
+	parts := 0
+	for i := range f.nMsgs {
+		parts += int(f.msgs.at(i).content.n)
+	}
+	if parts > MaxContentParts {
+		return fmt.Errorf("%w: messages hold %d content parts, more than the %d allowed", ErrBadRequest, parts, MaxContentParts)
+	}
+	if f.partsOver { // duplicate keys held them
+		return fmt.Errorf("%w: messages lists hold more than the %d content parts allowed", ErrBadRequest, MaxContentParts)
+	}
+	return nil
+}
+
+// writeString writes a JSON string's bytes between its quotes (raw, from
+// a valid string of that form) unquoted to out.
+func writeString(out *strings.Builder, raw []byte, form strForm) {
+	if form == formPlain {
+		out.Write(raw)
+		return
+	}
+	unquoteScan(out, raw, form == formBadUTF8)
+}
+
+// unquoteScan is unquoteTo without the stops: it finds the escapes again,
+// and the bytes that are not UTF-8 when badUTF8 says there are some (so
+// that a message need not keep 8 bytes per escape from the scan to the
+// rendering).
+func unquoteScan(out *strings.Builder, raw []byte, badUTF8 bool) {
+	for len(raw) > 0 {
+		k := bytes.IndexByte(raw, '\\')
+		if k < 0 {
+			k = len(raw)
+		}
+		if badUTF8 {
+			writeUTF8(out, raw[:k])
+		} else {
+			out.Write(raw[:k])
+		}
+		if k == len(raw) {
+			return
+		}
+		e := raw[k+1]
+		if e != 'u' {
+			out.WriteByte(unescapeByte(e))
+			raw = raw[k+2:]
+			continue
+		}
+		r := hex4(raw[k+2:])
+		raw = raw[k+6:]
+		if utf16.IsSurrogate(r) {
+			if r2 := getu4(raw); r2 >= 0 {
+				if d := utf16.DecodeRune(r, r2); d != unicode.ReplacementChar {
+					out.WriteRune(d)
+					raw = raw[6:]
+					continue
+				}
+			}
+			r = unicode.ReplacementChar
+		}
+		out.WriteRune(r)
+	}
+}
+
+// writeUTF8 writes b to out with each byte that is not UTF-8 replaced by
+// U+FFFD, as encoding/json unquotes.
+func writeUTF8(out *strings.Builder, b []byte) {
+	for len(b) > 0 {
+		if utf8.Valid(b) {
+			out.Write(b)
+			return
+		}
+		i := 0
+		for i < len(b) {
+			if b[i] < utf8.RuneSelf {
+				i++
+				continue
+			}
+			r, n := utf8.DecodeRune(b[i:])
+			if r == utf8.RuneError && n == 1 {
+				break
+			}
+			i += n
+		}
+		out.Write(b[:i])
+		if i < len(b) {
+			out.WriteRune(unicode.ReplacementChar)
+			i++
+		}
+		b = b[i:]
+	}
+}
+
+// nestsDeeper reports whether the JSON text s (valid or not) opens more
+// than limit objects or lists at once before its first value ends or a
+// syntax error stops a JSON decoder: how deep a recursive decoder of it
+// (the chat template's, of a tool call's arguments) goes.
+func nestsDeeper(s string, limit int) bool {
+	sc := jsonScan{b: unsafe.Slice(unsafe.StringData(s), len(s))} // only read
+	sc.ws()
+	sc.skip()
+	return sc.maxDepth > limit
 }

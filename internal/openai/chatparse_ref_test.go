@@ -59,6 +59,9 @@ func refParseRequest(k Kind, body []byte) (*Request, error) {
 	if err := json.Unmarshal(body, &raw); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrBadRequest, refDescribe(err))
 	}
+	if d := refDepth(body); d > MaxNesting {
+		return nil, fmt.Errorf("%w: request body nests %d levels deep, more than the %d allowed", ErrBadRequest, d, MaxNesting)
+	}
 	if raw.Model != nil {
 		req.Model = *raw.Model
 	}
@@ -93,6 +96,19 @@ func refParseRequest(k Kind, body []byte) (*Request, error) {
 	case k == KindChat || (k == KindOther && raw.Messages != nil):
 		if len(raw.Messages) == 0 {
 			return nil, fmt.Errorf("%w: messages must be a non-empty list", ErrBadRequest)
+		}
+		if len(raw.Messages) > MaxMessages {
+			return nil, fmt.Errorf("%w: messages holds %d messages, more than the %d allowed", ErrBadRequest, len(raw.Messages), MaxMessages)
+		}
+		parts := 0
+		for _, m := range raw.Messages {
+			var list []json.RawMessage
+			if c := bytes.TrimSpace(m.Content); len(c) > 0 && c[0] == '[' && json.Unmarshal(c, &list) == nil {
+				parts += len(list)
+			}
+		}
+		if parts > MaxContentParts {
+			return nil, fmt.Errorf("%w: messages hold %d content parts, more than the %d allowed", ErrBadRequest, parts, MaxContentParts)
 		}
 		text, msgs, err := refRenderChat(raw.Messages, raw.Tools)
 		if err != nil {
@@ -263,6 +279,11 @@ func refRenderChat(msgs []refMessage, tools json.RawMessage) (string, []tokenize
 			// Malformed tool calls are left out of the template's view;
 			// the engine rejects such a request anyway.
 			_ = json.Unmarshal(tc, &tm.ToolCalls)
+			for j, call := range tm.ToolCalls {
+				if refDepth([]byte(call.Function.Arguments)) > MaxNesting {
+					return "", nil, fmt.Errorf("%w: messages[%d].tool_calls[%d].function.arguments nests more than the %d levels allowed", ErrBadRequest, i, j, MaxNesting)
+				}
+			}
 		}
 		if m.ToolCallID != "" {
 			b.WriteString(m.ToolCallID)
@@ -286,6 +307,30 @@ func refChatPrompt(msgs []tokenize.Message, raw *refRequest) *ChatPrompt {
 		_ = json.Unmarshal(k, &c.Kwargs)
 	}
 	return c
+}
+
+// refDepth is how deep the objects and lists of data (JSON, valid or
+// not) nest at most, read with encoding/json's tokenizer until its first
+// value ends or it fails.
+func refDepth(data []byte) int {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	depth, most := 0, 0
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return most
+		}
+		switch tok {
+		case json.Delim('['), json.Delim('{'):
+			depth++
+			most = max(most, depth)
+		case json.Delim(']'), json.Delim('}'):
+			depth--
+		}
+		if depth == 0 {
+			return most
+		}
+	}
 }
 
 // refDescribe turns a decoding error into a message for the client.

@@ -134,6 +134,20 @@ var decoderCases = []string{
 	`{"a":` + strings.Repeat("[", 9998) + strings.Repeat("]", 9998) + `}`,
 	`{"a":` + strings.Repeat(`{"b":`, 9999) + `1` + strings.Repeat("}", 9999) + `}`,
 	"\t\n\r {\"model\" : \"m\" , \"prompt\" : [ 1 , 2 ] }\r\n",
+	// Parts: types spelt with escapes, text escaped or not UTF-8, one text
+	// or several, errors in the second part.
+	`{"model":"m","messages":[{"role":"user","content":[{"type":"te\u0078t","text":"a\nb"},{"type":"input_text","text":"\u00e9"},{"text":"c","type":null}]}]}`,
+	"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"text\":\"\xff\"},{\"type\":\"text\",\"text\":\"x\\ud800\"}]}]}",
+	`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b","text":null}]}]}`,
+	`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":[],"text":1}]}]}`,
+	`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},7]},{"role":"user","content":"\u0041\n"}]}`,
+	`{"model":"m","messages":[{"role":"u","content":[{"type":"text","text":"a"}],"content":"s","content":[]}]}`,
+	// Limits: nesting over MaxNesting, in the body and in a tool call's
+	// arguments (a string the chat template decodes).
+	`{"model":"m","messages":[{"role":"u"}],"tools":` + strings.Repeat("[", 128) + strings.Repeat("]", 128) + `}`,
+	`{"model":"m","prompt":` + strings.Repeat("[", 127) + strings.Repeat("]", 127) + `}`,
+	`{"model":"m","messages":[{"role":"assistant","tool_calls":[{"function":{"arguments":"` + strings.Repeat("{\"a\":", 129) + `"}}]}]}`,
+	`{"model":"m","messages":[{"role":"assistant","tool_calls":[{"function":{"arguments":"[1 ` + strings.Repeat("[", 200) + `"}}]}]}`,
 }
 
 func TestDecodeBodyMatchesEncodingJSON(t *testing.T) {
@@ -255,6 +269,15 @@ func FuzzJSONScan(f *testing.F) {
 		s.ws()
 		if got, ok := s.str(); !ok || got != want {
 			t.Fatalf("%q: unquoted %q, encoding/json %q", data, got, want)
+		}
+		// renderChat's unquoting, which finds the escapes itself.
+		s = jsonScan{b: data, noStops: true}
+		s.ws()
+		raw, plain, _ := s.scanString()
+		var b strings.Builder
+		writeString(&b, raw, s.formOf(plain))
+		if b.String() != want {
+			t.Fatalf("%q: unquoteScan %q, encoding/json %q", data, b.String(), want)
 		}
 	})
 }

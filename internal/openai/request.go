@@ -143,11 +143,14 @@ func readRequest(k Kind, body []byte) (*Request, error) {
 	}
 	prompts := 1
 	switch {
-	case k == KindChat || (k == KindOther && raw.messages != nil):
-		if len(raw.messages) == 0 {
+	case k == KindChat || (k == KindOther && raw.hasMsgs):
+		if raw.nMsgs == 0 {
 			return nil, fmt.Errorf("%w: messages must be a non-empty list", ErrBadRequest)
 		}
-		text, msgs, err := renderChat(raw.messages, raw.tools)
+		if err := raw.chatLimits(); err != nil {
+			return nil, err
+		}
+		text, msgs, err := renderChat(raw)
 		if err != nil {
 			return nil, err
 		}
@@ -470,84 +473,122 @@ func skipSpace(raw []byte, i int) int {
 	return i
 }
 
-// renderChat renders messages (and tools, which chat templates put first)
-// into one canonical string: "role\x00content\x00" per message, content
-// parts concatenated. It is what ChunkKeyer keys (without a tokenizer, or
-// when the tokenizer disagrees with the replicas): two conversations share
-// a prefix of the rendering exactly when they share leading messages. It
-// also returns the messages as a chat template takes them.
-func renderChat(msgs []chatMsg, tools []byte) (string, []tokenize.Message, error) {
-	size := len(tools) + 8
-	for i := range msgs {
-		m := &msgs[i]
-		size += len(m.role) + len(m.name) + unquotedCap(m.content.raw, m.content.stops) + len(m.toolCalls) + len(m.toolCallID) + 4
-		for _, p := range m.content.parts {
-			size += len(p.raw)
+// renderChat renders the body's messages (and tools, which chat templates
+// put first) into one canonical string: "role\x00content\x00" per message,
+// content parts concatenated. It is what ChunkKeyer keys (without a
+// tokenizer, or when the tokenizer disagrees with the replicas): two
+// conversations share a prefix of the rendering exactly when they share
+// leading messages. It also returns the messages as a chat template takes
+// them: their contents are substrings of the rendering where they can be.
+func renderChat(f *reqBody) (string, []tokenize.Message, error) {
+	size, shared := len(f.tools)+8, 0
+	for i := range f.nMsgs {
+		m := f.msgs.at(i)
+		size += len(m.role) + 4
+		if mo := m.more; mo != nil {
+			size += len(mo.name) + len(mo.toolCalls) + len(mo.toolCallID)
+		}
+		switch c := &m.content; c.kind {
+		case contentString:
+			size += len(c.raw)
+			shared++
+		case contentParts:
+			for j := range c.n {
+				p := f.parts.at(int(c.first + j))
+				if p.typ == partText && p.textSet {
+					size += int(p.tend - p.toff)
+				} else {
+					size += int(p.end - p.off)
+				}
+			}
+			shared++
 		}
 	}
 	var b strings.Builder
 	b.Grow(size)
-	if len(tools) > 0 && string(tools) != "null" {
+	if tools := f.tools; len(tools) > 0 && string(tools) != "null" {
 		b.WriteString("tools\x00")
 		b.Write(tools)
 		b.WriteByte(0)
 	}
-	out := make([]tokenize.Message, len(msgs))
-	// Where each string content lies in the rendering: the messages'
-	// contents are substrings of it.
-	type span struct{ msg, start, end int }
-	var spans []span
-	for i := range msgs {
-		m := &msgs[i]
+	out := make([]tokenize.Message, f.nMsgs)
+	// Where each content that is a substring of the rendering lies in it.
+	type span struct{ msg, start, end uint32 }
+	spans := make([]span, 0, shared)
+	for i := range f.nMsgs {
+		m := f.msgs.at(i)
 		if m.role == "" {
 			return "", nil, fmt.Errorf("%w: messages[%d].role is required", ErrBadRequest, i)
 		}
 		tm := &out[i]
-		tm.Role, tm.Name, tm.ToolCallID, tm.ReasoningContent = m.role, m.name, m.toolCallID, m.reasoning.ptr()
+		tm.Role = m.role
+		mo := m.more
+		if mo != nil {
+			tm.Name, tm.ToolCallID, tm.ReasoningContent = mo.name, mo.toolCallID, mo.reasoning.ptr()
+		}
 		b.WriteString(m.role)
 		b.WriteByte(0)
-		if m.name != "" {
-			b.WriteString(m.name)
+		if tm.Name != "" {
+			b.WriteString(tm.Name)
 			b.WriteByte(0)
 		}
-		switch m.content.kind {
+		switch c := &m.content; c.kind {
 		case contentAbsent, contentNull:
 		case contentString:
 			start := b.Len()
-			unquoteTo(&b, m.content.raw, m.content.stops)
-			spans = append(spans, span{i, start, b.Len()})
+			writeString(&b, c.raw, c.form)
+			spans = append(spans, span{uint32(i), uint32(start), uint32(b.Len())})
 		case contentParts:
-			var texts []string
-			for j, p := range m.content.parts {
-				if p.err != "" {
-					return "", nil, fmt.Errorf("%w: messages[%d].content[%d]: %s", ErrBadRequest, i, j, p.err)
+			texts, written := 0, 0 // parts tokenize.Message keeps; of those, written unquoted
+			var at span
+			for j := range int(c.n) {
+				p := f.parts.at(int(c.first) + j)
+				if p.bad {
+					return "", nil, fmt.Errorf("%w: messages[%d].content[%d]: %s", ErrBadRequest, i, j, partError(c.raw[p.off:p.end]))
 				}
-				if p.typ == "text" && p.text.set {
-					b.WriteString(p.text.s)
+				if p.typ == partText && p.textSet {
+					start := b.Len()
+					writeString(&b, c.raw[p.toff:p.tend], p.textForm)
+					at, written = span{uint32(i), uint32(start), uint32(b.Len())}, written+1
 				} else {
 					// Images, audio, files: key their JSON (the same image
 					// URL is the same prefix).
-					b.Write(p.raw)
+					b.Write(c.raw[p.off:p.end])
 				}
-				// What tokenize.Message keeps of a part list.
-				if (p.typ == "text" || p.typ == "input_text" || p.typ == "") && p.text.set {
-					texts = append(texts, p.text.s)
+				if p.typ != partOther && p.textSet {
+					texts++
 				}
 			}
-			tm.Content = strings.Join(texts, "\n")
+			// What tokenize.Message keeps of a part list: its texts joined
+			// with "\n", the rendering's own bytes when it is one text.
+			switch {
+			case texts == 1 && written == 1:
+				spans = append(spans, at)
+			case texts > 0:
+				tm.Content = joinTexts(c, &f.parts)
+			}
 		default:
 			return "", nil, fmt.Errorf("%w: messages[%d].content must be a string or a list of parts", ErrBadRequest, i)
 		}
 		b.WriteByte(0)
-		if tc := m.toolCalls; len(tc) > 0 && string(tc) != "null" {
+		if mo == nil {
+			continue
+		}
+		if tc := mo.toolCalls; len(tc) > 0 && string(tc) != "null" {
 			b.Write(tc)
 			b.WriteByte(0)
 			// Malformed tool calls are left out of the template's view;
 			// the engine rejects such a request anyway.
 			tm.ToolCalls = toolCalls(tc)
+			for j := range tm.ToolCalls {
+				// The template decodes the arguments, recursively.
+				if nestsDeeper(tm.ToolCalls[j].Function.Arguments, MaxNesting) {
+					return "", nil, fmt.Errorf("%w: messages[%d].tool_calls[%d].function.arguments nests more than the %d levels allowed", ErrBadRequest, i, j, MaxNesting)
+				}
+			}
 		}
-		if m.toolCallID != "" {
-			b.WriteString(m.toolCallID)
+		if mo.toolCallID != "" {
+			b.WriteString(mo.toolCallID)
 			b.WriteByte(0)
 		}
 	}
@@ -556,6 +597,31 @@ func renderChat(msgs []chatMsg, tools []byte) (string, []tokenize.Message, error
 		out[sp.msg].Content = text[sp.start:sp.end]
 	}
 	return text, out, nil
+}
+
+// joinTexts is the texts of c's parts (a content list's, kept in parts)
+// that tokenize.Message keeps, joined with "\n".
+func joinTexts(c *chatContent, parts *blockList[chatPart]) string {
+	size := 0
+	for j := range c.n {
+		p := parts.at(int(c.first + j))
+		size += int(p.tend-p.toff) + 1
+	}
+	var b strings.Builder
+	b.Grow(size)
+	first := true
+	for j := range c.n {
+		p := parts.at(int(c.first + j))
+		if p.typ == partOther || !p.textSet {
+			continue
+		}
+		if !first {
+			b.WriteByte('\n')
+		}
+		first = false
+		writeString(&b, c.raw[p.toff:p.tend], p.textForm)
+	}
+	return b.String()
 }
 
 // toolCalls decodes a message's tool_calls (raw, a valid JSON value) as

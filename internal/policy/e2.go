@@ -377,6 +377,11 @@ type e2Entry struct {
 	out     int32 // tokens
 	live    bool  // in flight
 	queued  bool  // still in the window queue
+	inMix   bool  // counted in its replica's mix-window figures
+	// dropped: it failed before its first token, and its figures left the
+	// statistics then (drop); it stays queued, counting nothing, until
+	// its time in the window ends.
+	dropped bool
 }
 
 // e2Node is E2's windowed statistics of one prefix unit (Node.Ext). Every
@@ -725,7 +730,7 @@ func (p *E2) Routed(req *Request, d *Decision, v *View, now time.Time) {
 		id: req.ID, at: ns, node: node, replica: int32(r),
 		prompt: sat32(req.PromptTokens), hit: sat32(d.MatchedTokens), out: sat32(req.OutputTokens),
 		prefill: p.prefillMemo(v, r, p.routedMissed(r, req, d.MatchedTokens, v), v.SeqFor(r, req)),
-		ttft:    -1, live: true, queued: true,
+		ttft:    -1, live: true, queued: true, inMix: true,
 	}
 	p.queue = append(p.queue, e)
 	if old, ok := p.live[req.ID]; ok {
@@ -800,7 +805,8 @@ func (p *E2) FirstToken(id uint64, replica int, ttft time.Duration, now time.Tim
 }
 
 // Finished implements Observer: the request's TPOT joins the replica's
-// samples.
+// samples. A request that failed before its first token (a connection
+// error, a 5xx, a cancel while queued) leaves the window at once (drop).
 func (p *E2) Finished(id uint64, replica int, outputTokens int, ok bool, now time.Time) {
 	e, found := p.live[id]
 	if !found {
@@ -808,6 +814,9 @@ func (p *E2) Finished(id uint64, replica int, outputTokens int, ok bool, now tim
 	}
 	delete(p.live, id)
 	e.live = false
+	if !ok && e.ttft < 0 && outputTokens <= 0 && e.queued && !e.dropped {
+		p.drop(e, now.UnixNano())
+	}
 	if ok && e.ttft >= 0 && outputTokens > 1 {
 		lat := float64(now.UnixNano()-e.at) / 1e9
 		if tp := (lat - e.ttft) / float64(outputTokens-1); tp > 0 && finite(tp) {
@@ -844,10 +853,7 @@ func (p *E2) ReplicaDown(r int, now time.Time) {
 func (p *E2) expire(ns int64) {
 	mixCut := ns - int64(p.cfg.MixWindow)
 	for p.mixHead < len(p.queue) && p.queue[p.mixHead].at < mixCut {
-		e := p.queue[p.mixHead]
-		rs := p.rep(int(e.replica))
-		rs.mixPrompt -= int(e.prompt)
-		rs.mixHit -= int(e.hit)
+		p.unmix(p.queue[p.mixHead])
 		p.mixHead++
 	}
 	cut := ns - int64(p.cfg.Window)
@@ -855,35 +861,14 @@ func (p *E2) expire(ns int64) {
 		e := p.queue[p.head]
 		p.queue[p.head] = nil
 		p.head++
-		rs := p.rep(int(e.replica))
-		rs.hist -= e.prefill
-		if rs.hist < 1e-12 {
-			rs.hist = 0
-		}
-		if n := e.node; n != nil && !n.Evicted() {
-			s := stats(n)
-			s.count--
-			s.prompt -= int(e.prompt)
-			s.hit -= int(e.hit)
-			s.out -= int(e.out)
-			if len(s.entries) > 0 && s.entries[0] == e {
+		if !e.dropped {
+			p.unwindow(e, ns)
+		} else if n := e.node; n != nil && !n.Evicted() {
+			// Its prefix's entry list may hold it still, first (the
+			// list is in time order and expiry takes the queue's).
+			if s, ok := n.Ext.(*e2Node); ok && len(s.entries) > 0 && s.entries[0] == e {
 				s.entries[0] = nil
 				s.entries = s.entries[1:]
-			}
-			pr := s.at(int(e.replica))
-			pr.count--
-			pr.load -= e.prefill
-			if pr.count <= 0 {
-				*pr = e2NodeReplica{}
-				if r := int(e.replica); n.Assigned.Len() > 1 && n.Assigned.Has(r) {
-					n.Assigned.Remove(r)
-					p.Shrinks++
-				}
-			}
-			if s.count <= 0 {
-				n.Assigned.Clear()
-				p.deactivate(n, s)
-				p.forget(n, s, ns)
 			}
 		}
 		e.queued = false
@@ -897,6 +882,70 @@ func (p *E2) expire(ns int64) {
 		p.mixHead -= p.head
 		p.head = 0
 	}
+}
+
+// unmix takes e out of its replica's mix-window figures, once.
+func (p *E2) unmix(e *e2Entry) {
+	if !e.inMix {
+		return
+	}
+	e.inMix = false
+	rs := p.rep(int(e.replica))
+	rs.mixPrompt -= int(e.prompt)
+	rs.mixHit -= int(e.hit)
+}
+
+// unwindow takes e out of the windowed statistics: its replica's history
+// and its prefix's figures (see expire).
+func (p *E2) unwindow(e *e2Entry, ns int64) {
+	rs := p.rep(int(e.replica))
+	rs.hist -= e.prefill
+	if rs.hist < 1e-12 {
+		rs.hist = 0
+	}
+	n := e.node
+	if n == nil || n.Evicted() {
+		return
+	}
+	s := stats(n)
+	s.count--
+	s.prompt -= int(e.prompt)
+	s.hit -= int(e.hit)
+	s.out -= int(e.out)
+	if len(s.entries) > 0 && s.entries[0] == e {
+		s.entries[0] = nil
+		s.entries = s.entries[1:]
+	}
+	pr := s.at(int(e.replica))
+	pr.count--
+	pr.load -= e.prefill
+	if pr.count <= 0 {
+		*pr = e2NodeReplica{}
+		if r := int(e.replica); n.Assigned.Len() > 1 && n.Assigned.Has(r) {
+			n.Assigned.Remove(r)
+			p.Shrinks++
+		}
+	}
+	if s.count <= 0 {
+		n.Assigned.Clear()
+		p.deactivate(n, s)
+		p.forget(n, s, ns)
+	}
+}
+
+// drop takes a request that failed before its first token out of the
+// windowed statistics now, as its expiry would later: it did no prefill
+// work the window should price (L's history, the mix ratio), and it is not
+// demand for its prefix (count, miss rate, placement) — the client's retry
+// is counted when it is routed. The cache it may have left is the tree's
+// business (KV events). A request that produced a token keeps its place:
+// its prefill ran. It stays queued, counting nothing, so the FIFO keeps
+// its time order; its prefix's entry list keeps it too (overloaded skips
+// it: it has no TTFT) until expire takes it.
+func (p *E2) drop(e *e2Entry, ns int64) {
+	p.unmix(e)
+	p.unwindow(e, ns)
+	e.dropped = true
 }
 
 func (p *E2) deactivate(n *prefixtree.Node, s *e2Node) {
