@@ -300,3 +300,67 @@ func (s *rssSampler) stop() {
 	s.cancel()
 	<-s.done
 }
+
+// bigBodies holds n connections to addr, each with a request declaring a
+// body of declared bytes and sending sent of them at once, then nothing:
+// the body memory a router takes as fast as the attacker can send, held
+// until its body deadline (D2 at speed, beside slowBodies' trickle).
+type bigBodies struct {
+	opened, sentAll atomic.Int64
+	done            atomic.Int64 // connections that sent all or were refused
+	cancel          context.CancelFunc
+	wg              sync.WaitGroup
+}
+
+func startBigBodies(addr string, n int, declared, sent int64) *bigBodies {
+	ctx, cancel := context.WithCancel(context.Background())
+	b := &bigBodies{cancel: cancel}
+	head := fmt.Sprintf("POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{\"prompt\":\"", addr, declared)
+	chunk := make([]byte, 64<<10)
+	for i := range chunk {
+		chunk[i] = 'a'
+	}
+	for range n {
+		b.wg.Add(1)
+		go func() {
+			defer b.wg.Done()
+			if c := b.send(ctx, addr, head, chunk, sent); c != nil {
+				b.done.Add(1)
+				<-ctx.Done() // hold it, the body unfinished
+				c.Close()
+				return
+			}
+			b.done.Add(1)
+		}()
+	}
+	return b
+}
+
+// send opens one connection and sends the head and sent bytes of body; it
+// returns the connection, still open, or nil if the router refused it.
+func (b *bigBodies) send(ctx context.Context, addr, head string, chunk []byte, sent int64) net.Conn {
+	c, err := (&net.Dialer{Timeout: time.Second}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil
+	}
+	b.opened.Add(1)
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	if _, err := io.WriteString(c, head); err != nil {
+		c.Close()
+		return nil
+	}
+	for left := sent; left > 0; left -= int64(len(chunk)) {
+		if _, err := c.Write(chunk[:min(left, int64(len(chunk)))]); err != nil {
+			c.Close() // refused (429) and closed
+			return nil
+		}
+	}
+	b.sentAll.Add(1)
+	return c
+}
+
+func (b *bigBodies) stop() {
+	b.cancel()
+	b.wg.Wait()
+}

@@ -29,7 +29,7 @@ const (
 	eppFloodStreams = 40
 	eppFloodBytes   = 15 << 20
 	eppFloodChunk   = 1 << 20
-	eppOrdinary     = 60 // ordinary requests per phase
+	eppOrdinary     = 200 // ordinary requests per phase
 	eppDrain        = 2 * time.Second
 )
 
@@ -86,7 +86,7 @@ func TestChaosHostileEPP(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var wg sync.WaitGroup
-	var refused, sentBytes atomic.Int64
+	var refused, sentBytes, finished atomic.Int64
 	chunk := make([]byte, eppFloodChunk)
 	for i := range chunk {
 		chunk[i] = 'a'
@@ -124,17 +124,21 @@ func TestChaosHostileEPP(t *testing.T) {
 				}
 				sentBytes.Add(eppFloodChunk)
 			}
+			finished.Add(1)
 			select { // hold the stream open, its body unfinished
 			case <-ctx.Done():
 			case <-done:
 			}
 		}()
 	}
-	// The flood is on once the streams have sent what they can.
-	waitFor(t, 60*time.Second, "the flood's bodies sent or refused", func() bool {
-		return refused.Load()+sentBytes.Load()/eppFloodBytes >= eppFloodStreams-1
-	})
+	// While the flood is being sent, the attacker's gRPC client shares
+	// the machine's two cores with the picker (figures logged, not judged);
+	// then it holds what the picker took.
 	rss.peak.Store(0)
+	sending := eppPhase(t, client)
+	waitFor(t, 60*time.Second, "the flood's bodies sent or refused", func() bool {
+		return finished.Load() == eppFloodStreams
+	})
 	during := eppPhase(t, client)
 	floodPeak := rss.peak.Load()
 	m, err := scrape(metricsURL)
@@ -142,13 +146,18 @@ func TestChaosHostileEPP(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("hostile epp clean: %d routed, decision p50/p99 %.2f/%.2f ms, RSS peak %.0f MiB", clean.served, clean.p50, clean.p99, float64(cleanPeak)/(1<<20))
-	t.Logf("hostile epp flood (%d streams × %d MiB unfinished bodies, %d MiB sent, %d refused 429, limited_total %.0f): %d routed, decision p50/p99 %.2f/%.2f ms (%.2f× clean p99), RSS peak %.0f MiB",
+	t.Logf("hostile epp while the flood is sent: %d routed, decision p50/p99 %.2f/%.2f ms", sending.served, sending.p50, sending.p99)
+	t.Logf("hostile epp flood held (%d streams × %d MiB unfinished bodies, %d MiB sent, %d refused 429, limited_total %.0f): %d routed, decision p50/p99 %.2f/%.2f ms (%.2f× clean p99), RSS peak %.0f MiB",
 		eppFloodStreams, eppFloodBytes>>20, sentBytes.Load()>>20, refused.Load(), m["prefixlb_epp_limited_total"], during.served, during.p50, during.p99, during.p99/clean.p99, float64(floodPeak)/(1<<20))
-	if during.served != eppOrdinary {
-		t.Errorf("chaos: epp flood: %d of %d ordinary requests routed: %v", during.served, eppOrdinary, during.errors)
+	if sending.served != eppOrdinary || during.served != eppOrdinary {
+		t.Errorf("chaos: epp flood: %d and %d of %d ordinary requests routed: %v %v", sending.served, during.served, eppOrdinary, sending.errors, during.errors)
 	}
-	if during.p99 > 2*clean.p99 {
-		t.Errorf("chaos: epp flood: decision p99 %.2f ms over 2× the clean %.2f ms", during.p99, clean.p99)
+	// Decisions take about a millisecond: on two shared cores the
+	// scheduler's jitter alone moves their p99 by milliseconds, so the
+	// bound is 2× or 5 ms over the clean p99, whichever is larger (as the
+	// suite's recovery test judges TTFTs, window.within).
+	if during.p99 > math.Max(2*clean.p99, clean.p99+5) {
+		t.Errorf("chaos: epp flood: decision p99 %.2f ms over 2× (or +5 ms) the clean %.2f ms", during.p99, clean.p99)
 	}
 	if refused.Load() == 0 {
 		t.Errorf("chaos: epp flood: no stream refused: the flood did not reach the bound")
@@ -196,6 +205,7 @@ func eppPhase(t *testing.T, client extprocv3.ExternalProcessorClient) eppStats {
 		}
 		s.served++
 		ms = append(ms, float64(d)/float64(time.Millisecond))
+
 	}
 	if len(ms) > 0 {
 		slices.Sort(ms)

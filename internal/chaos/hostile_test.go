@@ -46,17 +46,25 @@ const (
 type hostileAttack struct {
 	name  string
 	start func(t *testing.T, h *hostileRig) (stop func())
+	// replicaFault: a replica misbehaves, not a client (its p99 is logged,
+	// not judged).
+	replicaFault bool
+	// inPlace, when set, waits until the attack holds what it takes (the
+	// tenant's requests are judged from then on).
+	inPlace func(t *testing.T, h *hostileRig)
 	// check asserts what the attack must leave, after its phase.
 	check func(t *testing.T, h *hostileRig)
 }
 
 // hostileRig is the cluster under attack.
 type hostileRig struct {
+	t           *testing.T
 	engines     []*engine
 	front0      *front   // engine 0's HTTP
 	pub0, rep0  *kvFront // engine 0's KV-event PUB and replay ROUTER
 	router      *router
-	cleanThresh float64 // the queue's predicted-wait threshold before any attack
+	bigBodies   *bigBodies // the big-bodies attack, while it runs
+	cleanThresh float64    // the queue's predicted-wait threshold before any attack
 	notes       map[string]string
 }
 
@@ -70,7 +78,7 @@ func TestChaosHostile(t *testing.T) {
 		t.Skip("chaos: starts processes for ~90 s")
 	}
 	dir := t.TempDir()
-	h := &hostileRig{notes: map[string]string{}}
+	h := &hostileRig{t: t, notes: map[string]string{}}
 	for i := range 3 {
 		h.engines = append(h.engines, newEngine(t, dir, fmt.Sprintf("engine%d", i)))
 	}
@@ -116,19 +124,25 @@ func TestChaosHostile(t *testing.T) {
 	sleepUntil(ctx, start.Add(hostileWarmUp+hostilePhase/2))
 	h.cleanThresh = queueThreshold(t, h.router)
 	type phase struct {
-		name     string
-		from, to time.Duration
-		peakRSS  int64
+		name             string
+		from, judged, to time.Duration // judged: from the attack in place
+		peakRSS          int64
+		replicaFault     bool
 	}
-	phases := []phase{{name: "clean", from: hostileWarmUp, to: hostileWarmUp + hostilePhase}}
+	phases := []phase{{name: "clean", from: hostileWarmUp, judged: hostileWarmUp, to: hostileWarmUp + hostilePhase}}
 	sleepUntil(ctx, start.Add(hostileWarmUp+hostilePhase))
 	for i, a := range attacks {
 		from := hostileWarmUp + time.Duration(i+1)*hostilePhase
 		rss.peak.Store(0)
 		stop := a.start(t, h)
+		judged := from
+		if a.inPlace != nil {
+			a.inPlace(t, h)
+			judged = max(from, time.Since(start))
+		}
 		sleepUntil(ctx, start.Add(from+hostilePhase))
 		stop()
-		phases = append(phases, phase{name: a.name, from: from, to: from + hostilePhase, peakRSS: rss.peak.Load()})
+		phases = append(phases, phase{name: a.name, from: from, judged: judged, to: from + hostilePhase, peakRSS: rss.peak.Load(), replicaFault: a.replicaFault})
 		if h.router.p.exited() {
 			t.Fatalf("chaos: the router exited during %q", a.name)
 		}
@@ -148,14 +162,33 @@ func TestChaosHostile(t *testing.T) {
 		t.Fatalf("chaos: clean phase: %d of %d served (errors %v)", clean.served, clean.sent, clean.errors)
 	}
 	for _, p := range phases[1:] {
-		w := tenantWindow(out.Records, p.from, p.to)
+		if p.judged > p.from {
+			// While the attacker pushed its bytes through loopback it
+			// shared the machine's two cores with the router: logged,
+			// not judged.
+			w := tenantWindow(out.Records, p.from, p.judged)
+			t.Logf("hostile %-14s while the attack was set up (%v): sent=%d served=%d ttft p50/p99 %.1f/%.1f ms",
+				p.name, (p.judged - p.from).Round(10*time.Millisecond), w.sent, w.served, w.p50, w.p99)
+			if w.served != w.sent {
+				t.Errorf("chaos: %s: the tenant had %d of %d requests served while it was set up: %v", p.name, w.served, w.sent, w.errors)
+			}
+		}
+		w := tenantWindow(out.Records, p.judged, p.to)
 		t.Logf("hostile %-14s sent=%d served=%d ttft p50/p99 %.1f/%.1f ms (%.2f× clean p99) router RSS peak %.0f MiB %s",
 			p.name, w.sent, w.served, w.p50, w.p99, w.p99/clean.p99, float64(p.peakRSS)/(1<<20), h.notes[p.name])
 		if w.served != w.sent {
 			t.Errorf("chaos: %s: the tenant had %d of %d requests served: %v", p.name, w.served, w.sent, w.errors)
 		}
-		if w.p99 > 2*clean.p99 {
-			t.Errorf("chaos: %s: the tenant's p99 TTFT %.1f ms is over 2× the clean phase's %.1f ms", p.name, w.p99, clean.p99)
+		// 2× the clean p99, or 5 ms over it for TTFTs of a few ms (the
+		// suite's rule, window.within). A replica fault is not an attack
+		// on the router: the prefixes cached on the failing replica are
+		// prefilled again elsewhere, as when it is killed (TestChaos), and
+		// that costs TTFT however the router does: logged, not judged.
+		if p.replicaFault {
+			continue
+		}
+		if w.p99 > math.Max(2*clean.p99, clean.p99+5) {
+			t.Errorf("chaos: %s: the tenant's p99 TTFT %.1f ms is over 2× (or +5 ms) the clean phase's %.1f ms", p.name, w.p99, clean.p99)
 		}
 	}
 
@@ -251,6 +284,23 @@ func hostileAttacks() []hostileAttack {
 			},
 		},
 		{
+			name: "big-bodies",
+			inPlace: func(t *testing.T, h *hostileRig) {
+				waitFor(t, hostilePhase/2, "the big bodies sent or refused", func() bool { return h.bigBodies.done.Load() == 40 })
+			},
+			start: func(_ *testing.T, h *hostileRig) func() {
+				// 40 requests each declaring 16 MiB - 1 and sending 15 MiB
+				// as fast as loopback takes it, then stalling: 600 MiB.
+				b := startBigBodies(strings.TrimPrefix(h.router.url(), "http://"), 40, 16<<20-1, 15<<20)
+				h.bigBodies = b
+				return func() {
+					m := mustScrape(h.t, h.router)
+					b.stop()
+					h.notes["big-bodies"] = fmt.Sprintf("conns=%d sent_whole=%d refused_body_memory=%.0f", b.opened.Load(), b.sentAll.Load(), m["prefixlb_refused_total"])
+				}
+			},
+		},
+		{
 			name: "zero-window",
 			start: func(_ *testing.T, h *hostileRig) func() {
 				z := startZeroWindow(strings.TrimPrefix(h.router.url(), "http://"), 20, longStreamBody())
@@ -306,7 +356,8 @@ func hostileAttacks() []hostileAttack {
 			},
 		},
 		{
-			name: "always-500",
+			name:         "always-500",
+			replicaFault: true,
 			start: func(_ *testing.T, h *hostileRig) func() {
 				h.front0.setMode(modeFail500)
 				return func() { h.front0.setMode(modePass) }

@@ -709,7 +709,7 @@ func TestWarnOpenAdmin(t *testing.T) {
 // front door's settings.
 func TestFrontDoorConfig(t *testing.T) {
 	d := DefaultConfig()
-	if d.MaxInflightBodyBytes != 256<<20 || d.ClientWriteTimeout != 30*time.Second || d.BreakerFailures != 5 ||
+	if d.MaxInflightBodyBytes != 128<<20 || d.ClientWriteTimeout != 30*time.Second || d.BreakerFailures != 5 ||
 		d.BreakerWindow != 10 || d.BreakerEjectionTime != 30*time.Second || d.MaxResponseBytes != 1<<20 ||
 		strings.Join(d.AllowedPaths, ",") != strings.Join(DefaultAllowedPaths(), ",") {
 		t.Errorf("defaults %+v", d.FrontDoor)
