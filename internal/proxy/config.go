@@ -24,6 +24,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // Backend is one replica the proxy forwards to.
@@ -210,6 +211,25 @@ type Config struct {
 	// replica is up) with Retry-After (docs/overload.md).
 	Queue cluster.QueueConfig
 
+	// Explain says which clients get x-prefixlb-route, the decision's
+	// explanation (matched tokens per replica: how much of the prompt is
+	// cached): tenancy.ExplainTrusted (the default) only requests that
+	// present AdminToken (tenancy.TokenHeader or Authorization: Bearer),
+	// nobody when it is unset; ExplainNever nobody; ExplainAlways everyone
+	// (docs/security.d/tenancy.md).
+	Explain tenancy.Explain
+	// TenantIsolation salts every request with its tenant
+	// (cluster.TenantOf; tenancy.Salt): the forwarded body's cache_salt is
+	// set to a keyed hash of the tenant and the client's own cache_salt,
+	// so that vLLM keeps tenants' prefixes apart and the router's keys use
+	// the same salt. Off by default: requests are keyed with the client's
+	// cache_salt, if any, and forwarded unchanged.
+	TenantIsolation bool
+	// TenantSaltSecret keys the tenant salts (tenancy.Salt): the same on
+	// every router in front of the same replicas ("": unkeyed, which holds
+	// while clients cannot reach the replicas directly).
+	TenantSaltSecret string
+
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
 	// Tokenizer, when set and Keyer is nil, is the replicas' tokenizer:
@@ -264,6 +284,7 @@ func DefaultConfig() Config {
 		KVLinkGbps:            400,
 		KVLinkLatency:         time.Millisecond,
 		Queue:                 cluster.DefaultQueueConfig(),
+		Explain:               tenancy.ExplainTrusted,
 	}
 }
 
@@ -389,6 +410,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("proxy: config: %w", c.Queue.Validate())
 	case c.MaxPromptTokens <= 0:
 		return bad("max_prompt_tokens", "must be > 0, got %d", c.MaxPromptTokens)
+	case c.Explain != "" && c.Explain.Validate() != nil:
+		return bad("explain", "%v", c.Explain.Validate())
 	}
 	return nil
 }
@@ -561,6 +584,9 @@ type fileConfig struct {
 	LoRAAdapters          *[]string         `json:"lora_adapters"`
 	LoRAAdapterBytes      *int64            `json:"lora_adapter_bytes"`
 	IgnoreCacheTiers      *bool             `json:"ignore_cache_tiers"`
+	Explain               *string           `json:"explain"`
+	TenantIsolation       *bool             `json:"tenant_isolation"`
+	TenantSaltSecret      *string           `json:"tenant_salt_secret"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
 	Queue                 *fileQueue        `json:"queue"`
 }
@@ -742,6 +768,13 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 		c.KVLinkGbps = *f.KVLinkGbps
 	}
 	setD(&c.KVLinkLatency, f.KVLinkLatency)
+	if f.Explain != nil {
+		c.Explain = tenancy.Explain(*f.Explain)
+	}
+	if f.TenantIsolation != nil {
+		c.TenantIsolation = *f.TenantIsolation
+	}
+	setS(&c.TenantSaltSecret, f.TenantSaltSecret)
 	if f.Queue != nil {
 		f.Queue.apply(&c.Queue)
 	}

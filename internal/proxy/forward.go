@@ -53,6 +53,9 @@ type exchange struct {
 	wrote bool
 	// code is the outcome label of prefixlb_requests_total.
 	code string
+	// explain says the client gets the decision's explanation
+	// (Config.Explain; explain.go).
+	explain bool
 }
 
 // result is the outcome of one attempt on one replica.
@@ -100,6 +103,10 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		return
 	}
 	x.req = req
+	if err := x.admitClient(req); err != nil {
+		fail(err)
+		return
+	}
 	keys, tokens, err := p.pool.Key(req)
 	if err != nil {
 		fail(fmt.Errorf("proxy: %w", err))
@@ -241,7 +248,11 @@ var (
 func (x *exchange) setRouteHeaders(d *policy.Decision, b *backend, retries int) {
 	h := x.w.Header()
 	h[canonReplica] = []string{b.Name}
-	h[canonRoute] = []string{d.Explain()}
+	if x.explain {
+		h[canonRoute] = []string{d.Explain()}
+	} else {
+		delete(h, canonRoute) // a cache oracle (explain.go)
+	}
 	if x.prefilled != nil {
 		h[canonPrefillReplica] = []string{x.prefilled.Name}
 	} else {
