@@ -55,3 +55,32 @@ func TestTenancyFlags(t *testing.T) {
 		t.Errorf("after the flags: explain %q, isolation %v, secret %q", file.Explain, file.TenantIsolation, file.TenantSaltSecret)
 	}
 }
+
+// TestEPPTenancyFlags: epp's --explain mirrors serve's (default trusted,
+// bare means always, a bad value refused) and --tenant-isolation is off
+// by default.
+func TestEPPTenancyFlags(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+		iso  string
+	}{
+		{nil, "trusted", "false"},
+		{[]string{"--explain"}, "always", "false"},
+		{[]string{"--explain=never", "--tenant-isolation"}, "never", "true"},
+	} {
+		fs := newEPPCmd().Flags()
+		if err := fs.Parse(tc.args); err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if got := fs.Lookup("explain").Value.String(); got != tc.want {
+			t.Errorf("%v: explain %q, want %q", tc.args, got, tc.want)
+		}
+		if got := fs.Lookup("tenant-isolation").Value.String(); got != tc.iso {
+			t.Errorf("%v: tenant-isolation %q, want %q", tc.args, got, tc.iso)
+		}
+	}
+	if err := newEPPCmd().Flags().Parse([]string{"--explain=sometimes"}); err == nil {
+		t.Error("--explain=sometimes: no error")
+	}
+}

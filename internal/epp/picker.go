@@ -157,6 +157,13 @@ type Config struct {
 	// x-prefixlb-priority header wins over it. SetObjectives (the cluster's
 	// objectives, watched) overrides these.
 	Objectives map[string]int
+	// TenantIsolation salts every request with its tenant, as serve's
+	// tenant_isolation does (tenancy.Isolation): the body the replica gets
+	// carries the tenant's cache_salt (Pick.Body), and the keys use it.
+	// TenantSaltSecret keys the salts; the same on every router of the
+	// pool (serve's included), or their salts differ.
+	TenantIsolation  bool
+	TenantSaltSecret string
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -360,8 +367,9 @@ type Pick struct {
 	// Replica is the primary's name.
 	Replica string
 	// Body is the request body with its model rewritten (an
-	// InferenceModelRewrite applied; Model the new model), nil when the
-	// body goes on as it came.
+	// InferenceModelRewrite applied; Model the new model) or its
+	// cache_salt set to the tenant's (Config.TenantIsolation), nil when
+	// the body goes on as it came.
 	Body  []byte
 	Model string
 	// Prefill is, for a disaggregated decision, the prefill replica's
@@ -387,6 +395,17 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 			return Pick{}, fmt.Errorf("%w: rewrite the model: %v", openai.ErrBadRequest, err)
 		}
 		pr.Model = m
+	}
+	// Tenant isolation: the tenant's salt keys the request and goes on
+	// in its body.
+	out := rewritten
+	if out == nil {
+		out = in.Body
+	}
+	if salted, err := p.isolate(pr, out, tenantOf(in.Header)); err != nil {
+		return Pick{}, fmt.Errorf("epp: %w", err)
+	} else if salted != nil {
+		rewritten = salted
 	}
 	keys, promptTokens, err := p.pool.Key(pr)
 	if err != nil {
