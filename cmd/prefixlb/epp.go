@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -18,6 +19,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/epp"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 	"github.com/prefixlb/prefixlb/internal/tenant"
 )
 
@@ -49,7 +51,10 @@ type eppFlags struct {
 	drainTimeout             time.Duration
 	ports                    discovery.Ports
 	scrape                   time.Duration
-	explain                  bool
+	explain                  tenancy.Explain
+	adminToken               string
+	tenantIsolation          bool
+	tenantSaltSecret         string
 	logLevel                 string
 	backendKind              string
 	tenantsFile              string
@@ -129,7 +134,12 @@ pod its own speed (docs/calibration.md).`,
 	portFlags(fs, &f.ports, "")
 	fs.DurationVar(&f.scrape, "scrape-interval", time.Second, "how often to read each replica's /metrics (0: never)")
 	fs.StringVar(&f.backendKind, "backend-kind", "auto", "replicas' engine: auto (detect each replica's when it joins and is ready again), vllm, sglang or llamacpp")
-	fs.BoolVar(&f.explain, "explain", false, "add x-prefixlb-route (the decision explained) and, with e2, x-prefixlb-route-terms (every term of each candidate's cost) to upstream requests")
+	f.explain = tenancy.ExplainTrusted
+	fs.Var(tenancy.ExplainFlag{V: &f.explain}, "explain", "which upstream requests get x-prefixlb-route (the decision explained: matched tokens per replica, a cache oracle) and, with e2, x-prefixlb-route-terms: never, trusted (requests presenting --admin-token in x-prefixlb-admin-token or Authorization: Bearer) or always; bare --explain is always")
+	fs.Lookup("explain").NoOptDefVal = string(tenancy.ExplainAlways)
+	fs.StringVar(&f.adminToken, "admin-token", "", "the token --explain=trusted asks for (default $PREFIXLB_ADMIN_TOKEN)")
+	fs.BoolVar(&f.tenantIsolation, "tenant-isolation", false, "salt every request with its tenant: the body's cache_salt becomes a keyed hash of the tenant and the client's cache_salt, as serve --tenant-isolation (llama.cpp replicas: router-side only)")
+	fs.StringVar(&f.tenantSaltSecret, "tenant-salt-secret", "", "key of the tenant salts, the same on every router of the pool (default $PREFIXLB_TENANT_SALT_SECRET)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.tenantsFile, "tenants", "", "YAML file of tenants (tenants: name, api_key_sha256, api_keys_env, tokens_per_minute, burst_tokens; anonymous_tokens_per_minute; require_tenant): told by their API key, with token quotas (docs/overload.md)")
 	fs.BoolVar(&f.trustClientHeaders, "trust-client-headers", false, "believe x-prefixlb-tenant, -priority and -ttft-slo on requests: only when the gateway strips these headers from clients (default: ignored and counted in prefixlb_untrusted_headers_total)")
@@ -170,6 +180,8 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		KVLink:       policy.KVLink{BytesPerSecond: f.kvLinkGbps * 1e9 / 8, Latency: f.kvLinkLatency},
 		LoRAAdapters: f.loraAdapters, LoRAAdapterBytes: f.loraAdapterBytes, Tokenizer: f.tokenizer,
 		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Objectives: f.objectives}
+	cfg.TenantIsolation, cfg.TenantSaltSecret = f.tenantIsolation, cmp.Or(f.tenantSaltSecret, os.Getenv("PREFIXLB_TENANT_SALT_SECRET"))
+	adminToken := cmp.Or(f.adminToken, os.Getenv("PREFIXLB_ADMIN_TOKEN"))
 	if f.queue.On {
 		q := f.queue
 		cfg.Queue = &q
@@ -181,7 +193,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		cfg.Fallbacks = -1
 	}
 	return epp.Run(ctx, epp.RunConfig{Picker: cfg, GRPCListen: f.grpcListen, HealthListen: f.healthListen,
-		MetricsListen: f.metricsListen, Explain: f.explain, Backends: f.backends, Discovery: f.discovery,
+		MetricsListen: f.metricsListen, Explain: f.explain, AdminToken: adminToken, Backends: f.backends, Discovery: f.discovery,
 		Kubeconfig: f.kubeconfig, Ports: f.ports, ModelRewrites: f.modelRewrites, WatchModelRewrites: f.watchModelRewrites, WatchObjectives: f.watchObjectives, State: f.state, RouterID: f.routerID, Pool: f.pool,
 		StateTTL: f.stateTTL, DrainTimeout: f.drainTimeout, Logger: log, Limits: f.limits})
 }

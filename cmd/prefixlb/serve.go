@@ -21,6 +21,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/policy"
 	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // serveFlags binds `prefixlb serve`'s flags; fields a flag sets override
@@ -88,6 +89,9 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"kv-topic":                func() { c.DiscoveryPorts.KVTopic = f.ports.KVTopic },
 		"queue":                   func() { c.Queue.On = f.cfg.Queue.On },
 		"trusted-proxies":         func() { c.Tenants.TrustedProxies = f.cfg.Tenants.TrustedProxies },
+		"explain":                 func() { c.Explain = f.cfg.Explain },
+		"tenant-isolation":        func() { c.TenantIsolation = f.cfg.TenantIsolation },
+		"tenant-salt-secret":      func() { c.TenantSaltSecret = f.cfg.TenantSaltSecret },
 	}
 	// The front door's bounds (proxy.FrontDoor).
 	fd := &f.cfg.FrontDoor
@@ -118,8 +122,9 @@ vLLM, SGLang, llama.cpp (llama-server) or prefixlb engine replicas. It routes /v
 passes streams through as they arrive, retries requests that fail before any
 byte reached the client, checks the replicas' health and scrapes their load.
 
-Every response carries x-prefixlb-replica and x-prefixlb-route (the decision's
-branch, matched tokens and cost terms). POST /debug/route explains a decision
+Every response carries x-prefixlb-replica; x-prefixlb-route (the decision's
+branch, matched tokens and cost terms) goes only to clients --explain allows:
+by default those presenting the admin token. POST /debug/route explains a decision
 without forwarding; /metrics serves the router's Prometheus metrics.
 
 Settings come from defaults, then --config FILE (YAML, snake_case keys such as
@@ -226,7 +231,17 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	fs.StringSliceVar(&d.Tenants.TrustedProxies, "trusted-proxies", nil, "CIDRs or addresses of the gateways whose x-prefixlb-tenant, -priority and -ttft-slo headers are believed (YAML trusted_proxies; default: no client's; docs/overload.md)")
 	frontDoorFlags(fs, &d.FrontDoor)
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	tenancyFlags(fs, d)
 	return cmd
+}
+
+// tenancyFlags binds serve's tenant isolation and explanation flags
+// (docs/security.d/tenancy.md).
+func tenancyFlags(fs *pflag.FlagSet, d *proxy.Config) {
+	fs.Var(tenancy.ExplainFlag{V: &d.Explain}, "explain", "who gets x-prefixlb-route (matched tokens per replica, a cache oracle): never, trusted (requests presenting the admin token in x-prefixlb-admin-token or Authorization: Bearer) or always; bare --explain is always")
+	fs.Lookup("explain").NoOptDefVal = string(tenancy.ExplainAlways)
+	fs.BoolVar(&d.TenantIsolation, "tenant-isolation", d.TenantIsolation, "salt every request with its tenant: the forwarded cache_salt becomes a keyed hash of the tenant and the client's cache_salt, so vLLM never shares a prefix across tenants (llama.cpp replicas: router-side only)")
+	fs.StringVar(&d.TenantSaltSecret, "tenant-salt-secret", "", "key of the tenant salts, the same on every router of the replicas (default $PREFIXLB_TENANT_SALT_SECRET; empty: unkeyed)")
 }
 
 func init() { rootCmd.AddCommand(newServeCmd()) }
@@ -277,6 +292,9 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	if cfg.AdminToken == "" {
 		cfg.AdminToken = os.Getenv("PREFIXLB_ADMIN_TOKEN")
 	}
+	if cfg.TenantSaltSecret == "" {
+		cfg.TenantSaltSecret = os.Getenv("PREFIXLB_TENANT_SALT_SECRET")
+	}
 	cfg.Logger = log
 	if len(cfg.Pools) > 0 {
 		return servePools(ctx, cmd, f, cfg, log)
@@ -307,7 +325,8 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 		}
 	}
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
-		"backends", strings.Join(names, ","), "discovery", cfg.Discovery, "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer)
+		"backends", strings.Join(names, ","), "discovery", cfg.Discovery, "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer,
+		"explain", cfg.Explain, "tenant_isolation", cfg.TenantIsolation)
 
 	if err := p.RunAndServe(ctx, ln); err != nil {
 		return fmt.Errorf("serve: %w", err)
@@ -330,6 +349,9 @@ func servePools(ctx context.Context, cmd *cobra.Command, f *serveFlags, cfg prox
 		f.overrides(cmd.Flags(), pc)
 		if pc.AdminToken == "" {
 			pc.AdminToken = cfg.AdminToken
+		}
+		if pc.TenantSaltSecret == "" {
+			pc.TenantSaltSecret = cfg.TenantSaltSecret
 		}
 		names = append(names, fmt.Sprintf("%s (%d backends, models %s, policy %s)", cfg.Pools[i].Name, len(pc.Backends),
 			strings.Join(cfg.Pools[i].Models, "|"), pc.Policy))

@@ -18,6 +18,18 @@
 // lora_name), so the same tokens under two adapters, or under an adapter and the
 // base model, are different blocks that never share KV; chains from different
 // seeds never share a key either.
+//
+// A chain may also be salted (SaltedSeed, ChainSeed): vLLM's cache_salt, a
+// request body field, is folded into the extra keys of a prompt's first
+// block only (generate_block_hash_extra_keys: "[request.cache_salt] if
+// (start_token_idx == 0 and request.cache_salt)"; every later block carries
+// it through its parent's hash), so the same tokens under two salts never
+// share a block and a salted prefix is never served to another salt
+// (vllm-project/vllm vllm/v1/core/kv_cache_utils.py at
+// 001cabc1be16a59a70d720ed61a13b678c060a18). prefixlb folds the salt into
+// the chain's seed, which is the same thing for its keys: every key of a
+// salted chain differs from the unsalted chain's and from every other
+// salt's.
 package blocks
 
 import (
@@ -60,6 +72,39 @@ func AdapterSeed(adapter string) Seed {
 		s++
 	}
 	return s
+}
+
+// SaltedSeed is the seed of the chains of requests salted with salt (vLLM's
+// cache_salt) whose unsalted chains start from seed: seed itself for ""
+// (no salt: every key is unchanged), else a hash of seed and salt. Two
+// different salts, or a salt and none, never give the same seed (but by a
+// 64-bit collision), so their chains never share a key. The same function
+// seeds a request's keys (serve, epp, sim, engine) and the keys of the KV
+// events its blocks produce (kvevents reads the salt from the first
+// block's extra_keys).
+func SaltedSeed(seed Seed, salt string) Seed {
+	if salt == "" {
+		return seed
+	}
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.WriteString("prefixlb/salt\x00")
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], uint64(seed))
+	_, _ = d.Write(b[:])
+	_, _ = d.WriteString(salt)
+	s := Seed(d.Sum64())
+	if s == seed || s == BaseSeed {
+		s++
+	}
+	return s
+}
+
+// ChainSeed is the seed of a request's chain: its LoRA adapter's
+// (AdapterSeed; "" for the base model) salted with its cache salt
+// (SaltedSeed; "" for none). ChainSeed("", "") is BaseSeed.
+func ChainSeed(adapter, salt string) Seed {
+	return SaltedSeed(AdapterSeed(adapter), salt)
 }
 
 // Keys appends to dst one key per full block of blockSize tokens and returns the

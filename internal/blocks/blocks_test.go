@@ -268,3 +268,61 @@ func TestAdapterSeeds(t *testing.T) {
 		t.Error("text keys meet across an adapter and the base model")
 	}
 }
+
+// TestSaltedSeeds: no salt keeps every seed (and so every existing key)
+// exactly; a salt gives a chain that shares no key with the unsalted one,
+// with another salt's, or with another adapter's, from the first block on.
+func TestSaltedSeeds(t *testing.T) {
+	tokens := seq(64, 7)
+	for _, a := range []string{"", "sql-lora"} {
+		if got := SaltedSeed(AdapterSeed(a), ""); got != AdapterSeed(a) {
+			t.Errorf("adapter %q: SaltedSeed(seed, \"\") = %x, want the seed %x", a, got, AdapterSeed(a))
+		}
+	}
+	if ChainSeed("", "") != BaseSeed {
+		t.Fatalf("ChainSeed(\"\", \"\") = %x, want BaseSeed", ChainSeed("", ""))
+	}
+	if got, want := Keys(nil, tokens, 16)[0], refKey(rootSeed, tokens[:16]); got != want {
+		t.Fatalf("unsalted first key %x, want the documented %x", got, want)
+	}
+	// Pinned: the salted seed is a documented hash, not an accident.
+	if got := SaltedSeed(BaseSeed, "tenant-a"); got != refSalted(BaseSeed, "tenant-a") {
+		t.Errorf("SaltedSeed(BaseSeed, tenant-a) = %x, want %x", got, refSalted(BaseSeed, "tenant-a"))
+	}
+	chains := map[string][]Key{}
+	for _, c := range []struct{ adapter, salt string }{
+		{"", ""}, {"", "a"}, {"", "b"}, {"", "A"}, {"", "a "}, {"sql-lora", ""}, {"sql-lora", "a"}, {"a", ""},
+	} {
+		chains[c.adapter+"|"+c.salt] = SeededKeys(nil, ChainSeed(c.adapter, c.salt), tokens, 16)
+	}
+	seen := map[Key]string{}
+	for name, keys := range chains {
+		for i, k := range keys {
+			if other, ok := seen[k]; ok {
+				t.Errorf("chain %s block %d shares its key with %s", name, i, other)
+			}
+			seen[k] = name
+		}
+	}
+	if again := SeededKeys(nil, ChainSeed("", "a"), tokens, 16); !slices.Equal(again, chains["|a"]) {
+		t.Error("a salted chain is not deterministic")
+	}
+	// A salted chain continued from its own keys stays salted (the salt,
+	// like vLLM's, is in the first block only and carried by the parents).
+	half := SeededKeys(nil, ChainSeed("", "a"), tokens[:32], 16)
+	if rest := Keys(half, tokens[32:], 16); !slices.Equal(rest, chains["|a"]) {
+		t.Error("a salted chain continued from its keys differs from the whole chain")
+	}
+	// Text chunks (no tokenizer) are salted the same way.
+	text := strings.Repeat("y", 256)
+	if SeededTextKeys(nil, ChainSeed("", "a"), text, 64)[0] == TextKeys(nil, text, 64)[0] {
+		t.Error("salted text keys meet the unsalted ones")
+	}
+}
+
+// refSalted is SaltedSeed as documented: xxHash64 of "prefixlb/salt\x00",
+// the seed little-endian and the salt.
+func refSalted(seed Seed, salt string) Seed {
+	buf := append([]byte("prefixlb/salt\x00"), binary.LittleEndian.AppendUint64(nil, uint64(seed))...)
+	return Seed(xxhash.Sum64(append(buf, salt...)))
+}

@@ -8,6 +8,7 @@ import (
 	"math"
 	"strings"
 
+	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
@@ -45,6 +46,11 @@ type genRequest struct {
 	continuousUsage bool // stream_options.continuous_usage_stats
 
 	kv kvTransfer // kv_transfer_params: a P/D leg (pd.go)
+
+	// salt is the body's cache_salt ("" none): the request's blocks are
+	// hashed and cached apart from other salts' (replica.Request.Salt),
+	// and published with it in extra_keys, as vLLM does.
+	salt string
 }
 
 // streamOptions is OpenAI's stream_options, with vLLM's extension.
@@ -195,6 +201,20 @@ func decodeSampling(f *samplingFields, maxTokens *int, g *genRequest) error {
 	return nil
 }
 
+// decodeSalt reads the body's cache_salt into g as vLLM reads it (exact
+// key, null as none; openai.CacheSalt, the router's reader) and refuses
+// one that is not a non-empty string with vLLM's message
+// (vllm/entrypoints/openai/protocol.py, check_cache_salt_support;
+// vllm-project/vllm at 0052bed36509c7a5a2d8e48265334e40cf2f5a0e).
+func decodeSalt(body []byte, g *genRequest) error {
+	salt, err := openai.CacheSalt(body)
+	if err != nil {
+		return badRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+	}
+	g.salt = salt
+	return nil
+}
+
 // decodeCompletion decodes and checks the body of POST /v1/completions. The
 // prompt is a string, a list of one string, a list of token ids or a list of
 // one token-id list; several prompts in one request are refused.
@@ -205,6 +225,9 @@ func decodeCompletion(body []byte) (genRequest, error) {
 	}
 	var g genRequest
 	if err := decodeSampling(&raw.samplingFields, raw.MaxTokens, &g); err != nil {
+		return genRequest{}, err
+	}
+	if err := decodeSalt(body, &g); err != nil {
 		return genRequest{}, err
 	}
 	if err := decodePrompt(raw.Prompt, &g); err != nil {
@@ -293,6 +316,9 @@ func decodeChat(body []byte) (genRequest, error) {
 		maxTokens = raw.MaxCompletionTokens
 	}
 	if err := decodeSampling(&raw.samplingFields, maxTokens, &g); err != nil {
+		return genRequest{}, err
+	}
+	if err := decodeSalt(body, &g); err != nil {
 		return genRequest{}, err
 	}
 	msgs, err := decodeMessages(raw.Messages)

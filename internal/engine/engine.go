@@ -108,7 +108,7 @@ type Config struct {
 	// LoRAModules are the LoRA adapters the engine serves under their own
 	// model names (vLLM's --lora-modules): a request naming one runs with
 	// that adapter (replica.Request.Adapter; Replica.MaxLoras models the
-	// slots), its blocks are keyed and published apart (blocks.AdapterSeed;
+	// slots), its blocks are keyed and published apart (blocks.ChainSeed;
 	// BlockStored's lora_name), and /v1/models lists it with the base model
 	// as its parent, as vLLM does.
 	LoRAModules []string
@@ -780,7 +780,7 @@ func (d *driver) deliver(evs []replica.Event, now time.Time) {
 				d.e.cfg.OnKVEvent(ev)
 			}
 			if d.kv != nil {
-				d.kv.add(ev)
+				d.kv.addEvent(ev)
 			}
 			continue
 		}

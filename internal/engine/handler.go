@@ -237,12 +237,13 @@ func (e *Engine) generate(w http.ResponseWriter, r *http.Request, g *genRequest,
 	}
 	s := newStream(replica.Request{
 		ID:           id,
-		Keys:         blocks.SeededKeys(nil, blocks.AdapterSeed(adapter), tokens, e.cfg.Replica.BlockSize),
+		Keys:         blocks.SeededKeys(nil, blocks.ChainSeed(adapter, g.salt), tokens, e.cfg.Replica.BlockSize),
 		PromptTokens: len(tokens),
 		OutputTokens: g.maxTokens,
 		RemoteKV:     pull,
 		Adapter:      adapter,
 		AdapterBytes: adapterBytes,
+		Salt:         g.salt,
 	}, now)
 	s.tokens = tokens
 	if err := e.enqueue(op{kind: opSubmit, st: s}); err != nil {

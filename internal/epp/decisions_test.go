@@ -22,6 +22,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/decisiontest"
 	"github.com/prefixlb/prefixlb/internal/epp"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // eppGolden pins the replica and branch `prefixlb epp` (internal/epp) chose
@@ -98,7 +99,7 @@ func eppReplay(r decisiontest.FrontDoorRun, reqs []decisiontest.Request) (decisi
 		}
 	}
 
-	s := epp.NewServer(p, epp.ServerConfig{Explain: true, Logger: slog.New(slog.DiscardHandler)})
+	s := epp.NewServer(p, epp.ServerConfig{Explain: tenancy.ExplainAlways, Logger: slog.New(slog.DiscardHandler)})
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return run, err

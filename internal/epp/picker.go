@@ -165,6 +165,13 @@ type Config struct {
 	// TrustedProxies does not apply, the gateway being every request's
 	// peer). See tenants.go.
 	Tenants tenant.Config
+	// TenantIsolation salts every request with its tenant, as serve's
+	// tenant_isolation does (tenancy.Isolation): the body the replica gets
+	// carries the tenant's cache_salt (Pick.Body), and the keys use it.
+	// TenantSaltSecret keys the salts; the same on every router of the
+	// pool (serve's included), or their salts differ.
+	TenantIsolation  bool
+	TenantSaltSecret string
 	// Logger receives the picker's logs (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -374,8 +381,9 @@ type Pick struct {
 	// Replica is the primary's name.
 	Replica string
 	// Body is the request body with its model rewritten (an
-	// InferenceModelRewrite applied; Model the new model), nil when the
-	// body goes on as it came.
+	// InferenceModelRewrite applied; Model the new model) or its
+	// cache_salt set to the tenant's (Config.TenantIsolation), nil when
+	// the body goes on as it came.
 	Body  []byte
 	Model string
 	// Prefill is, for a disaggregated decision, the prefill replica's
@@ -411,6 +419,17 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 			return Pick{}, fmt.Errorf("%w: rewrite the model: %v", openai.ErrBadRequest, err)
 		}
 		pr.Model = m
+	}
+	// Tenant isolation: the tenant's salt keys the request and goes on
+	// in its body.
+	out := rewritten
+	if out == nil {
+		out = in.Body
+	}
+	if salted, err := p.isolate(pr, out, id.Tenant); err != nil {
+		return Pick{}, fmt.Errorf("epp: %w", err)
+	} else if salted != nil {
+		rewritten = salted
 	}
 	keys, promptTokens, err := p.pool.Key(pr)
 	if err != nil {

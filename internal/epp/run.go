@@ -20,6 +20,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/sharedstate"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // RunConfig is a whole endpoint picker, as `prefixlb epp` runs it.
@@ -32,8 +33,12 @@ type RunConfig struct {
 	// MetricsListen the HTTP address of /metrics and /debug/replicas ("":
 	// none).
 	GRPCListen, HealthListen, MetricsListen string
-	// Explain adds x-prefixlb-route to upstream requests.
-	Explain bool
+	// Explain says which requests get x-prefixlb-route and
+	// x-prefixlb-route-terms on their way to the replica
+	// (ServerConfig.Explain; "": trusted); AdminToken is the token
+	// tenancy.ExplainTrusted asks for.
+	Explain    tenancy.Explain
+	AdminToken string
 	// Backends is a static replica list "ip:port,.."; Discovery a
 	// Kubernetes target ("service:NS/NAME", "inferencepool:NS/NAME").
 	// Exactly one is set. Kubeconfig is the cluster's ("": $KUBECONFIG,
@@ -79,6 +84,11 @@ func Run(ctx context.Context, rc RunConfig) error {
 		log = slog.Default()
 	}
 	rc.Picker.Logger = log
+	if rc.Explain != "" {
+		if err := rc.Explain.Validate(); err != nil {
+			return fmt.Errorf("epp: --explain: %w", err)
+		}
+	}
 	if (rc.Backends == "") == (rc.Discovery == "") {
 		return errors.New("epp: give exactly one of --backend and --discovery")
 	}
@@ -152,7 +162,7 @@ func Run(ctx context.Context, rc RunConfig) error {
 		log.Info("epp: model rewrites", "file", rc.ModelRewrites, "rewrites", len(rs), "pool", pool)
 	}
 	runners = append(runners, p.Run)
-	srv := NewServer(p, ServerConfig{Explain: rc.Explain, Logger: log, Limits: rc.Limits})
+	srv := NewServer(p, ServerConfig{Explain: rc.Explain, AdminToken: rc.AdminToken, Logger: log, Limits: rc.Limits})
 	var source discovery.Watcher
 	if rc.Backends != "" {
 		if rc.Picker.ScrapeInterval <= 0 {

@@ -26,6 +26,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/router"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // The Endpoint Picker protocol's names (gateway-api-inference-extension,
@@ -76,8 +77,18 @@ type ServerConfig struct {
 	// kept to read its usage (default 1 MiB); the body is passed through
 	// whole either way.
 	MaxResponseBytes int
-	// Explain adds the x-prefixlb-route header to the upstream request.
-	Explain bool
+	// Explain says which requests get the x-prefixlb-route and
+	// x-prefixlb-route-terms headers (the decision explained: matched
+	// tokens per replica, a cache oracle) on their way to the replica:
+	// tenancy.ExplainNever, ExplainTrusted (the default, ""; requests
+	// presenting AdminToken in x-prefixlb-admin-token or Authorization:
+	// Bearer, nobody without one) or ExplainAlways. The headers go upstream, to the replica, not to the
+	// client; a gateway that copies request headers into responses would
+	// pass them on, and so is trusted with them.
+	Explain tenancy.Explain
+	// AdminToken is the token ExplainTrusted asks for ("": nobody is
+	// trusted). x-prefixlb-admin-token is removed from every request.
+	AdminToken string
 	// Logger (nil: slog.Default()).
 	Logger *slog.Logger
 	// Limits bound the streams, the buffered bodies and the idle streams
@@ -93,6 +104,7 @@ type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
 	p      *Picker
 	cfg    ServerConfig
+	token  tenancy.Token // cfg.AdminToken
 	log    *slog.Logger
 	health *health.Server
 	slots  streamSlots
@@ -111,9 +123,12 @@ func NewServer(p *Picker, cfg ServerConfig) *Server {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.Explain == "" {
+		cfg.Explain = tenancy.ExplainTrusted
+	}
 	cfg.Limits = cfg.Limits.withDefaults()
 	lm := newLimitMetrics(p.Registry())
-	return &Server{p: p, cfg: cfg, log: cfg.Logger, health: health.NewServer(),
+	return &Server{p: p, cfg: cfg, log: cfg.Logger, health: health.NewServer(), token: tenancy.NewToken(cfg.AdminToken),
 		slots: streamSlots{max: int64(cfg.Limits.MaxStreams)}, budget: newByteBudget(cfg.Limits.MaxBufferedBytes, lm.buffered), lm: lm}
 }
 
@@ -292,7 +307,7 @@ func (x *exchange) readRequestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metad
 			x.kind = kindOf(val)
 		case SessionHeader:
 			x.session = val
-		case cluster.PriorityHeader, cluster.TenantHeader, cluster.SLOHeader, "authorization", "x-api-key", ObjectiveHeader:
+		case cluster.PriorityHeader, cluster.TenantHeader, cluster.SLOHeader, "authorization", "x-api-key", ObjectiveHeader, tenancy.TokenHeader:
 			if x.hdr == nil {
 				x.hdr = map[string]string{}
 			}
@@ -343,8 +358,10 @@ func headerValue(h *corev3.HeaderValue) string {
 // destination (header and metadata), then the body (if haveBody) streamed
 // back unchanged, eos on its last chunk.
 func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
+	get := func(k string) string { return x.hdr[strings.ToLower(k)] }
+	explain := x.s.cfg.Explain.For(x.s.token.Presented(get))
 	pick, err := x.s.p.Pick(x.srv.Context(), Input{Kind: x.kind, Body: x.body, Session: x.session, Subset: x.subset,
-		Explain: x.s.cfg.Explain, Header: func(k string) string { return x.hdr[strings.ToLower(k)] }})
+		Explain: explain, Header: get})
 	if err != nil {
 		if ok, err := x.tenantImmediate(err); ok { // 401, or 429 over the tenant's quota
 			return true, err
@@ -369,7 +386,7 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 	x.picked, x.pick = true, pick
 	dest := strings.Join(pick.Endpoints, ",")
 	set := []*corev3.HeaderValueOption{{Header: &corev3.HeaderValue{Key: DestinationHeader, RawValue: []byte(dest)}}}
-	var remove []string
+	remove := []string{tenancy.TokenHeader} // the admin token never reaches a replica
 	if pick.Prefill != "" {
 		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: PrefillerHeader, RawValue: []byte(pick.Prefill)}})
 	} else {
@@ -380,7 +397,7 @@ func (x *exchange) decide(haveBody, eos bool) (done bool, err error) {
 		// replica gets has another length.
 		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: "content-length", RawValue: []byte(strconv.Itoa(len(pick.Body)))}})
 	}
-	if x.s.cfg.Explain {
+	if explain {
 		set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: RouteHeader, RawValue: []byte(pick.Decision.Explain())}})
 		if terms := pick.Decision.ExplainTerms(); terms != "" {
 			set = append(set, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: RouteTermsHeader, RawValue: []byte(terms)}})

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"slices"
 	"strings"
 	"testing"
 
@@ -21,6 +22,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/prefixlb/prefixlb/internal/router"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // newTestPicker returns a picker over ready replicas r0..r(n-1) at
@@ -489,20 +491,40 @@ func stats(p *Picker) router.Stats {
 
 // TestExtProcExplainTerms: with Explain, the answer explains e2's decision
 // term by term (x-prefixlb-route-terms) beside x-prefixlb-route; without
-// it, neither header is set.
+// it (the default), or for a request that does not present the admin
+// token under ExplainTrusted, neither header is set. The token header is
+// always removed from the request the replica gets.
 func TestExtProcExplainTerms(t *testing.T) {
-	for _, explain := range []bool{true, false} {
+	for _, tc := range []struct {
+		mode    tenancy.Explain
+		headers []string
+		explain bool
+	}{
+		{tenancy.ExplainAlways, nil, true},
+		{"", nil, false},
+		{"", []string{tenancy.TokenHeader, "tok"}, true}, // the default is trusted
+		{tenancy.ExplainNever, []string{tenancy.TokenHeader, "tok"}, false},
+		{tenancy.ExplainTrusted, nil, false},
+		{tenancy.ExplainTrusted, []string{tenancy.TokenHeader, "nope"}, false},
+		{tenancy.ExplainTrusted, []string{tenancy.TokenHeader, "tok"}, true},
+		{tenancy.ExplainTrusted, []string{"authorization", "Bearer tok"}, true},
+	} {
+		explain := tc.explain
 		p := newTestPicker(t, Config{}, 2)
-		e := newEnvoy(t, startServer(t, NewServer(p, ServerConfig{Explain: explain})))
-		e.request("/v1/completions", completionBody("hello there", false), 1<<20, nil)
+		e := newEnvoy(t, startServer(t, NewServer(p, ServerConfig{Explain: tc.mode, AdminToken: "tok"})))
+		e.request("/v1/completions", completionBody("hello there", false), 1<<20, nil, tc.headers...)
 		got := map[string]string{}
-		for _, h := range e.recv().GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+		mut := e.recv().GetRequestHeaders().GetResponse().GetHeaderMutation()
+		for _, h := range mut.GetSetHeaders() {
 			got[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
+		}
+		if !slices.Contains(mut.GetRemoveHeaders(), tenancy.TokenHeader) {
+			t.Errorf("%s %v: %s is not removed", tc.mode, tc.headers, tenancy.TokenHeader)
 		}
 		terms, route := got[RouteTermsHeader], got[RouteHeader]
 		if !explain {
 			if terms != "" || route != "" {
-				t.Errorf("without Explain: %q, %q", route, terms)
+				t.Errorf("%s %v: without Explain: %q, %q", tc.mode, tc.headers, route, terms)
 			}
 			continue
 		}

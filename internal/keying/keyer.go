@@ -32,11 +32,13 @@ func (k ChunkKeyer) ChunkBytes() int { return 4 * k.BlockTokens }
 
 // Keys implements Keyer. A batch is keyed by its first prompt (the one the
 // engine schedules first); its prompt tokens count every prompt. A LoRA
-// adapter's request (Request.Adapter) is keyed from the adapter's seed.
+// adapter's request (Request.Adapter) is keyed from the adapter's seed,
+// and a salted one (Request.CacheSalt) from that seed salted
+// (blocks.ChainSeed), text chunks as token blocks.
 func (k ChunkKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	var keys []blocks.Key
 	total := 0
-	seed := blocks.AdapterSeed(r.Adapter)
+	seed := blocks.ChainSeed(r.Adapter, r.CacheSalt)
 	for i, text := range r.Texts {
 		if i == 0 {
 			keys = blocks.SeededTextKeys(nil, seed, text, k.ChunkBytes())

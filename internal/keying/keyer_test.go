@@ -9,6 +9,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
 func TestChunkKeyer(t *testing.T) {
@@ -165,5 +166,51 @@ func TestAdapterKeys(t *testing.T) {
 	ta, _, _ := ck.Keys(&openai.Request{Texts: []string{strings.Repeat("hello ", 100)}, Adapter: "a"})
 	if tb[0] == ta[0] {
 		t.Error("ChunkKeyer: text keys meet across an adapter and the base model")
+	}
+}
+
+// TestSaltedKeys: a salted request (Request.CacheSalt) is keyed from the
+// salted seed by both keyers, text, token ids and chats alike, and never
+// meets the unsalted or another salt's keys; no salt keeps today's keys.
+func TestSaltedKeys(t *testing.T) {
+	ids := make([]uint32, 64*16*3)
+	for i := range ids {
+		ids[i] = uint32(i % 997)
+	}
+	text := strings.Repeat("hello ", 300)
+	tok := NewTokenizerKeyer(testTokenizer(t), 16)
+	for name, k := range map[string]Keyer{"chunk": ChunkKeyer{BlockTokens: 16}, "tokenizer": tok} {
+		for _, r := range []openai.Request{{TokenIDs: [][]uint32{ids}}, {Texts: []string{text}}, {Adapter: "a", TokenIDs: [][]uint32{ids}}} {
+			plain, _, _ := k.Keys(&r)
+			r.CacheSalt = "s1"
+			s1, _, _ := k.Keys(&r)
+			r.CacheSalt = "s2"
+			s2, _, _ := k.Keys(&r)
+			if len(plain) == 0 || len(s1) != len(plain) || len(s2) != len(plain) {
+				t.Fatalf("%s: %d, %d, %d keys", name, len(plain), len(s1), len(s2))
+			}
+			for i := range plain {
+				if s1[i] == plain[i] || s2[i] == plain[i] || s1[i] == s2[i] {
+					t.Errorf("%s (adapter %q): block %d meets across salts", name, r.Adapter, i)
+				}
+			}
+			if r.TokenIDs != nil {
+				if want := blocks.SeededKeys(nil, blocks.ChainSeed(r.Adapter, "s2"), ids, 16); !slices.Equal(s2, want) {
+					t.Errorf("%s: salted keys differ from the salted chain", name)
+				}
+				if want := blocks.SeededKeys(nil, blocks.AdapterSeed(r.Adapter), ids, 16); !slices.Equal(plain, want) {
+					t.Errorf("%s: unsalted keys changed", name)
+				}
+			}
+		}
+	}
+	// The memo never hands one salt's keys to another.
+	chat := &openai.Request{Kind: openai.KindChat, Texts: []string{text}, Chat: &openai.ChatPrompt{
+		Messages: []tokenize.Message{{Role: "user", Content: text}}, AddGenerationPrompt: true}}
+	a, _, _ := tok.Keys(chat)
+	chat.CacheSalt = "s1"
+	b, _, _ := tok.Keys(chat)
+	if len(a) == 0 || a[0] == b[0] || a[len(a)-1] == b[len(b)-1] {
+		t.Error("tokenizer keyer: chat keys meet across a salt and none")
 	}
 }

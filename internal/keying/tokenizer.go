@@ -86,7 +86,9 @@ func (k *TokenizerKeyer) Fallback() bool { return k.fallback.Load() }
 
 // Keys implements Keyer. A batch is keyed by its first prompt; its prompt
 // tokens count every prompt. A chat's ids go to a pooled buffer, and its
-// block keys through the keyer's memo of recent prompts (keyMemo).
+// block keys through the keyer's memo of recent prompts (keyMemo). Keys
+// start from the request's adapter and salt (blocks.ChainSeed), as
+// ChunkKeyer's do.
 func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	chunk := ChunkKeyer{BlockTokens: k.blockTokens}
 	if k.fallback.Load() {
@@ -94,7 +96,7 @@ func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	}
 	var keys []blocks.Key
 	total := 0
-	seed := blocks.AdapterSeed(r.Adapter)
+	seed := blocks.ChainSeed(r.Adapter, r.CacheSalt)
 	switch {
 	case r.Chat != nil:
 		buf := idsPool.Get().(*[]uint32)

@@ -729,3 +729,100 @@ func (r *decoder) field(f int, s *BlockStored) error {
 	}
 	return err
 }
+
+// Salt returns the cache salt the blocks of s were hashed under, as vLLM
+// puts it in extra_keys (vllm/distributed/kv_events.py, BlockStored:
+// extra_keys is a list with one entry per block, None or a tuple;
+// vllm-project/vllm at 0181ea3173e53eea8cf04a86891488e3dc89bb34). A
+// block's tuple is lora_extra_keys + mm_extra_keys + cache_salt_keys +
+// prompt_embeds_keys (vllm/v1/core/kv_cache_utils.py,
+// generate_block_hash_extra_keys, at
+// 001cabc1be16a59a70d720ed61a13b678c060a18): the adapter's name (a str,
+// when the request has one: s.LoRAName), then per multimodal item an
+// (identifier, offset) tuple, then the salt (a str, in the prompt's first
+// block only: start_token_idx == 0), then prompt-embedding hashes
+// (bytes). So the salt is the first block's last str element, once a
+// leading lora_name and trailing bytes are set aside. Releases whose
+// multimodal keys were bare identifier strs make an identifier look like a
+// salt: such a chain is keyed apart and never predicted for anyone, a
+// miss rather than a false hit.
+//
+// It returns "", true when the first block has no salt (no extra_keys,
+// None, or no str in its place), and ok false when extra_keys is not in
+// vLLM's shape (not a list of None or tuples): the caller must then keep
+// the blocks apart from every request's keys. Only a chain's first event
+// (no parent) carries the salt; the later ones chain after it.
+func (s *BlockStored) Salt() (salt string, ok bool) {
+	if len(s.ExtraKeys) == 0 {
+		return "", true
+	}
+	r := decoderPool.Get().(*decoder)
+	defer func() {
+		r.reset(nil)
+		decoderPool.Put(r)
+	}()
+	r.reset(s.ExtraKeys)
+	if isNil, err := r.isNil(); err != nil || isNil {
+		return "", err == nil
+	}
+	n, err := r.arrayLen()
+	if err != nil {
+		return "", false
+	}
+	if n == 0 {
+		return "", true
+	}
+	if isNil, err := r.isNil(); err != nil || isNil {
+		return "", err == nil
+	}
+	m, err := r.arrayLen()
+	if err != nil {
+		return "", false
+	}
+	// The tuple's elements, as kinds: str elements kept.
+	const (
+		kindStr = iota
+		kindBin
+		kindOther
+	)
+	type elem struct {
+		kind int
+		s    []byte
+	}
+	var buf [8]elem
+	elems := buf[:0]
+	for range m {
+		c, err := r.peek()
+		if err != nil {
+			return "", false
+		}
+		switch {
+		case msgpcode.IsString(c):
+			b, err := r.bytes()
+			if err != nil {
+				return "", false
+			}
+			elems = append(elems, elem{kindStr, b})
+		case msgpcode.IsBin(c):
+			if err := r.skip(2); err != nil {
+				return "", false
+			}
+			elems = append(elems, elem{kind: kindBin})
+		default:
+			if err := r.skip(2); err != nil {
+				return "", false
+			}
+			elems = append(elems, elem{kind: kindOther})
+		}
+	}
+	if s.LoRAName != nil && len(elems) > 0 && elems[0].kind == kindStr && string(elems[0].s) == *s.LoRAName {
+		elems = elems[1:]
+	}
+	for len(elems) > 0 && elems[len(elems)-1].kind == kindBin {
+		elems = elems[:len(elems)-1]
+	}
+	if len(elems) == 0 || elems[len(elems)-1].kind != kindStr {
+		return "", true
+	}
+	return string(elems[len(elems)-1].s), true
+}

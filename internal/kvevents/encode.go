@@ -307,3 +307,44 @@ func (w *writer) optStrPtr(s *string) {
 	}
 	w.do(w.e.EncodeString(*s))
 }
+
+// ExtraKeys encodes the extra_keys vLLM sends with a BlockStored of
+// blocks blocks computed for a request of LoRA adapter lora ("" none) and
+// cache salt salt ("" none), the first of which starts the prompt when
+// first: one entry per block, the tuple [lora] for each block of an
+// adapter's request, with salt appended to the first block's when first
+// (vllm/v1/core/kv_cache_utils.py, generate_block_hash_extra_keys;
+// vllm/v1/core/block_pool.py, cache_full_blocks, which builds the list;
+// vllm-project/vllm at 001cabc1be16a59a70d720ed61a13b678c060a18), None
+// for a block without any. It returns nil (extra_keys left out) when no
+// block has any, as the engine sent before salts: the event is then the
+// same as an unsalted request's.
+func ExtraKeys(blocks int, lora, salt string, first bool) []byte {
+	if lora == "" && (salt == "" || !first) {
+		return nil
+	}
+	var buf bytes.Buffer
+	e := msgpack.NewEncoder(&buf)
+	_ = e.EncodeArrayLen(blocks)
+	for i := range blocks {
+		n := 0
+		if lora != "" {
+			n++
+		}
+		if i == 0 && first && salt != "" {
+			n++
+		}
+		if n == 0 {
+			_ = e.EncodeNil()
+			continue
+		}
+		_ = e.EncodeArrayLen(n)
+		if lora != "" {
+			_ = e.EncodeString(lora)
+		}
+		if i == 0 && first && salt != "" {
+			_ = e.EncodeString(salt)
+		}
+	}
+	return buf.Bytes()
+}

@@ -60,9 +60,12 @@ type BlockStored struct {
 	// base model): their router keys start from its seed
 	// (blocks.AdapterSeed), as a request for that model's do.
 	LoRAName *string
-	// ExtraKeys is the raw msgpack value of extra_keys (multimodal hashes,
-	// cache salt, LoRA name per block); nil when absent. prefixlb does not use
-	// it: router keys come from token ids only.
+	// ExtraKeys is the raw msgpack value of extra_keys (per block: None or
+	// a tuple of LoRA name, multimodal hashes, cache salt, prompt-embedding
+	// hashes); nil when absent or nil. prefixlb reads only the cache salt
+	// of a chain's first block (Salt), which seeds the chain's router keys
+	// as a salted request's are (blocks.SaltedSeed); the rest of a key
+	// comes from token ids. ExtraKeys builds it as vLLM does.
 	ExtraKeys []byte
 	// GroupIdx is the KV-cache group of hybrid models; nil when absent.
 	GroupIdx                 *int64

@@ -409,16 +409,33 @@ func (ix *Index) Keys(replica, medium string) []blocks.Key {
 }
 
 // seedOf is the seed of a chain a BlockStored starts: its LoRA adapter's
-// (lora_name, which vLLM folds into the block hashes) or the base model's.
-// An event with only the deprecated lora_id names its adapter "#ID", which
-// no request's model matches: its blocks are kept, under their own chain,
-// and never predicted as another adapter's or the base model's.
+// (lora_name, which vLLM folds into the block hashes) or the base model's,
+// salted with the cache salt of its first block's extra keys
+// (BlockStored.Salt; blocks.SaltedSeed), as a request with that adapter
+// and salt is keyed: a salted prompt's blocks land under its own salt's
+// keys and are never predicted for another salt or for none. An event
+// with only the deprecated lora_id names its adapter "#ID", which no
+// request's model matches: its blocks are kept, under their own chain,
+// and never predicted as another adapter's or the base model's. Extra
+// keys that are not in vLLM's shape salt the chain with their own bytes
+// (malformedSalt), which no request's salt is: those blocks are kept
+// apart too.
 func seedOf(ev *BlockStored) blocks.Seed {
+	seed := blocks.BaseSeed
 	switch {
 	case ev.LoRAName != nil && *ev.LoRAName != "":
-		return blocks.AdapterSeed(*ev.LoRAName)
+		seed = blocks.AdapterSeed(*ev.LoRAName)
 	case ev.LoRAID != nil && *ev.LoRAID != 0:
-		return blocks.AdapterSeed("#" + strconv.FormatInt(*ev.LoRAID, 10))
+		seed = blocks.AdapterSeed("#" + strconv.FormatInt(*ev.LoRAID, 10))
 	}
-	return blocks.BaseSeed
+	salt, ok := ev.Salt()
+	if !ok {
+		salt = malformedSalt + string(ev.ExtraKeys)
+	}
+	return blocks.SaltedSeed(seed, salt)
 }
+
+// malformedSalt starts the salt seedOf gives a chain whose extra keys it
+// cannot read: a NUL byte, which vLLM's salts (request body strings, as
+// clients send them) do not start with in practice.
+const malformedSalt = "\x00prefixlb:unreadable extra_keys:"

@@ -65,6 +65,12 @@ type Request struct {
 	MaxTokens int
 	// User is the body's "user" (a session key when no x-session-id header).
 	User string
+	// CacheSalt is the body's "cache_salt" ("" when absent or null): vLLM
+	// folds it into the hash of the prompt's first block, so that salted
+	// prefixes are never shared across salts (blocks.SaltedSeed). Keys
+	// are seeded with it. A front door that isolates tenants replaces it
+	// (and the body's) with the tenant's salt before keying.
+	CacheSalt string
 	// Texts are the prompts given as text (completions: one per prompt of a
 	// batch; chat: the canonical rendering of the messages).
 	Texts []string
@@ -98,14 +104,27 @@ type ChatPrompt struct {
 //
 // The body is read in one pass (decodeBody) that accepts, rejects and
 // decodes exactly as encoding/json would decode it into the fields the
-// front doors read, with encoding/json's error messages. The Request does not
-// alias the body.
+// front doors read, with encoding/json's error messages; cache_salt is
+// read as vLLM reads it (CacheSalt: a second pass, only over bodies that
+// may hold the key). The Request does not alias the body.
 func ParseRequest(k Kind, body []byte) (*Request, error) {
 	req, err := readRequest(k, body)
 	if err != nil && k == KindOther {
 		return &Request{Kind: KindOther}, nil
 	}
-	return req, err
+	if err != nil {
+		return nil, err
+	}
+	// The salt is read as vLLM reads it (CacheSalt), apart from the
+	// fields read as encoding/json reads them.
+	salt, err := CacheSalt(body)
+	switch {
+	case err == nil:
+		req.CacheSalt = salt
+	case k != KindOther:
+		return nil, err
+	}
+	return req, nil
 }
 
 // readRequest is ParseRequest without the leniency for other kinds.
@@ -740,4 +759,163 @@ func chatPrompt(msgs []tokenize.Message, raw *reqBody) *ChatPrompt {
 		}
 	}
 	return c
+}
+
+// cacheSaltKey is the body member vLLM reads the salt from.
+const cacheSaltKey = "cache_salt"
+
+// errCacheSalt is vLLM's answer to a cache_salt that is not a non-empty
+// string (vllm/entrypoints/openai/protocol.py, check_cache_salt_support:
+// "Parameter 'cache_salt' must be a non-empty string if provided.";
+// vllm-project/vllm at 0052bed36509c7a5a2d8e48265334e40cf2f5a0e). null is
+// no salt.
+var errCacheSalt = fmt.Errorf("%w: Parameter 'cache_salt' must be a non-empty string if provided.", ErrBadRequest)
+
+// CacheSalt returns the "cache_salt" member of body, a JSON object, as
+// vLLM reads it: the member whose key is exactly cache_salt once unescaped
+// (Python's json and pydantic match keys exactly, not encoding/json's
+// case-folded way), the last one when there are several, null as no salt.
+// A value that is not a non-empty string is an error wrapping
+// ErrBadRequest (vLLM answers 400). A body that is not a valid JSON
+// object has no salt. Bodies that cannot hold the key (most) cost one vector search.
+func CacheSalt(body []byte) (string, error) {
+	if !mayHoldSaltKey(body) {
+		return "", nil
+	}
+	var salt string
+	var bad bool
+	valid := forMembers(body, func(key []byte, s *jsonScan) bool {
+		if string(key) != cacheSaltKey {
+			return s.skip()
+		}
+		switch s.peek() {
+		case '"':
+			v, ok := s.str()
+			salt, bad = v, v == ""
+			return ok
+		case 'n':
+			salt, bad = "", false
+			return s.literal()
+		}
+		salt, bad = "", true
+		return s.skip()
+	}, nil)
+	if !valid {
+		return "", nil // not an object: no salt (the parser said why)
+	}
+	if bad {
+		return "", errCacheSalt
+	}
+	return salt, nil
+}
+
+// WithCacheSalt returns body, a JSON object, with its cache_salt members
+// (as CacheSalt finds them) removed and "cache_salt": salt added last: the
+// salt the replica then applies whatever the client sent. The other
+// members are copied byte for byte. It does not modify body.
+func WithCacheSalt(body []byte, salt string) ([]byte, error) {
+	quoted, err := json.Marshal(salt)
+	if err != nil {
+		return nil, fmt.Errorf("openai: set cache_salt: %w", err)
+	}
+	out := make([]byte, 0, len(body)+len(cacheSaltKey)+len(quoted)+4)
+	out = append(out, '{')
+	members, start := 0, 0
+	ok := forMembers(body, func(key []byte, s *jsonScan) bool {
+		if !s.skip() {
+			return false
+		}
+		if string(key) != cacheSaltKey {
+			if members > 0 {
+				out = append(out, ',')
+			}
+			out = append(out, body[start:s.i]...)
+			members++
+		}
+		return true
+	}, func(s *jsonScan) { start = s.i })
+	if !ok {
+		return nil, fmt.Errorf("%w: set cache_salt: the body is not a JSON object", ErrBadRequest)
+	}
+	if members > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, '"')
+	out = append(out, cacheSaltKey...)
+	out = append(out, '"', ':')
+	out = append(out, quoted...)
+	return append(out, '}'), nil
+}
+
+// forMembers calls member for each member of the JSON object body, in
+// order, with its unquoted key and s on its value; member must read the
+// value and return false on a syntax error. before, when set, is called
+// at each member's key. It returns false when body is not an object or
+// not valid JSON.
+func forMembers(body []byte, member func(key []byte, s *jsonScan) bool, before func(s *jsonScan)) bool {
+	s := &jsonScan{b: body}
+	s.ws()
+	if s.peek() != '{' {
+		return false
+	}
+	empty, ok := s.open('}')
+	for ok && !empty {
+		if before != nil {
+			before(s)
+		}
+		var key []byte
+		if key, ok = s.key(); !ok {
+			return false
+		}
+		if !member(key, s) {
+			return false
+		}
+		var more bool
+		if more, ok = s.next('}'); !more {
+			break
+		}
+	}
+	if !ok {
+		return false
+	}
+	s.ws()
+	return s.i == len(body)
+}
+
+// mayHoldSaltKey reports whether body may have a key that unescapes to
+// cache_salt: it holds the key as it stands, or a \u00XX escape of one of
+// its letters (the only way to write them otherwise).
+func mayHoldSaltKey(body []byte) bool {
+	if bytes.Contains(body, []byte(cacheSaltKey)) {
+		return true
+	}
+	for rest := body; ; {
+		i := bytes.Index(rest, []byte(`\u00`))
+		if i < 0 || i+6 > len(rest) {
+			return false
+		}
+		if c, ok := hexByte(rest[i+4], rest[i+5]); ok && strings.IndexByte(cacheSaltKey, c) >= 0 {
+			return true
+		}
+		rest = rest[i+4:]
+	}
+}
+
+// hexByte decodes two hex digits.
+func hexByte(hi, lo byte) (byte, bool) {
+	h, ok1 := hexVal(hi)
+	l, ok2 := hexVal(lo)
+	return h<<4 | l, ok1 && ok2
+}
+
+func hexVal(c byte) (byte, bool) {
+	switch {
+	case '0' <= c && c <= '9':
+		return c - '0', true
+	case 'a' <= c && c <= 'f':
+		return c - 'a' + 10, true
+	case 'A' <= c && c <= 'F':
+		return c - 'A' + 10, true
+	}
+	return 0, false
 }

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"runtime"
-	"strings"
 	"sync"
 
 	"github.com/prefixlb/prefixlb/internal/openai"
@@ -31,13 +30,13 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_, _ = w.Write(append(b, '\n'))
 }
 
-// admin wraps h with the bearer-token check when AdminToken is set. The
-// token is compared in constant time, length included (tokenMatches).
+// admin wraps h with the token check when AdminToken is set: the token
+// as a bearer token, or in x-prefixlb-admin-token (trusted, explain.go),
+// compared in constant time, length included (tokenMatches).
 func (p *Proxy) admin(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		if p.cfg.AdminToken != "" {
-			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-			if !ok || !tokenMatches(strings.TrimSpace(got), p.adminTok) {
+			if !p.trusted(r.Header) {
 				writeError(w, fmt.Errorf("proxy: %s: %w", r.URL.Path, ErrUnauthorized))
 				return
 			}
@@ -236,6 +235,15 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 	}
 	req, err := openai.ParseRequest(kind, body)
 	if err != nil {
+		writeError(w, err)
+		return
+	}
+	id, err := p.tenants.Identify(r.Header.Get, r.RemoteAddr)
+	if err != nil {
+		writeError(w, fmt.Errorf("proxy: %w: %w", ErrUnauthorized, err))
+		return
+	}
+	if _, err := p.isolate(req, body, id.Tenant); err != nil { // keyed as serving it would key it
 		writeError(w, err)
 		return
 	}

@@ -25,6 +25,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/policy"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // Backend is one replica the proxy forwards to.
@@ -226,6 +227,24 @@ type Config struct {
 	// FrontDoor bounds what hostile clients and failing replicas can take
 	// from the proxy (frontdoor_config.go; docs/security.d/frontdoor.md).
 	FrontDoor
+	// Explain says which clients get x-prefixlb-route, the decision's
+	// explanation (matched tokens per replica: how much of the prompt is
+	// cached): tenancy.ExplainTrusted (the default) only requests that
+	// present AdminToken (tenancy.TokenHeader or Authorization: Bearer),
+	// nobody when it is unset; ExplainNever nobody; ExplainAlways everyone
+	// (docs/security.d/tenancy.md).
+	Explain tenancy.Explain
+	// TenantIsolation salts every request with its tenant
+	// (cluster.TenantOf; tenancy.Salt): the forwarded body's cache_salt is
+	// set to a keyed hash of the tenant and the client's own cache_salt,
+	// so that vLLM keeps tenants' prefixes apart and the router's keys use
+	// the same salt. Off by default: requests are keyed with the client's
+	// cache_salt, if any, and forwarded unchanged.
+	TenantIsolation bool
+	// TenantSaltSecret keys the tenant salts (tenancy.Salt): the same on
+	// every router in front of the same replicas ("": unkeyed, which holds
+	// while clients cannot reach the replicas directly).
+	TenantSaltSecret string
 
 	// Logger receives the proxy's logs (nil: slog.Default()).
 	Logger *slog.Logger
@@ -282,6 +301,7 @@ func DefaultConfig() Config {
 		KVLinkLatency:         time.Millisecond,
 		Queue:                 cluster.DefaultQueueConfig(),
 		FrontDoor:             DefaultFrontDoor(),
+		Explain:               tenancy.ExplainTrusted,
 	}
 }
 
@@ -407,6 +427,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("proxy: config: %w", c.Queue.Validate())
 	case c.MaxPromptTokens <= 0:
 		return bad("max_prompt_tokens", "must be > 0, got %d", c.MaxPromptTokens)
+	case c.Explain != "" && c.Explain.Validate() != nil:
+		return bad("explain", "%v", c.Explain.Validate())
 	}
 	if err := c.Tenants.Validate(); err != nil {
 		return fmt.Errorf("proxy: config: %w", err)
@@ -586,6 +608,9 @@ type fileConfig struct {
 	LoRAAdapters          *[]string         `json:"lora_adapters"`
 	LoRAAdapterBytes      *int64            `json:"lora_adapter_bytes"`
 	IgnoreCacheTiers      *bool             `json:"ignore_cache_tiers"`
+	Explain               *string           `json:"explain"`
+	TenantIsolation       *bool             `json:"tenant_isolation"`
+	TenantSaltSecret      *string           `json:"tenant_salt_secret"`
 	KVLinkLatency         *duration         `json:"kv_link_latency"`
 	Queue                 *fileQueue        `json:"queue"`
 	// The tenants (Config.Tenants).
@@ -777,6 +802,13 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 		c.KVLinkGbps = *f.KVLinkGbps
 	}
 	setD(&c.KVLinkLatency, f.KVLinkLatency)
+	if f.Explain != nil {
+		c.Explain = tenancy.Explain(*f.Explain)
+	}
+	if f.TenantIsolation != nil {
+		c.TenantIsolation = *f.TenantIsolation
+	}
+	setS(&c.TenantSaltSecret, f.TenantSaltSecret)
 	if f.Queue != nil {
 		f.Queue.apply(&c.Queue)
 	}

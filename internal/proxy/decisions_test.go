@@ -16,6 +16,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/decisiontest"
 	"github.com/prefixlb/prefixlb/internal/proxy"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // serveGolden pins the replica and branch `prefixlb serve` (internal/proxy)
@@ -65,6 +66,7 @@ func serveReplay(r decisiontest.FrontDoorRun, reqs []decisiontest.Request) (ds [
 		cfg.Backends = append(cfg.Backends, proxy.Backend{Name: fmt.Sprintf("r%d", i), URL: s.URL})
 	}
 	cfg.Policy = r.Policy
+	cfg.Explain = tenancy.ExplainAlways // the decisions are read from x-prefixlb-route
 	cfg.Calibrate = false
 	cfg.Seed = 1
 	cfg.BackendKind = "vllm"

@@ -18,6 +18,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/engine/enginetest"
 	"github.com/prefixlb/prefixlb/internal/openai"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // e2eResult is what the end-to-end test learns from one streamed response.
@@ -159,7 +160,8 @@ func TestEndToEndPrefixReuse(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Backends = backends
 	cfg.Policy = "e2"
-	cfg.HealthInterval = time.Hour // the engines are up; no checks needed
+	cfg.Explain = tenancy.ExplainAlways // it reads x-prefixlb-route
+	cfg.HealthInterval = time.Hour      // the engines are up; no checks needed
 	cfg.ScrapeInterval = 0
 	// The engines' speed is their profile's (TimeScale 100 of it): priced
 	// as configured, not as a loaded test machine's scheduling makes it look

@@ -65,6 +65,9 @@ type exchange struct {
 	// closed, HTTP/2's stream reset): a response whose rest could not be
 	// read must not end as if it were whole.
 	abort bool
+	// explain says the client gets the decision's explanation
+	// (Config.Explain; explain.go).
+	explain bool
 }
 
 // result is the outcome of one attempt on one replica.
@@ -143,6 +146,10 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		return
 	}
 	x.req = req
+	if err := x.admitClient(req); err != nil {
+		fail(err)
+		return
+	}
 	keys, tokens, err := p.pool.Key(req)
 	if err != nil {
 		fail(fmt.Errorf("proxy: %w", err))
@@ -352,7 +359,11 @@ var (
 func (x *exchange) setRouteHeaders(d *policy.Decision, b *backend, retries int) {
 	h := x.w.Header()
 	h[canonReplica] = []string{b.Name}
-	h[canonRoute] = []string{d.Explain()}
+	if x.explain {
+		h[canonRoute] = []string{d.Explain()}
+	} else {
+		delete(h, canonRoute) // a cache oracle (explain.go)
+	}
 	if x.prefilled != nil {
 		h[canonPrefillReplica] = []string{x.prefilled.Name}
 	} else {

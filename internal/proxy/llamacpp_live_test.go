@@ -15,6 +15,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
 	"github.com/prefixlb/prefixlb/internal/llamacpp"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // TestLiveLlamaServer runs the llama.cpp support against a real
@@ -61,6 +62,7 @@ func TestLiveLlamaServer(t *testing.T) {
 
 	cfg := DefaultConfig()
 	cfg.Backends = []Backend{{Name: "llama", URL: base}}
+	cfg.Explain = tenancy.ExplainAlways // it reads x-prefixlb-route
 	cfg.HealthInterval, cfg.ScrapeInterval = time.Hour, 0
 	cfg.Logger = slog.New(slog.DiscardHandler)
 	p, srv := startProxy(t, cfg)

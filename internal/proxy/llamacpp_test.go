@@ -23,6 +23,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/upstream"
 	"github.com/prefixlb/prefixlb/internal/upstream/upstreamtest"
 
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
@@ -287,6 +288,7 @@ func TestLlamaCppCachedTokens(t *testing.T) {
 			cfg.Backends = []Backend{{Name: "l0", URL: e.srv.URL}}
 			cfg.HealthInterval, cfg.ScrapeInterval = time.Hour, 0
 			cfg.Logger = slog.New(slog.DiscardHandler)
+			cfg.Explain = tenancy.ExplainAlways // it reads x-prefixlb-route
 			p, srv := startProxy(t, cfg)
 			if d := startDetected(t, p, 1)["l0"]; d.Kind != upstream.LlamaCpp || d.Slots != 2 {
 				t.Fatalf("detected %+v, want llamacpp with 2 slots", d)

@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/prefixlb/prefixlb/internal/promtest"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
 
 // pdLeg is one request a pdReplica received.
@@ -118,6 +119,7 @@ func pdCluster(t *testing.T, policy string) (*Proxy, *httptest.Server, *pdReplic
 	cfg := testConfig()
 	cfg.Backends = []Backend{dec[0].backend(""), dec[1].backend("decode"), pre.backend("prefill")}
 	cfg.Policy = policy
+	cfg.Explain = tenancy.ExplainAlways // it reads x-prefixlb-route
 	p, srv := startProxy(t, cfg)
 	return p, srv, pre, dec
 }

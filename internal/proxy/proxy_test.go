@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
@@ -126,7 +127,9 @@ const (
 
 func TestStreamPassedThroughByteForByte(t *testing.T) {
 	rep := newFakeReplica(t, "r0")
-	_, srv := startProxy(t, testConfig(rep))
+	cfg := testConfig(rep)
+	cfg.Explain = tenancy.ExplainAlways // it reads x-prefixlb-route
+	_, srv := startProxy(t, cfg)
 	for _, tc := range []struct{ name, path, body string }{
 		{"completions", "/v1/completions", streamBody},
 		{"chat", "/v1/chat/completions", chatBody},
@@ -182,6 +185,7 @@ func TestExplanationHeadersAndMetrics(t *testing.T) {
 	a.cached.Store(0)
 	b.cached.Store(0)
 	cfg := testConfig(a, b)
+	cfg.Explain = tenancy.ExplainAlways // it reads x-prefixlb-route
 	_, srv := startProxy(t, cfg)
 	// The same long prompt twice: the second decision matches the first's
 	// prefix (e2 exploit) and goes to the same replica.

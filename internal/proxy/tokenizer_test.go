@@ -21,6 +21,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/tenancy"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
 )
 
@@ -216,6 +217,7 @@ func TestEndToEndTokenizerChat(t *testing.T) {
 	backends := startTokenizerEngines(t, 3, tok)
 	cfg := DefaultConfig()
 	cfg.Backends = backends
+	cfg.Explain = tenancy.ExplainAlways // it reads x-prefixlb-route
 	cfg.HealthInterval = time.Hour
 	cfg.ScrapeInterval = 0
 	cfg.Logger = slog.New(slog.DiscardHandler)

@@ -146,4 +146,8 @@ type Event struct {
 	// stored ("" for the base model), as vLLM's BlockStored carries
 	// lora_name.
 	Adapter string
+	// Salt (BlocksStored) is the cache salt of the request whose blocks
+	// were stored ("" for none), as vLLM's BlockStored carries it in the
+	// extra keys of a prompt's first block (kvevents.ExtraKeys).
+	Salt string
 }

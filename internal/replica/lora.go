@@ -72,13 +72,32 @@ func adapterKey(k blocks.Key, seed uint64) blocks.Key {
 	return blocks.Key(x)
 }
 
+// saltSeed is the seed a salted request's cache keys are mixed with
+// (FNV-1a of the salt, apart from adapters' names); 0 for no salt. vLLM
+// folds cache_salt into the hash of a prompt's first block
+// (generate_block_hash_extra_keys, at
+// 001cabc1be16a59a70d720ed61a13b678c060a18), and so into every block
+// after it: salted prefixes are never shared across salts.
+func saltSeed(salt string) uint64 {
+	if salt == "" {
+		return 0
+	}
+	h := fnv.New64a()
+	h.Write([]byte("salt\x00"))
+	h.Write([]byte(salt))
+	return h.Sum64() | 1
+}
+
 // cacheKeys returns the keys req's blocks have in the prefix cache: its
-// own, or for an adapter's request a mixed copy (reusing dst).
+// own, or for an adapter's or a salted request a mixed copy (reusing dst).
 func cacheKeys(dst []blocks.Key, req *Request) []blocks.Key {
-	if req.Adapter == "" {
+	if req.Adapter == "" && req.Salt == "" {
 		return req.Keys
 	}
-	seed := adapterSeed(req.Adapter)
+	seed := adapterSeed(req.Adapter) ^ saltSeed(req.Salt)
+	if seed == 0 {
+		seed = 1 // an adapter and a salt that cancel: still apart
+	}
 	dst = dst[:0]
 	for _, k := range req.Keys {
 		dst = append(dst, adapterKey(k, seed))
@@ -231,8 +250,15 @@ func (r *Replica) WaitingAdapters(dst []string) []string {
 // (Request.Adapter): how many leading keys its prefix cache holds for that
 // adapter.
 func (r *Replica) CachedPrefixFor(adapter string, keys []blocks.Key) int {
-	if r.slots != nil || adapter == "" {
+	return r.CachedPrefixAs(adapter, "", keys)
+}
+
+// CachedPrefixAs is CachedPrefix for the keys of a request of adapter
+// with cache salt salt (Request.Adapter, Request.Salt): how many leading
+// keys its prefix cache holds for them.
+func (r *Replica) CachedPrefixAs(adapter, salt string, keys []blocks.Key) int {
+	if r.slots != nil || (adapter == "" && salt == "") {
 		return r.CachedPrefix(keys)
 	}
-	return r.cache.prefix(cacheKeys(nil, &Request{Keys: keys, Adapter: adapter}))
+	return r.cache.prefix(cacheKeys(nil, &Request{Keys: keys, Adapter: adapter, Salt: salt}))
 }

@@ -95,6 +95,12 @@ type Request struct {
 	// AdapterBytes is the size of Adapter's weights, which a load copies
 	// to the GPU (costmodel.AdapterLoad); 0 prices only the fixed cost.
 	AdapterBytes int64
+	// Salt is the request's cache salt (vLLM's cache_salt; "" for none):
+	// its blocks are cached apart from every other salt's and the
+	// unsalted ones, whatever Keys the caller gave (lora.go, cacheKeys),
+	// and its BlocksStored events carry it (Event.Salt). A slot cache
+	// (Config.Slots) ignores it, as llama.cpp has no salt.
+	Salt string
 }
 
 // seq is a request's state on the replica.
@@ -490,7 +496,7 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 	keys, ck := s.req.Keys, s.keys
 	full := min(s.computed/r.cfg.BlockSize, len(keys))
 	run := -1 // start of the current run of new keys
-	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end, s.req.Adapter) }
+	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end, s.req) }
 	for ; s.pinned < full; s.pinned++ {
 		k := ck[s.pinned]
 		i := r.cache.lookup(k)
@@ -516,13 +522,13 @@ func (r *Replica) store(s *seq, end time.Time, ev *[]Event) {
 }
 
 // appendStored appends a BlocksStored event for keys[run:upto] (the chain
-// continuing keys[run-1]) of an adapter's request when run ≥ 0, and returns
-// -1: no run open.
-func appendStored(ev *[]Event, keys []blocks.Key, run, upto int, end time.Time, adapter string) int {
+// continuing keys[run-1]) of request req (its adapter and salt) when run ≥
+// 0, and returns -1: no run open.
+func appendStored(ev *[]Event, keys []blocks.Key, run, upto int, end time.Time, req *Request) int {
 	if run < 0 {
 		return -1
 	}
-	e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto], Adapter: adapter}
+	e := Event{Kind: BlocksStored, At: end, Keys: keys[run:upto:upto], Adapter: req.Adapter, Salt: req.Salt}
 	if run > 0 {
 		e.Parent, e.HasParent = keys[run-1], true
 	}

@@ -228,7 +228,7 @@ func (r *Replica) storeSlot(s *seq, end time.Time, ev *[]Event) {
 	keys := s.req.Keys
 	full := min(min(s.computed, s.target)/r.cfg.BlockSize, len(keys))
 	run := -1
-	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end, "") }
+	flush := func(upto int) { run = appendStored(ev, keys, run, upto, end, &Request{}) }
 	for ; sl.held < full; sl.held++ {
 		k := keys[sl.held]
 		if r.slotRefs[k]++; r.slotRefs[k] > 1 {
