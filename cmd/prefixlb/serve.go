@@ -236,7 +236,7 @@ place each pod's endpoints (docs/kubernetes.md).`,
 }
 
 // tenancyFlags binds serve's tenant isolation and explanation flags
-// (docs/security.d/tenancy.md).
+// (docs/security.md).
 func tenancyFlags(fs *pflag.FlagSet, d *proxy.Config) {
 	fs.Var(tenancy.ExplainFlag{V: &d.Explain}, "explain", "who gets x-prefixlb-route (matched tokens per replica, a cache oracle): never, trusted (requests presenting the admin token in x-prefixlb-admin-token or Authorization: Bearer) or always; bare --explain is always")
 	fs.Lookup("explain").NoOptDefVal = string(tenancy.ExplainAlways)

@@ -225,14 +225,14 @@ type Config struct {
 	// headers and quotas).
 	Tenants tenant.Config
 	// FrontDoor bounds what hostile clients and failing replicas can take
-	// from the proxy (frontdoor_config.go; docs/security.d/frontdoor.md).
+	// from the proxy (frontdoor_config.go; docs/security.md).
 	FrontDoor
 	// Explain says which clients get x-prefixlb-route, the decision's
 	// explanation (matched tokens per replica: how much of the prompt is
 	// cached): tenancy.ExplainTrusted (the default) only requests that
 	// present AdminToken (tenancy.TokenHeader or Authorization: Bearer),
 	// nobody when it is unset; ExplainNever nobody; ExplainAlways everyone
-	// (docs/security.d/tenancy.md).
+	// (docs/security.md).
 	Explain tenancy.Explain
 	// TenantIsolation salts every request with its tenant
 	// (cluster.TenantOf; tenancy.Salt): the forwarded body's cache_salt is

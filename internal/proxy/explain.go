@@ -9,7 +9,7 @@ import (
 )
 
 // What a client learns of the cache, and tenant isolation
-// (docs/security.d/tenancy.md):
+// (docs/security.md):
 //
 //   - x-prefixlb-route (the decision explained: matched tokens per
 //     replica) goes only to the clients Config.Explain allows: by default

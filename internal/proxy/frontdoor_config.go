@@ -9,7 +9,7 @@ import (
 // FrontDoor is the part of Config that bounds what a hostile client or a
 // failing replica can take from the proxy: request-body memory, a client that
 // stops reading, the /v1 paths forwarded, and a replica that fails requests
-// while its health check passes (docs/security.d/frontdoor.md). Config embeds
+// while its health check passes (docs/security.md). Config embeds
 // it; DefaultFrontDoor gives the defaults.
 type FrontDoor struct {
 	// MaxInflightBodyBytes bounds the request-body bytes held in memory at
