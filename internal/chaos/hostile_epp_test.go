@@ -14,6 +14,7 @@ import (
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prefixlb/prefixlb/internal/epp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 )
@@ -32,10 +33,6 @@ const (
 	eppOrdinary     = 200 // ordinary requests per phase
 	eppDrain        = 2 * time.Second
 )
-
-// eppDestination is the header the picker names the chosen endpoint in
-// (GIE's x-gateway-destination-endpoint).
-const eppDestination = "x-gateway-destination-endpoint"
 
 func TestChaosHostileEPP(t *testing.T) {
 	if testing.Short() {
@@ -242,11 +239,11 @@ func eppPick(client extprocv3.ExternalProcessorClient, i int) (time.Duration, er
 		return 0, fmt.Errorf("immediate response %d: %.80s", ir.GetStatus().GetCode(), ir.GetBody())
 	}
 	for _, h := range r.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
-		if h.GetHeader().GetKey() == eppDestination {
+		if h.GetHeader().GetKey() == epp.DestinationHeader {
 			return took, nil
 		}
 	}
-	return 0, fmt.Errorf("no %s in %T", eppDestination, r.GetResponse())
+	return 0, fmt.Errorf("no %s in %T", epp.DestinationHeader, r.GetResponse())
 }
 
 func eppHeaders(method, path string) *extprocv3.ProcessingRequest {

@@ -429,13 +429,14 @@ func longStreamBody() string {
 	return fmt.Sprintf(`{"model":%q,"prompt":[1,2,3,4,5,6,7,8],"max_tokens":2000,"stream":true}`, modelName)
 }
 
-// tenantWindow is the tenant's requests sent in [from, to).
+// tenantStats are a tenant's requests sent in one window.
 type tenantStats struct {
 	sent, served int
 	p50, p99     float64
 	errors       map[string]int
 }
 
+// tenantWindow is the tenant's requests sent in [from, to).
 func tenantWindow(recs []report.RequestRecord, from, to time.Duration) tenantStats {
 	s := tenantStats{errors: map[string]int{}}
 	var ttft []float64
