@@ -33,9 +33,24 @@ usage.prompt_tokens_details.cached_tokens (vLLM, SGLang) or, from llama.cpp,
 usage.prompt_tokens - timings.prompt_n.
 
 By default prompts are sent as token ids to /v1/completions, so requests that
-share a prefix share it exactly on the server with no tokenizer involved
-(--mode text or chat sends them as words "t<id>" instead). Each request asks
-for exactly its output length (max_tokens = min_tokens, ignore_eos).
+share a prefix share it exactly on the server with no tokenizer involved.
+--mode text sends them as text to /v1/completions, --mode chat as one user
+message to /v1/chat/completions: each token id becomes one whole-word token
+of the target's tokenizer (" word", checked to encode to one token), so a
+prompt encodes to exactly the workload's length and prompts sharing N tokens
+share a text prefix of N tokens. The tokenizer is --tokenizer (qwen3, a
+tokenizer.json or a model directory), else the bundled Qwen3 checked against
+the target's /tokenize (a warning when it differs or cannot be checked); the
+header line on stderr names it and, in chat mode, the tokens the chat
+template adds a request. Each request asks for exactly its output length
+(max_tokens = min_tokens, ignore_eos).
+
+The table shows the mean prompt as the target counted it (usage.prompt_tokens)
+beside the workload's (JSON prompt_tokens_mean, workload_prompt_tokens_mean);
+bench warns when they differ by more than 5% (chat: after the template's
+tokens). Failures are listed by class, each with its count and one message
+(JSON error_classes: the message with its numbers replaced by N → count and
+example).
 
 --duration stops sending after D; when --requests is not given, enough
 requests are generated to fill D at --rate. The table goes to stdout; --json
@@ -67,7 +82,8 @@ goodput_rps, capacity_rps, at_capacity (docs/capacity.md).`,
 	fs := cmd.Flags()
 	c.Workload.AddFlags(fs)
 	fs.StringVar(&cfg.Target, "target", "", "base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000 (required)")
-	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (words t<id>), chat (/v1/chat/completions)")
+	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (one whole-word token of the tokenizer per id), chat (the same text as a user message to /v1/chat/completions)")
+	fs.StringVar(&c.Tokenizer, "tokenizer", "", "--mode text/chat: the target's tokenizer, qwen3 (bundled), a tokenizer.json or a model directory (default: the bundled Qwen3, checked against the target's /tokenize)")
 	fs.StringVar(&cfg.Model, "model", "", `model name to send (default: the first of GET /v1/models, else "default"); a LoRA adapter's request (--workload lora) sends its adapter instead`)
 	fs.StringVar(&cfg.Policy, "label", cfg.Policy, `name of this run in the results' "policy" field (e.g. the router policy behind --target)`)
 	fs.DurationVar(&c.Duration, "duration", 0, "stop sending after this long (0: send every request of the workload)")

@@ -34,6 +34,12 @@ type Config struct {
 	Load loadgen.Config
 	// Mode is how prompts are sent (loadgen.Mode).
 	Mode string
+	// Tokenizer renders text and chat prompts (modes text and chat):
+	// "qwen3" for the bundled one, a tokenizer.json or a model directory
+	// (keying.LoadTokenizer). "": the bundled Qwen3, checked against the
+	// target's /tokenize, with a warning when it differs or cannot be
+	// checked (setupText).
+	Tokenizer string
 	// Duration stops sending after it (0: send every request). When
 	// RequestsGiven is false, enough requests are generated to fill it.
 	Duration      time.Duration
@@ -105,10 +111,16 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stderr, "bench: %s, %d requests → %s (%s)\n",
 		f.Describe(), len(reqs), cfg.Target, cfg.Mode)
-	out, runErr := loadgen.Run(ctx, cfg, reqs)
+	text, err := c.text(ctx, cfg, stderr)
+	if err != nil {
+		return err
+	}
+	out, runErr := loadgen.Run(ctx, text.apply(cfg), reqs)
 	if runErr != nil && !errors.Is(runErr, context.Canceled) {
 		return fmt.Errorf("bench: %w", runErr)
 	}
+	text.annotate(&out.Result)
+	checkSizes(out.Result, stderr)
 	// Interrupted runs still report what they measured.
 	if err := Write(stdout, out, c.JSONPath, c.OutDir); err != nil {
 		return err
@@ -117,6 +129,24 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 		return fmt.Errorf("bench: %w", runErr)
 	}
 	return nil
+}
+
+// text sets up the rendering of text and chat prompts (setupText) and
+// writes its header line to stderr; nil in completions mode, which sends
+// token ids.
+func (c Config) text(ctx context.Context, cfg loadgen.Config, stderr io.Writer) (*textSetup, error) {
+	if cfg.Mode != loadgen.ModeText && cfg.Mode != loadgen.ModeChat {
+		if c.Tokenizer != "" {
+			fmt.Fprintf(stderr, "bench: --tokenizer %s is not used: --mode %s sends token ids\n", c.Tokenizer, cfg.Mode)
+		}
+		return nil, nil
+	}
+	t, err := setupText(ctx, c.Tokenizer, cfg.Mode, cfg.Target, cfg.Header, stderr)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintln(stderr, t.header(cfg.Mode))
+	return t, nil
 }
 
 // Requests returns how many requests to generate so that the arrival
@@ -183,6 +213,14 @@ func ParseHeaders(hs []string) (http.Header, error) {
 // fmtMs formats milliseconds for the P/D line.
 func fmtMs(v float64) string { return strconv.FormatFloat(v, 'f', 1, 64) }
 
+// writeErrorClasses lists each class of failure with its count and its
+// first message, most frequent first.
+func writeErrorClasses(w io.Writer, classes map[string]report.ErrorClassCount) {
+	for _, e := range report.SortedErrorClasses(classes) {
+		fmt.Fprintf(w, "%6d × %s\n", e.Count, e.Example)
+	}
+}
+
 func Write(stdout io.Writer, out loadgen.Output, jsonPath, outDir string) error {
 	results := []report.Result{out.Result}
 	if jsonPath == "-" {
@@ -195,6 +233,7 @@ func Write(stdout io.Writer, out loadgen.Output, jsonPath, outDir string) error 
 		if err := report.WriteTable(stdout, results); err != nil {
 			return fmt.Errorf("bench: %w", err)
 		}
+		writeErrorClasses(stdout, out.Result.ErrorClasses)
 		if pd := out.Result.PD; pd != nil {
 			fmt.Fprintf(stdout, "P/D: %d disaggregated (prefill replicas %v), %d local; TTFT p50/p99 ms %s/%s disaggregated, %s/%s local\n",
 				pd.Disaggregated, pd.ByPrefill, pd.Local, fmtMs(pd.TTFTDisaggregated.P50), fmtMs(pd.TTFTDisaggregated.P99),

@@ -128,6 +128,11 @@ func RunSLO(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stderr, "bench --slo %s: %s, %d stages over %v → %s (%s)\n",
 		slo, f.Describe(), len(stages), total, cfg.Target, cfg.Mode)
+	text, err := c.text(ctx, cfg, stderr)
+	if err != nil {
+		return err
+	}
+	cfg = text.apply(cfg)
 
 	// Every stage's load generator starts now and sends its requests at
 	// their ramp times: stage k's first leaves as stage k−1 ends.
@@ -155,6 +160,7 @@ func RunSLO(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 			return false, sr.err
 		}
 		r := stageResult(cfg.Policy, rate, sr.out)
+		text.annotate(&r)
 		v := slo.Judge(sr.out.Records, r.DurationS)
 		slo.Annotate(&r, v)
 		points = append(points, r)
@@ -201,11 +207,13 @@ func RunSLO(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 
 // stageResult summarises one stage's records over their own span (first
 // send to last finish, as sim's runs), keeping the load generator's labels
-// and send lag.
+// send lag, prompt sizes and error classes.
 func stageResult(policy string, rate float64, out loadgen.Output) report.Result {
 	r := report.Build(policy, rate, out.Records, 0)
 	r.Workload, r.Target = out.Result.Workload, out.Result.Target
 	r.Delayed, r.SendLag = out.Result.Delayed, out.Result.SendLag
+	r.PromptTokensMean, r.WorkloadPromptTokensMean = out.Result.PromptTokensMean, out.Result.WorkloadPromptTokensMean
+	r.ErrorClasses = out.Result.ErrorClasses
 	return r
 }
 

@@ -33,8 +33,10 @@ const (
 	// token ids: requests that share token prefixes share them exactly on
 	// the server, with no tokenizer involved. vLLM and SGLang accept it.
 	ModeCompletions Mode = "completions"
-	// ModeText posts to /v1/completions with the prompt as text, each token
-	// id rendered as the word "t<id>", words joined by spaces.
+	// ModeText posts to /v1/completions with the prompt as text: the
+	// token ids rendered by Config.Text (bench: one whole-word token of the
+	// target's tokenizer per id, internal/tokenize/prompttext), else as
+	// words "t<id>" joined by spaces.
 	ModeText Mode = "text"
 	// ModeChat posts to /v1/chat/completions with one user message holding
 	// the text of ModeText.
@@ -78,6 +80,12 @@ type Config struct {
 	Client *http.Client
 	// Header is added to every request (e.g. Authorization).
 	Header http.Header
+	// Text renders a prompt's token ids as the text ModeText and ModeChat
+	// send; it is called from the request goroutines, so it must be safe
+	// for concurrent use (a *prompttext.Renderer's Render is). Nil: each
+	// id as the word "t<id>", words joined by spaces, which a real
+	// tokenizer splits into several tokens each.
+	Text func(ids []uint32) string
 	// MaxLine is the longest SSE line accepted (default DefaultMaxLine).
 	MaxLine int
 	// Progress receives a progress line about twice a second: requests
@@ -205,6 +213,7 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (Output, erro
 	st := newStats(len(order), lastArrival(reqs, order, cfg.MaxDuration))
 	records := make([]report.RequestRecord, len(order))
 	timings := make([]*Timings, len(order))
+	usagePrompt := make([]int, len(order)) // usage.prompt_tokens; 0: none
 	var sendLag report.Samples
 	delayed := 0
 
@@ -259,14 +268,14 @@ send:
 			// The body is built here, not in the sending loop, so that long
 			// prompts do not delay the requests due after this one.
 			var o outcome
-			if payload, err := body(cfg.Mode, model, r); err != nil {
+			if payload, err := body(cfg.Mode, model, r, cfg.Text); err != nil {
 				o.err = err // only an invalid Mode, which Validate rejects
 			} else {
 				o = do(rctx, client, url, cfg.Header, payload, cfg.MaxLine)
 			}
 			cancel()
 			rec := record(cfg, r, start, sentAt, o)
-			records[k], timings[k] = rec, o.timings
+			records[k], timings[k], usagePrompt[k] = rec, o.timings, o.promptTokens
 			st.done(rec)
 		}()
 	}
@@ -277,6 +286,8 @@ send:
 	records, timings = records[:sent], timings[:sent]
 	res := report.Build(cfg.Policy, cfg.Rate, records, elapsed)
 	res.Workload, res.Target, res.Delayed = cfg.Workload, cfg.Target, delayed
+	res.PromptTokensMean, res.WorkloadPromptTokensMean = promptMeans(reqs, order[:sent], records, usagePrompt[:sent])
+	res.ErrorClasses = report.ErrorClasses(records)
 	if sendLag.Len() > 0 {
 		s := sendLag.Summary()
 		res.SendLag = &s
@@ -286,6 +297,34 @@ send:
 		return out, fmt.Errorf("loadgen: run interrupted after %d of %d requests: %w", sent, len(order), err)
 	}
 	return out, nil
+}
+
+// promptMeans returns the mean usage.prompt_tokens over the successful
+// requests that reported it, and the mean workload length of the same
+// requests; with no usage at all, 0 and the mean workload length of the
+// successful requests. records[k] is the record of reqs[order[k]].
+func promptMeans(reqs []workload.Request, order []int, records []report.RequestRecord, usagePrompt []int) (engine, work float64) {
+	var nUsage, sumUsage, sumWorkUsage, nOK, sumWork int
+	for k, rec := range records {
+		if rec.Failed() {
+			continue
+		}
+		n := len(reqs[order[k]].Tokens)
+		nOK++
+		sumWork += n
+		if usagePrompt[k] > 0 {
+			nUsage++
+			sumUsage += usagePrompt[k]
+			sumWorkUsage += n
+		}
+	}
+	switch {
+	case nUsage > 0:
+		return float64(sumUsage) / float64(nUsage), float64(sumWorkUsage) / float64(nUsage)
+	case nOK > 0:
+		return 0, float64(sumWork) / float64(nOK)
+	}
+	return 0, 0
 }
 
 // record turns the outcome of request r into its report record.

@@ -700,7 +700,7 @@ func TestValidate(t *testing.T) {
 func TestAdapterModel(t *testing.T) {
 	for _, m := range []Mode{ModeCompletions, ModeText, ModeChat} {
 		for _, tt := range []struct{ adapter, want string }{{"sql", "sql"}, {"", "base"}} {
-			raw, err := body(m, "base", workload.Request{Tokens: []uint32{1}, OutputTokens: 1, Adapter: tt.adapter})
+			raw, err := body(m, "base", workload.Request{Tokens: []uint32{1}, OutputTokens: 1, Adapter: tt.adapter}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -169,10 +169,14 @@ func promptText(tokens []uint32) string {
 	return b.String()
 }
 
-// body builds the JSON body of r's request in mode m. Its "model" is r's
-// LoRA adapter when it has one (vLLM serves an adapter under its own model
-// name, --lora-modules NAME=PATH), else model.
-func body(m Mode, model string, r workload.Request) ([]byte, error) {
+// body builds the JSON body of r's request in mode m, rendering its
+// prompt with text in ModeText and ModeChat (nil: promptText). Its "model"
+// is r's LoRA adapter when it has one (vLLM serves an adapter under its
+// own model name, --lora-modules NAME=PATH), else model.
+func body(m Mode, model string, r workload.Request, text func([]uint32) string) ([]byte, error) {
+	if text == nil {
+		text = promptText
+	}
 	out := max(r.OutputTokens, 1)
 	if r.Adapter != "" {
 		model = r.Adapter
@@ -193,9 +197,9 @@ func body(m Mode, model string, r workload.Request) ([]byte, error) {
 		}
 		req.Prompt = tokens
 	case ModeText:
-		req.Prompt = promptText(r.Tokens)
+		req.Prompt = text(r.Tokens)
 	case ModeChat:
-		req.Messages = []chatMessage{{Role: "user", Content: promptText(r.Tokens)}}
+		req.Messages = []chatMessage{{Role: "user", Content: text(r.Tokens)}}
 	default:
 		return nil, fmt.Errorf("loadgen: unknown mode %q", m)
 	}

@@ -122,6 +122,35 @@ type Result struct {
 	CapacityRPS      *float64 `json:"capacity_rps,omitempty"`
 	AtCapacity       bool     `json:"at_capacity,omitempty"`
 	CapacityAboveMax bool     `json:"capacity_above_max,omitempty"`
+
+	// PromptTokensMean is the mean prompt length as the server counted it
+	// (usage.prompt_tokens) over the successful requests that reported
+	// it, and WorkloadPromptTokensMean the mean length the workload gave
+	// the same requests (over every successful request when none
+	// reported usage); bench sets them. In text and chat modes they differ
+	// when the text does not encode to the workload's length under the
+	// server's tokenizer, and in chat mode by ChatTemplateTokens as well.
+	PromptTokensMean         float64 `json:"prompt_tokens_mean,omitempty"`
+	WorkloadPromptTokensMean float64 `json:"workload_prompt_tokens_mean,omitempty"`
+	// ChatTemplateTokens is the tokens the chat template adds to each
+	// request's prompt, as bench measured it with the tokenizer in force
+	// (chat mode with a tokenizer that has a template).
+	ChatTemplateTokens int `json:"chat_template_tokens,omitempty"`
+	// Tokenizer says which tokenizer rendered text and chat prompts, and
+	// why (bench: "qwen3 (bundled; matches the target's /tokenize)").
+	Tokenizer string `json:"tokenizer,omitempty"`
+	// ErrorClasses groups the failed requests by class (ErrorClass: the
+	// HTTP status and the message with its numbers replaced by "N"),
+	// with each class's count and one message as it was (bench; the
+	// function ErrorClasses computes it from records).
+	ErrorClasses map[string]ErrorClassCount `json:"error_classes,omitempty"`
+}
+
+// ErrorClassCount is the failed requests of one error class.
+type ErrorClassCount struct {
+	Count int `json:"count"`
+	// Example is the first of the class's messages, as it was.
+	Example string `json:"example"`
 }
 
 // SLOObservation is one SLO target's percentile in a run.

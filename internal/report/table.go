@@ -12,10 +12,15 @@ import (
 // row per result in the given order: TTFT mean/p90/p99 and latency mean/p99
 // in ms, the prefix hit ratio, throughput in requests and output tokens per
 // second, and errors. A "ttft/oracle" column is added when any result carries
-// TTFTVsOracle.
+// TTFTVsOracle, and "prompt_tok" and "workload_tok" (the mean prompt as the
+// server counted it, "-" when it reported none, and as the workload gave it)
+// when any carries WorkloadPromptTokensMean.
 func WriteTable(w io.Writer, results []Result) error {
-	oracle, busy := false, false
+	oracle, busy, prompt := false, false, false
 	for _, r := range results {
+		if r.WorkloadPromptTokensMean > 0 {
+			prompt = true
+		}
 		if r.TTFTVsOracle > 0 {
 			oracle = true
 		}
@@ -31,6 +36,9 @@ func WriteTable(w io.Writer, results []Result) error {
 	}
 	if oracle {
 		cols = append(cols, "ttft/oracle")
+	}
+	if prompt {
+		cols = append(cols, "prompt_tok", "workload_tok")
 	}
 	// A trailing tab makes the last column a tab-terminated cell, so that
 	// AlignRight aligns it too.
@@ -64,6 +72,13 @@ func WriteTable(w io.Writer, results []Result) error {
 				c = strconv.FormatFloat(r.TTFTVsOracle, 'f', 2, 64) + "x"
 			}
 			cells = append(cells, c)
+		}
+		if prompt {
+			c := "-"
+			if r.PromptTokensMean > 0 {
+				c = strconv.FormatFloat(r.PromptTokensMean, 'f', 0, 64)
+			}
+			cells = append(cells, c, strconv.FormatFloat(r.WorkloadPromptTokensMean, 'f', 0, 64))
 		}
 		line(cells)
 	}
