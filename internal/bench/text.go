@@ -8,6 +8,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/keying"
@@ -110,7 +111,7 @@ func setupText(ctx context.Context, spec string, mode loadgen.Mode, target strin
 				"rendering text with the bundled Qwen3 tokenizer: give --tokenizer unless the target serves a Qwen3 model\n", err)
 		}
 	}
-	r, err := prompttext.FromTokenizer(tok)
+	r, err := renderer(tok)
 	if err != nil {
 		return nil, fmt.Errorf("bench: tokenizer %s: %w", why, err)
 	}
@@ -122,6 +123,24 @@ func setupText(ctx context.Context, spec string, mode loadgen.Mode, target strin
 		t.hasTemplate = true
 	}
 	return t, nil
+}
+
+// renderers holds the Renderer of each tokenizer built in this process
+// (*tokenize.Tokenizer → *prompttext.Renderer), so that runs over the
+// same tokenizer (the bundled Qwen3 is shared) build it once.
+var renderers sync.Map
+
+// renderer returns tok's Renderer, built on first use.
+func renderer(tok *tokenize.Tokenizer) (*prompttext.Renderer, error) {
+	if r, ok := renderers.Load(tok); ok {
+		return r.(*prompttext.Renderer), nil
+	}
+	r, err := prompttext.FromTokenizer(tok)
+	if err != nil {
+		return nil, err
+	}
+	v, _ := renderers.LoadOrStore(tok, r)
+	return v.(*prompttext.Renderer), nil
 }
 
 // templateTokens measures the tokens the chat template adds around one

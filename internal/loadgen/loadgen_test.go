@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
@@ -707,6 +708,57 @@ func TestAdapterModel(t *testing.T) {
 			var b sentBody
 			if err := json.Unmarshal(raw, &b); err != nil || b.Model != tt.want {
 				t.Errorf("%s, adapter %q: model %q (%v), want %q", m, tt.adapter, b.Model, err, tt.want)
+			}
+		}
+	}
+}
+
+// TestTextHook: Config.Text renders the prompts of text and chat requests,
+// and the result carries the mean prompt sizes (usage's and the
+// workload's) and the error classes.
+func TestTextHook(t *testing.T) {
+	got := make(chan sentBody, 2)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			http.NotFound(w, r)
+			return
+		}
+		b := readBody(t, r)
+		got <- b
+		if len(b.Messages) > 0 {
+			http.Error(w, `{"error":{"message":"too long: 12 tokens"}}`, http.StatusBadRequest)
+			return
+		}
+		startStream(w, "")
+		sse(w, `{"choices":[{"index":0,"text":"a"}]}`)
+		sse(w, `{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":1}}`)
+		sse(w, "[DONE]")
+	}))
+	defer srv.Close()
+	text := func(ids []uint32) string { return fmt.Sprintf("rendered %d", len(ids)) }
+	for _, mode := range []Mode{ModeText, ModeChat} {
+		cfg := DefaultConfig()
+		cfg.Target, cfg.Mode, cfg.Model, cfg.Text = srv.URL, mode, "m", text
+		out, err := Run(context.Background(), cfg, []workload.Request{{Tokens: []uint32{1, 2, 3}, OutputTokens: 1}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b := <-got
+		switch mode {
+		case ModeText:
+			if string(b.Prompt) != `"rendered 3"` {
+				t.Errorf("prompt = %s, want the hook's text", b.Prompt)
+			}
+			if out.Result.PromptTokensMean != 7 || out.Result.WorkloadPromptTokensMean != 3 || out.Result.ErrorClasses != nil {
+				t.Errorf("means %v/%v, classes %v; want 7/3, none", out.Result.PromptTokensMean, out.Result.WorkloadPromptTokensMean, out.Result.ErrorClasses)
+			}
+		case ModeChat:
+			if len(b.Messages) != 1 || b.Messages[0].Content != "rendered 3" {
+				t.Errorf("messages = %+v, want the hook's text", b.Messages)
+			}
+			want := map[string]report.ErrorClassCount{"http 400: too long: N tokens": {Count: 1, Example: "http 400: too long: 12 tokens"}}
+			if !maps.Equal(out.Result.ErrorClasses, want) || out.Result.WorkloadPromptTokensMean != 0 {
+				t.Errorf("classes %v, workload mean %v; want %v, 0", out.Result.ErrorClasses, out.Result.WorkloadPromptTokensMean, want)
 			}
 		}
 	}
