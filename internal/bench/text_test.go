@@ -73,6 +73,24 @@ func runBench(t *testing.T, target, mode, tokenizer string) (report.Result, stri
 	f.Spec.Requests = 24
 	f.Spec.SharedPrefix = workload.SharedPrefixParams{Groups: 3, SystemTokens: 1500, Questions: 4, QuestionTokens: 120, Output: 4}
 	f.Arrival.Rate = 200
+	return runBenchFlags(t, target, mode, tokenizer, f)
+}
+
+// runBenchSmall is runBench with prompts of a few hundred tokens at 2
+// requests a second, for a CPU engine.
+func runBenchSmall(t *testing.T, target, mode string) (report.Result, string, string) {
+	t.Helper()
+	f := workload.DefaultFlags()
+	f.Spec = workload.DefaultSpec("shared-prefix")
+	f.Spec.Requests = 8
+	f.Spec.SharedPrefix = workload.SharedPrefixParams{Groups: 2, SystemTokens: 300, Questions: 2, QuestionTokens: 30, Output: 2}
+	f.Arrival.Rate = 2
+	return runBenchFlags(t, target, mode, "", f)
+}
+
+// runBenchFlags runs bench with the workload f against target.
+func runBenchFlags(t *testing.T, target, mode, tokenizer string, f workload.Flags) (report.Result, string, string) {
+	t.Helper()
 	c := Config{Workload: f, Load: loadgen.DefaultConfig(), Mode: mode, RequestsGiven: true, Tokenizer: tokenizer}
 	c.Load.Target = target
 	c.JSONPath = t.TempDir() + "/r.json"
