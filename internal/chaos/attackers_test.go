@@ -204,7 +204,8 @@ func (s *slowBodies) stop() {
 // zeroWindow holds n streaming requests whose clients never read their
 // responses, with a receive buffer as small as the kernel allows (D4: a
 // write to the client that never completes holds the request's slot and
-// its replica request).
+// its replica request). Each request carries fatHeader, so that its
+// replica streams fast enough to fill the sockets between them.
 type zeroWindow struct {
 	opened, failed atomic.Int64
 	cancel         context.CancelFunc
@@ -214,7 +215,8 @@ type zeroWindow struct {
 func startZeroWindow(addr string, n int, body string) *zeroWindow {
 	ctx, cancel := context.WithCancel(context.Background())
 	z := &zeroWindow{cancel: cancel}
-	req := fmt.Sprintf("POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", addr, len(body), body)
+	// fatHeader: the replica answers a large stream quickly (faults_test.go).
+	req := fmt.Sprintf("POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s: 1\r\nContent-Length: %d\r\n\r\n%s", addr, fatHeader, len(body), body)
 	d := &net.Dialer{Timeout: time.Second, Control: func(_, _ string, rc syscall.RawConn) error {
 		var serr error
 		if err := rc.Control(func(fd uintptr) {

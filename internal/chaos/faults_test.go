@@ -277,7 +277,21 @@ type front struct {
 	mode atomic.Int32
 	n    atomic.Int64 // inference requests answered in a fault mode
 	stop chan struct{}
+	// fat counts the requests answered with a fat stream (fatHeader),
+	// fatBytes the bytes written to them.
+	fat, fatBytes atomic.Int64
 }
+
+// fatHeader, on a streamed inference request, makes a front answer with
+// fatStreamBytes of SSE as fast as the router takes them, whatever its
+// mode: a replica whose answer is large and quick (a long answer with
+// logprobs, say), so that a client that stops reading fills the sockets
+// between them within seconds rather than after minutes of decoding. The
+// router forwards client headers, so an attacker's request carries it.
+const (
+	fatHeader      = "X-Chaos-Fat-Stream"
+	fatStreamBytes = 24 << 20
+)
 
 // newFront starts a front forwarding to the engine at target.
 func newFront(t testing.TB, target string) *front {
@@ -288,11 +302,17 @@ func newFront(t testing.TB, target string) *front {
 	}
 	f := &front{rp: httputil.NewSingleHostReverseProxy(u), stop: make(chan struct{})}
 	f.rp.FlushInterval = -1
+	// A transport of its own, which keeps a connection per stream in
+	// flight: the shared default keeps 2 idle a host and churns the rest.
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConnsPerHost = 256
+	f.rp.Transport = tr
 	f.rp.ErrorLog = log.New(io.Discard, "", 0) // cancelled streams are expected
 	f.srv = httptest.NewServer(f)
 	t.Cleanup(func() {
 		close(f.stop)
 		f.srv.Close()
+		tr.CloseIdleConnections()
 	})
 	return f
 }
@@ -302,6 +322,10 @@ func (f *front) setMode(m int32) { f.mode.Store(m) }
 
 func (f *front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	inference := strings.HasPrefix(r.URL.Path, "/v1/") && r.Method == http.MethodPost
+	if inference && r.Header.Get(fatHeader) != "" {
+		f.serveFat(w, r)
+		return
+	}
 	switch f.mode.Load() {
 	case modeHang:
 		_, _ = io.Copy(io.Discard, r.Body)
@@ -334,5 +358,46 @@ func (f *front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+	// The body is read whole before the proxy starts: net/http may refuse
+	// reads of a request body once the response has begun, and the
+	// Transport, reading past the declared length for EOF after the engine
+	// has already answered, would then tear down the engine connection
+	// mid-stream (a cut the router would blame on the replica).
+	if r.Body != nil {
+		b, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(b))
+	}
 	f.rp.ServeHTTP(w, r)
+}
+
+// serveFat answers a streamed completion with fatStreamBytes of text
+// events of 4 KiB, then usage and [DONE], until the router stops taking
+// them or goes away.
+func (f *front) serveFat(w http.ResponseWriter, r *http.Request) {
+	f.fat.Add(1)
+	_, _ = io.Copy(io.Discard, r.Body)
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.WriteHeader(http.StatusOK)
+	ev := []byte(`data: {"id":"cmpl-fat","object":"text_completion","model":"m","choices":[{"index":0,"text":"` +
+		strings.Repeat("x", 4<<10) + `","finish_reason":null}]}` + "\n\n")
+	fl := w.(http.Flusher)
+	for sent := 0; sent < fatStreamBytes; sent += len(ev) {
+		if _, err := w.Write(ev); err != nil {
+			return
+		}
+		fl.Flush()
+		f.fatBytes.Add(int64(len(ev)))
+		select {
+		case <-r.Context().Done():
+			return
+		case <-f.stop:
+			return
+		default:
+		}
+	}
+	_, _ = io.WriteString(w, `data: {"id":"cmpl-fat","object":"text_completion","model":"m","choices":[{"index":0,"text":"","finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":6000,"total_tokens":6008}}`+"\n\ndata: [DONE]\n\n")
 }

@@ -36,8 +36,12 @@ const (
 	// hostileDrain is the router's --drain-timeout (routerFlags).
 	hostileDrain = 2 * time.Second
 	// API keys of the tenants (the config holds their SHA-256 digests).
-	goodKey  = "sk-chaos-good-tenant"
-	noisyKey = "sk-chaos-noisy-tenant"
+	goodKey   = "sk-chaos-good-tenant"
+	noisyKey  = "sk-chaos-noisy-tenant"
+	proberKey = "sk-chaos-prober-tenant"
+	// hostileAdmin is the router's admin token: the test reads /debug
+	// with it, as an operator would.
+	hostileAdmin = "chaos-admin-token"
 	// noisyRate is the noisy tenant's request rate, 4× its quota.
 	noisyRate = 15.0
 )
@@ -58,14 +62,19 @@ type hostileAttack struct {
 
 // hostileRig is the cluster under attack.
 type hostileRig struct {
-	t           *testing.T
-	engines     []*engine
-	front0      *front   // engine 0's HTTP
-	pub0, rep0  *kvFront // engine 0's KV-event PUB and replay ROUTER
-	router      *router
-	bigBodies   *bigBodies // the big-bodies attack, while it runs
-	cleanThresh float64    // the queue's predicted-wait threshold before any attack
-	notes       map[string]string
+	t          *testing.T
+	engines    []*engine
+	fronts     []*front // each engine's HTTP (fronts[0] switches to 500s)
+	front0     *front   // engine 0's HTTP
+	pub0, rep0 *kvFront // engine 0's KV-event PUB and replay ROUTER
+	router     *router
+	bigBodies  *bigBodies // the big-bodies attack, while it runs
+	// cutBefore, cutDuring: requests ended by client_write_timeout before
+	// and during the zero-window phase.
+	cutBefore, cutDuring float64
+	salt                 *crossSalt // the cross-salt probe's answers
+	cleanThresh          float64    // the queue's predicted-wait threshold before any attack
+	notes                map[string]string
 }
 
 func sha(s string) string {
@@ -84,12 +93,14 @@ func TestChaosHostile(t *testing.T) {
 	}
 	var bs []backend
 	for i, e := range h.engines {
-		b := backend{URL: e.url(), KVEvents: e.kvEndpoint(), KVReplay: e.replayEndpoint()}
+		f := newFront(t, e.url())
+		h.fronts = append(h.fronts, f)
+		b := backend{URL: f.srv.URL, KVEvents: e.kvEndpoint(), KVReplay: e.replayEndpoint()}
 		if i == 0 {
-			h.front0 = newFront(t, e.url())
+			h.front0 = f
 			h.pub0 = newKVFront(t, fmt.Sprintf("127.0.0.1:%d", e.kvPort))
 			h.rep0 = newKVFront(t, fmt.Sprintf("127.0.0.1:%d", e.replay))
-			b = backend{URL: h.front0.srv.URL, KVEvents: h.pub0.endpoint(), KVReplay: h.rep0.endpoint()}
+			b.KVEvents, b.KVReplay = h.pub0.endpoint(), h.rep0.endpoint()
 		}
 		bs = append(bs, b)
 	}
@@ -104,8 +115,8 @@ func TestChaosHostile(t *testing.T) {
 	}
 	perMinute := demand / float64(len(noisyReqs)) * noisyRate * 60
 	quota := int64(perMinute / 4)
-	yaml := fmt.Sprintf("tenants:\n- name: good\n  api_key_sha256: [%q]\n- name: noisy\n  api_key_sha256: [%q]\n  tokens_per_minute: %d\n  burst_tokens: %d\n",
-		sha(goodKey), sha(noisyKey), quota, quota/30)
+	yaml := fmt.Sprintf("admin_token: %q\ntenants:\n- name: good\n  api_key_sha256: [%q]\n- name: noisy\n  api_key_sha256: [%q]\n  tokens_per_minute: %d\n  burst_tokens: %d\n- name: prober\n  api_key_sha256: [%q]\n",
+		hostileAdmin, sha(goodKey), sha(noisyKey), quota, quota/30, sha(proberKey))
 	// Defaults everywhere but the client write timeout, which is shortened
 	// from 30 s so that the zero-window clients are cut within their phase.
 	h.router = newRouterYAML(t, dir, bs, yaml, "--client-write-timeout", "3s")
@@ -226,7 +237,11 @@ func TestChaosHostile(t *testing.T) {
 		t.Errorf("chaos: exit took %v after SIGTERM, over the drain timeout %v (+1 s to close)", took, hostileDrain)
 	}
 	rss.stop()
-	t.Logf("hostile router RSS peak over the run %.0f MiB (%d samples)", float64(rss.peak.Load())/(1<<20), rss.samples.Load())
+	peak := rss.peak.Load() // since the last phase
+	for _, p := range phases {
+		peak = max(peak, p.peakRSS)
+	}
+	t.Logf("hostile router RSS peak over the run %.0f MiB (%d samples)", float64(peak)/(1<<20), rss.samples.Load())
 	for _, p := range phases {
 		if p.peakRSS > hostileRSSLimit {
 			t.Errorf("chaos: %s: router RSS peaked at %.0f MiB, over %d MiB", p.name, float64(p.peakRSS)/(1<<20), hostileRSSLimit>>20)
@@ -302,20 +317,41 @@ func hostileAttacks() []hostileAttack {
 		},
 		{
 			name: "zero-window",
+			// The replicas stream 24 MiB to each client as fast as the
+			// router takes it (fatHeader), so that the sockets between them
+			// fill: judged once the fronts have stopped writing.
+			inPlace: func(t *testing.T, h *hostileRig) {
+				waitFor(t, hostilePhase/2, "the zero-window streams blocked", func() bool {
+					n, b := fatStreams(h)
+					time.Sleep(300 * time.Millisecond)
+					n2, b2 := fatStreams(h)
+					return n2 == 20 && n == n2 && b == b2
+				})
+			},
 			start: func(_ *testing.T, h *hostileRig) func() {
+				h.cutBefore = clientTimeouts(h)
 				z := startZeroWindow(strings.TrimPrefix(h.router.url(), "http://"), 20, longStreamBody())
 				return func() {
+					n, b := fatStreams(h)
+					h.notes["zero-window"] = fmt.Sprintf("conns=%d fat_streams=%d bytes_taken_by_router=%.1f MiB", z.opened.Load(), n, float64(b)/(1<<20))
+					h.cutDuring = clientTimeouts(h) - h.cutBefore
 					z.stop()
-					h.notes["zero-window"] = fmt.Sprintf("conns=%d", z.opened.Load())
 				}
 			},
 			check: func(t *testing.T, h *hostileRig) {
-				m, err := scrapeWhere(h.router.url()+"/metrics", "code", "client_timeout")
-				if err != nil {
-					t.Fatal(err)
+				h.notes["zero-window"] += fmt.Sprintf(" cut_by_write_timeout=%.0f", h.cutDuring)
+				// Every one of them blocked a write and was cut by the
+				// client write timeout (3 s here) within the phase, while
+				// its client still held the connection.
+				if h.cutDuring < 20 {
+					t.Errorf("chaos: zero-window: %.0f of 20 streams cut by client_write_timeout within the phase (%s)", h.cutDuring, h.notes["zero-window"])
 				}
-				h.notes["zero-window"] += fmt.Sprintf(" cut_by_write_timeout=%.0f", m["prefixlb_requests_total"])
 			},
+		},
+		{
+			name:  "cross-salt",
+			start: startCrossSalt,
+			check: checkCrossSalt,
 		},
 		{
 			name:  "spoofed-headers",
@@ -423,6 +459,26 @@ func startSpoofers(t *testing.T, h *hostileRig) func() {
 	}
 }
 
+// fatStreams sums the fronts' fat streams and the bytes the router took of
+// them.
+func fatStreams(h *hostileRig) (n, bytes int64) {
+	for _, f := range h.fronts {
+		n += f.fat.Load()
+		bytes += f.fatBytes.Load()
+	}
+	return n, bytes
+}
+
+// clientTimeouts reads how many requests the router ended because their
+// client took nothing for client_write_timeout.
+func clientTimeouts(h *hostileRig) float64 {
+	m, err := scrapeWhere(h.router.url()+"/metrics", "code", "client_timeout")
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return m["prefixlb_requests_total"]
+}
+
 // longStreamBody is a streamed completion of 2,000 tokens: what a client
 // that never reads asks for.
 func longStreamBody() string {
@@ -476,7 +532,13 @@ func runTenantLoad(ctx context.Context, target, key string, reqs []workload.Requ
 // queueThreshold reads the queue's predicted-wait threshold in force.
 func queueThreshold(t *testing.T, r *router) float64 {
 	t.Helper()
-	resp, err := http.Get(r.url() + "/debug/queue")
+	req, _ := http.NewRequest(http.MethodGet, r.url()+"/debug/queue", nil)
+	req.Header.Set("x-prefixlb-admin-token", hostileAdmin)
+	resp, err := http.DefaultClient.Do(req)
+	if err == nil && resp.StatusCode != http.StatusOK {
+		resp.Body.Close()
+		err = fmt.Errorf("status %d", resp.StatusCode)
+	}
 	if err != nil {
 		t.Fatalf("chaos: /debug/queue: %v", err)
 	}
