@@ -101,7 +101,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringVar(&f.grpcListen, "grpc-listen", ":9002", "ext_proc gRPC address (health is served here too)")
 	fs.StringVar(&f.healthListen, "health-listen", ":9003", "gRPC health address for probes (\"\": none)")
 	fs.StringVar(&f.metricsListen, "metrics-listen", ":9090", "HTTP address of the picker's Prometheus /metrics (\"\": none)")
-	fs.StringVar(&f.tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys that match vLLM's KV events, checked against each replica's /tokenize: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
+	fs.StringVar(&f.tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys that match vLLM's KV events, checked against each replica's /tokenize: qwen3 (bundled), a tokenizer.json or a model directory; auto: the bundled Qwen3 once a replica's /tokenize confirms it, text chunks until then; none: text chunks")
 	fs.IntVar(&f.treeMaxBlocks, "tree-max-blocks", 0, "bound of the router's prefix tree in blocks (0: 2M, about 420 MiB of heap, ~200 bytes a block; RSS about twice the heap)")
 	fs.StringVar(&f.backends, "backend", "", "static replicas ip:port[,ip:port..] (instead of --discovery)")
 	fs.StringVar(&f.discovery, "discovery", "", "service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME")

@@ -221,7 +221,7 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	fs.IntVar(&d.MaxRetries, "max-retries", d.MaxRetries, "other replicas to try when one fails before any byte reached the client")
 	fs.DurationVar(&d.DrainTimeout, "drain-timeout", d.DrainTimeout, "how long shutdown waits for in-flight requests")
 	fs.StringVar(&f.backendKind, "backend-kind", string(upstream.Auto), "replicas' engine: auto (detect each replica's at start and on re-admission), vllm, sglang or llamacpp; a backend's kind in --config wins")
-	fs.StringVar(&d.Tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys: qwen3 (bundled), a tokenizer.json or a model directory (default: none, text chunks)")
+	fs.StringVar(&d.Tokenizer, "tokenizer", "", "replicas' tokenizer for token-exact keys: qwen3 (bundled), a tokenizer.json or a model directory; auto: the bundled Qwen3 once a replica's /tokenize confirms it, text chunks until then; none: text chunks")
 	fs.StringVar(&d.Discovery, "discovery", "", "Kubernetes replicas that come and go: service:NAMESPACE/NAME or inferencepool:NAMESPACE/NAME (beside or instead of --backend)")
 	fs.StringVar(&d.Kubeconfig, "kubeconfig", "", "kubeconfig file for --discovery (default $KUBECONFIG, else the in-cluster config)")
 	portFlags(fs, &f.ports, "with --discovery: ")

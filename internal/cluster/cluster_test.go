@@ -60,8 +60,10 @@ func TestNewResolvesOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := c.Keyer.(keying.ChunkKeyer); !ok || c.Policy != "e2" {
-		t.Errorf("keyer %T, policy %q: want text chunks and e2", c.Keyer, c.Policy)
+	// The default keyer is auto: the bundled Qwen3, falling back to text
+	// chunks until a replica confirms it.
+	if tk, ok := c.Keyer.(*keying.TokenizerKeyer); !ok || !tk.Auto() || !tk.Fallback() || tk.Spec() != keying.TokenizerQwen3 || c.Policy != "e2" {
+		t.Errorf("keyer %T, policy %q: want auto (qwen3, in fallback) and e2", c.Keyer, c.Policy)
 	}
 	s := settings()
 	s.Tokenizer = "none"

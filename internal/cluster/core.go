@@ -36,7 +36,9 @@ type Settings struct {
 	// Policy names the routing policy with its options (policy.Parse).
 	Policy string
 	// Tokenizer, when Keyer is nil, is the replicas' tokenizer
-	// (keying.LoadTokenizer); "" or "none" keys by text chunks.
+	// (keying.LoadTokenizer); "" or "auto" the bundled Qwen3 once a
+	// replica confirms it (keying.NewAutoTokenizerKeyer); "none" keys by
+	// text chunks.
 	Tokenizer string
 	// Keyer keys prompts (nil: from Tokenizer). A *keying.TokenizerKeyer
 	// must make keys of BlockTokens tokens.
@@ -120,12 +122,18 @@ func New(s Settings) (*Core, error) {
 		return nil, fmt.Errorf("policy: %w", err)
 	}
 	keyer := s.Keyer
-	if keyer == nil && s.Tokenizer != "" && s.Tokenizer != "none" {
+	switch {
+	case keyer != nil, s.Tokenizer == keying.TokenizerNone:
+	case s.Tokenizer == "" || s.Tokenizer == keying.TokenizerAuto:
+		keyer = keying.NewAutoTokenizerKeyer(s.BlockTokens)
+	default:
 		tok, err := keying.LoadTokenizer(s.Tokenizer)
 		if err != nil {
 			return nil, fmt.Errorf("tokenizer: %w", err)
 		}
-		keyer = keying.NewTokenizerKeyer(tok, s.BlockTokens)
+		tk := keying.NewTokenizerKeyer(tok, s.BlockTokens)
+		tk.SetSpec(s.Tokenizer)
+		keyer = tk
 	}
 	if keyer == nil {
 		keyer = keying.ChunkKeyer{BlockTokens: s.BlockTokens}

@@ -194,17 +194,19 @@ type Pool struct {
 	// Hooks: see PoolHooks.
 	Hooks PoolHooks
 
-	cfg     PoolConfig
-	m       *Metrics
-	sink    *Sink
-	tok     *keying.TokenizerKeyer // nil: no tokenizer check
-	check   *keying.TokenizerCheck
-	byName  map[string]*Member // guarded by Mu, as everything below
-	byAddr  map[string]*Member
-	slots   []*Member // by router ID; nil for a free slot
-	members []*Member // scratch of Members
-	runCtx  context.Context
-	wg      sync.WaitGroup
+	cfg  PoolConfig
+	m    *Metrics
+	sink *Sink
+	tok  *keying.TokenizerKeyer // nil: no tokenizer check
+	// check is made from tok's tokenizer once it is loaded (tokenizerCheck).
+	checkOnce sync.Once
+	check     *keying.TokenizerCheck
+	byName    map[string]*Member // guarded by Mu, as everything below
+	byAddr    map[string]*Member
+	slots     []*Member // by router ID; nil for a free slot
+	members   []*Member // scratch of Members
+	runCtx    context.Context
+	wg        sync.WaitGroup
 }
 
 // NewPool returns an empty pool over core, counting in m. It starts
@@ -217,8 +219,6 @@ func NewPool(core *Core, m *Metrics, cfg PoolConfig) (*Pool, error) {
 	p := &Pool{Core: core, cfg: cfg, m: m, byName: make(map[string]*Member), byAddr: make(map[string]*Member)}
 	if tk, ok := core.Keyer.(*keying.TokenizerKeyer); ok {
 		p.tok = tk
-		p.check = keying.NewTokenizerCheck(tk.Tokenizer())
-		p.check.Timeout = cfg.Timeout
 	}
 	p.sink = &Sink{Core: core, KV: m.KV, Log: cfg.Logger, IgnoreTiers: core.ignoreTiers,
 		ID: func(name string) int {
@@ -236,6 +236,8 @@ func NewPool(core *Core, m *Metrics, cfg PoolConfig) (*Pool, error) {
 		},
 	}
 	m.Reg.MustRegister(poolCollector{p}, CacheCollector{Rows: p.cacheRows})
+	k := p.Keying()
+	p.cfg.Logger.Info("keying text and chats", "mode", k.Mode, "tokenizer", k.Tokenizer, "auto", k.Auto, "why", k.Why)
 	return p, nil
 }
 
@@ -749,6 +751,10 @@ func (p *Pool) CheckTokenizer(ctx context.Context, m *Member) {
 	if p.tok == nil {
 		return
 	}
+	check := p.tokenizerCheck(ctx)
+	if check == nil {
+		return
+	}
 	p.Mu.Lock()
 	if !p.live(m) || !m.tokDue || !m.Up() || m.kindDue {
 		p.Mu.Unlock()
@@ -758,7 +764,7 @@ func (p *Pool) CheckTokenizer(ctx context.Context, m *Member) {
 	kind := m.kind
 	p.Mu.Unlock()
 
-	state, err := p.check.CompareKind(ctx, p.cfg.Client, m.Base.String(), kind)
+	state, err := check.CompareKind(ctx, p.cfg.Client, m.Base.String(), kind)
 
 	p.Mu.Lock()
 	if ctx.Err() != nil || !p.live(m) {
@@ -785,26 +791,97 @@ func (p *Pool) CheckTokenizer(ctx context.Context, m *Member) {
 	}
 }
 
+// tokenizerCheck waits for the keyer's tokenizer to load and returns the
+// check made from it; nil if ctx ended first or the tokenizer could not be
+// loaded (logged once: text stays keyed by chunks).
+func (p *Pool) tokenizerCheck(ctx context.Context) *keying.TokenizerCheck {
+	select {
+	case <-p.tok.Ready():
+	case <-ctx.Done():
+		return nil
+	}
+	p.checkOnce.Do(func() {
+		tok := p.tok.Tokenizer()
+		if tok == nil {
+			p.cfg.Logger.Error("cannot load the tokenizer: keying text and chats by text chunks", "tokenizer", p.tok.Spec(), "err", p.tok.LoadErr())
+			return
+		}
+		p.check = keying.NewTokenizerCheck(tok)
+		p.check.Timeout = p.cfg.Timeout
+	})
+	return p.check
+}
+
 // setTokenizerFallback turns the keyer's fallback on while a member
-// mismatches, off otherwise (Mu held).
+// mismatches, off otherwise; an auto keyer (keying.TokenizerAuto) also
+// needs a member that matched (Mu held).
 func (p *Pool) setTokenizerFallback() {
 	if p.tok == nil {
 		return
 	}
-	mismatch := false
-	for _, m := range p.slots {
-		if m != nil && m.tokState == keying.TokenizerMismatch {
-			mismatch = true
-			break
-		}
-	}
-	if p.tok.Fallback() == mismatch {
+	fallback, why := p.keyingLocked()
+	if p.tok.Fallback() == fallback {
 		return
 	}
-	p.tok.SetFallback(mismatch)
-	if !mismatch {
-		p.cfg.Logger.Info("every checked replica's tokenizer matches again: keying text and chats by token ids")
+	p.tok.SetFallback(fallback)
+	if !fallback {
+		p.cfg.Logger.Info("keying text and chats by token ids", "tokenizer", p.tok.Spec(), "why", why)
+	} else if p.tok.Auto() {
+		p.cfg.Logger.Warn("keying text and chats by text chunks", "why", why)
 	}
+}
+
+// keyingLocked decides whether the keyer falls back to text chunks, and why
+// (Mu held).
+func (p *Pool) keyingLocked() (fallback bool, why string) {
+	matched := 0
+	for _, m := range p.slots {
+		if m == nil {
+			continue
+		}
+		switch m.tokState {
+		case keying.TokenizerMismatch:
+			return true, fmt.Sprintf("replica %s's /tokenize gives other ids than %s", m.Name, p.tok.Spec())
+		case keying.TokenizerMatch:
+			matched++
+		}
+	}
+	switch {
+	case matched > 0:
+		return false, fmt.Sprintf("%d replica(s)' /tokenize give the ids of %s, none other", matched, p.tok.Spec())
+	case p.tok.Auto():
+		return true, fmt.Sprintf("no replica has confirmed %s through its /tokenize yet", p.tok.Spec())
+	}
+	return false, fmt.Sprintf("%s as configured (no replica's /tokenize has answered)", p.tok.Spec())
+}
+
+// Keying is how the pool keys text and chat prompts now, for logs and the
+// debug endpoints.
+type Keying struct {
+	// Mode is "token ids" or "text chunks".
+	Mode string `json:"mode"`
+	// Tokenizer is the tokenizer whose ids key prompts, or would once
+	// confirmed ("" none).
+	Tokenizer string `json:"tokenizer,omitempty"`
+	// Auto: the tokenizer was chosen by "tokenizer: auto", not configured.
+	Auto bool `json:"auto,omitempty"`
+	// Why says what decided it.
+	Why string `json:"why"`
+}
+
+// Keying reports how text and chat prompts are keyed now.
+func (p *Pool) Keying() Keying {
+	if p.tok == nil {
+		return Keying{Mode: "text chunks", Why: `tokenizer "none": text is keyed by chunks of bytes`}
+	}
+	p.Mu.Lock()
+	_, why := p.keyingLocked()
+	p.Mu.Unlock()
+	k := Keying{Mode: "token ids", Tokenizer: p.tok.Spec(), Auto: p.tok.Auto(), Why: why}
+	if p.tok.Fallback() {
+		k.Mode = "text chunks"
+	}
+	return k
 }
 
 // State is one member as the debug endpoints show it (Mu held while it is

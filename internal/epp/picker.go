@@ -112,8 +112,10 @@ type Config struct {
 	// or a model directory): prompts are keyed by blocks of its token ids,
 	// chats rendered with its chat template, so that keys are the router
 	// keys of the engines' KV blocks (the kvevents.Index computes those from
-	// the token ids of vLLM's BlockStored events). "" or "none": text
-	// chunks (proxy.ChunkKeyer), which match nothing in KV events.
+	// the token ids of vLLM's BlockStored events). "" or "auto": the
+	// bundled Qwen3 once a replica's /tokenize confirms it, text chunks
+	// until then (keying.TokenizerAuto); "none": text chunks
+	// (keying.ChunkKeyer), which match nothing in KV events.
 	Tokenizer string
 	// TreeMaxBlocks bounds the router's prefix tree (0: its default, 2M).
 	TreeMaxBlocks int
@@ -204,9 +206,6 @@ func (c *Config) defaults() {
 	}
 	if c.Calibration == (calibrate.Config{}) {
 		c.Calibration = calibrate.DefaultConfig()
-	}
-	if c.Tokenizer == "none" {
-		c.Tokenizer = ""
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

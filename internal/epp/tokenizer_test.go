@@ -257,7 +257,7 @@ func TestTokenizerCheck(t *testing.T) {
 	if _, err := p.Pick(context.Background(), Input{Kind: openai.KindCompletion, Body: completionBody("hello", false)}); err != nil {
 		t.Fatal(err)
 	}
-	plain := newTestPicker(t, Config{}, 1)
+	plain := newTestPicker(t, Config{Tokenizer: keying.TokenizerNone}, 1)
 	pw := httptest.NewServer(plain.MetricsHandler())
 	defer pw.Close()
 	fams := promtest.Scrape(t, nil, pw.URL+"/metrics")

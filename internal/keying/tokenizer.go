@@ -24,9 +24,18 @@ import (
 	"github.com/prefixlb/prefixlb/internal/upstream"
 )
 
-// TokenizerQwen3 is the tokenizer spec (Config.Tokenizer, --tokenizer) of
-// the Qwen3 tokenizer bundled in the binary.
-const TokenizerQwen3 = "qwen3"
+// Tokenizer specs (Config.Tokenizer, --tokenizer) with a meaning of their
+// own; any other spec is a tokenizer.json or a model directory.
+const (
+	// TokenizerQwen3 is the Qwen3 tokenizer bundled in the binary.
+	TokenizerQwen3 = "qwen3"
+	// TokenizerAuto, the default, keys by the bundled Qwen3 tokenizer's
+	// ids once a replica's /tokenize confirms them (and none disagrees),
+	// and by text chunks until then (NewAutoTokenizerKeyer).
+	TokenizerAuto = "auto"
+	// TokenizerNone keys text and chats by text chunks (ChunkKeyer).
+	TokenizerNone = "none"
+)
 
 // LoadTokenizer loads the tokenizer a spec names: TokenizerQwen3 for the
 // bundled one, else a tokenizer.json (gzip-compressed or not) or a model
@@ -53,10 +62,19 @@ func LoadTokenizer(spec string) (*tokenize.Tokenizer, error) {
 // the template cannot render (no template, or the template rejects it) is
 // keyed as ChunkKeyer does too. A TokenizerKeyer is safe for concurrent use.
 type TokenizerKeyer struct {
-	cache       *tokenize.PrefixCache
+	// cache is nil until the tokenizer is loaded (NewAutoTokenizerKeyer
+	// loads it in the background; ready is closed then, loadErr set if it
+	// failed).
+	cache       atomic.Pointer[tokenize.PrefixCache]
+	ready       chan struct{}
+	loadErr     error
 	blockTokens int
 	fallback    atomic.Bool
 	memo        *keyMemo
+	// spec names the tokenizer (TokenizerQwen3, a path); auto says it was
+	// chosen by TokenizerAuto, not configured.
+	spec string
+	auto bool
 }
 
 var _ Keyer = (*TokenizerKeyer)(nil)
@@ -65,14 +83,77 @@ var _ Keyer = (*TokenizerKeyer)(nil)
 // tokens, a PrefixCache of the default size and a key memo of at most
 // memoMaxKeys keys.
 func NewTokenizerKeyer(tok *tokenize.Tokenizer, blockTokens int) *TokenizerKeyer {
-	return &TokenizerKeyer{cache: tokenize.NewPrefixCache(tok, 0), blockTokens: blockTokens, memo: newKeyMemo(blockTokens)}
+	k := &TokenizerKeyer{blockTokens: blockTokens, memo: newKeyMemo(blockTokens), ready: make(chan struct{})}
+	k.cache.Store(tokenize.NewPrefixCache(tok, 0))
+	close(k.ready)
+	return k
 }
 
-// Tokenizer returns the keyer's tokenizer.
-func (k *TokenizerKeyer) Tokenizer() *tokenize.Tokenizer { return k.cache.Tokenizer() }
+// NewAutoTokenizerKeyer is the keyer of TokenizerAuto: a TokenizerKeyer
+// over the bundled Qwen3 tokenizer that starts in fallback (text chunks)
+// and keys by token ids only while some replica's /tokenize has confirmed
+// the tokenizer and none has shown other ids (the Pool's checks decide:
+// cluster.Pool). Qwen3's vocabulary is the one the replicas prefixlb is
+// run against most often have (Qwen2.5/Qwen3 models, the llama.cpp test
+// engine); any other model's replicas disagree on the probe and keep text
+// chunks, as with no tokenizer at all.
+func NewAutoTokenizerKeyer(blockTokens int) *TokenizerKeyer {
+	k := &TokenizerKeyer{blockTokens: blockTokens, memo: newKeyMemo(blockTokens), ready: make(chan struct{}),
+		spec: TokenizerQwen3, auto: true}
+	k.fallback.Store(true)
+	// Loading takes a second or two of CPU (decoding the vocabulary), which
+	// a router's start need not wait for: prompts are keyed by text chunks
+	// until it is loaded and confirmed.
+	go func() {
+		defer close(k.ready)
+		tok, err := qwen3.Shared()
+		if err != nil {
+			k.loadErr = err
+			return
+		}
+		k.cache.Store(tokenize.NewPrefixCache(tok, 0))
+	}()
+	return k
+}
 
-// Cache returns the keyer's prefix cache.
-func (k *TokenizerKeyer) Cache() *tokenize.PrefixCache { return k.cache }
+// Ready is closed once the keyer's tokenizer is loaded, or failed to load
+// (LoadErr).
+func (k *TokenizerKeyer) Ready() <-chan struct{} { return k.ready }
+
+// LoadErr is why the tokenizer failed to load (nil: loaded, or not yet:
+// see Ready).
+func (k *TokenizerKeyer) LoadErr() error {
+	select {
+	case <-k.ready:
+		return k.loadErr
+	default:
+		return nil
+	}
+}
+
+// SetSpec records the name of the keyer's tokenizer (the spec it was loaded
+// from), for logs and the debug endpoints.
+func (k *TokenizerKeyer) SetSpec(spec string) { k.spec = spec }
+
+// Spec is the keyer's tokenizer as configured ("" unnamed).
+func (k *TokenizerKeyer) Spec() string { return k.spec }
+
+// Auto reports whether the keyer was chosen by TokenizerAuto: token keys
+// then need a replica's confirmation, not only the absence of a mismatch.
+func (k *TokenizerKeyer) Auto() bool { return k.auto }
+
+// Tokenizer returns the keyer's tokenizer.
+// It is nil until the tokenizer is loaded (Ready).
+func (k *TokenizerKeyer) Tokenizer() *tokenize.Tokenizer {
+	if c := k.cache.Load(); c != nil {
+		return c.Tokenizer()
+	}
+	return nil
+}
+
+// Cache returns the keyer's prefix cache (nil until the tokenizer is
+// loaded).
+func (k *TokenizerKeyer) Cache() *tokenize.PrefixCache { return k.cache.Load() }
 
 // BlockTokens is the tokens per key.
 func (k *TokenizerKeyer) BlockTokens() int { return k.blockTokens }
@@ -91,7 +172,8 @@ func (k *TokenizerKeyer) Fallback() bool { return k.fallback.Load() }
 // ChunkKeyer's do.
 func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	chunk := ChunkKeyer{BlockTokens: k.blockTokens}
-	if k.fallback.Load() {
+	cache := k.cache.Load()
+	if k.fallback.Load() || cache == nil {
 		return chunk.Keys(r)
 	}
 	var keys []blocks.Key
@@ -100,7 +182,7 @@ func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	switch {
 	case r.Chat != nil:
 		buf := idsPool.Get().(*[]uint32)
-		ids, err := k.cache.AppendEncodeChat((*buf)[:0], r.Chat.Messages, chatOptions(r.Chat))
+		ids, err := cache.AppendEncodeChat((*buf)[:0], r.Chat.Messages, chatOptions(r.Chat))
 		if err != nil {
 			idsPool.Put(buf)
 			return chunk.Keys(r)
@@ -113,7 +195,7 @@ func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 		}
 	default:
 		for i, text := range r.Texts {
-			ids := k.cache.Encode(text)
+			ids := cache.Encode(text)
 			if i == 0 {
 				keys = k.memo.keys(seed, ids)
 			}
@@ -267,7 +349,11 @@ const maxPooledIDs = 1 << 20
 
 // EncodeChat renders c with the chat template and encodes it.
 func (k *TokenizerKeyer) EncodeChat(c *openai.ChatPrompt) ([]uint32, error) {
-	return k.cache.EncodeChat(c.Messages, chatOptions(c))
+	cache := k.cache.Load()
+	if cache == nil {
+		return nil, errors.New("keying: the tokenizer is not loaded yet")
+	}
+	return cache.EncodeChat(c.Messages, chatOptions(c))
 }
 
 // chatOptions are the template options of c.
@@ -328,7 +414,7 @@ func (s TokenizerState) Log(log *slog.Logger, replica string, err error) {
 		log.Warn("tokenizer differs from the replica's /tokenize: keying text and chats by text chunks for every replica",
 			"replica", replica, "err", err)
 	default:
-		log.Warn("cannot verify the tokenizer: the replica's /tokenize failed; keeping token keys", "replica", replica, "err", err)
+		log.Warn("cannot verify the tokenizer: the replica's /tokenize failed", "replica", replica, "err", err)
 	}
 }
 

@@ -304,7 +304,7 @@ type ReplicaStatus struct {
 
 // serveDebugReplicas answers the replicas' state as the router sees it.
 func (p *Proxy) serveDebugReplicas(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"policy": p.policy, "replicas": p.Replicas()})
+	writeJSON(w, http.StatusOK, map[string]any{"policy": p.policy, "keying": p.pool.Keying(), "replicas": p.Replicas()})
 }
 
 // Replicas returns a snapshot of the replicas as the router sees them, by

@@ -253,7 +253,9 @@ type Config struct {
 	// (LoadTokenizer). Prompts are then keyed by token ids
 	// (TokenizerKeyer), and each replica's /tokenize is probed at start
 	// and on re-admission; while any replica disagrees, text and chats
-	// fall back to text-chunk keys. "" or "none": ChunkKeyer.
+	// fall back to text-chunk keys. "" or "auto": the bundled Qwen3,
+	// used once a replica's /tokenize confirms it (text chunks until
+	// then); "none": ChunkKeyer.
 	Tokenizer string
 	// Keyer keys prompts (nil: from Tokenizer, else
 	// ChunkKeyer{BlockTokens}). A tokenizer-backed Keyer must produce keys

@@ -20,9 +20,11 @@ import (
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
 	"github.com/prefixlb/prefixlb/internal/blocks"
+	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/engine"
 	"github.com/prefixlb/prefixlb/internal/tenancy"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
+	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 )
 
 // tokenizeReplica is a fake replica: /health answers 200 and /tokenize
@@ -346,4 +348,73 @@ func TestTokenizerCheckCompare(t *testing.T) {
 			t.Errorf("Compare = %v, %v; want unknown and ErrNoAnswer", got, err)
 		}
 	})
+}
+
+// TestTokenizerAuto: at the defaults (tokenizer auto) text and chats are
+// keyed by text chunks until a replica's /tokenize confirms the bundled
+// Qwen3 tokenizer and none disagrees; /debug/replicas says which keying is
+// in force and why.
+func TestTokenizerAuto(t *testing.T) {
+	q, err := qwen3.Shared()
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := func(b map[string]json.RawMessage) []uint32 {
+		ids := exactTokenize(q)(b)
+		ids[0]++ // another model's tokenizer
+		return ids
+	}
+	none := func(map[string]json.RawMessage) []uint32 { return nil }
+	tests := []struct {
+		name         string
+		answers      []func(map[string]json.RawMessage) []uint32
+		wantMode     string
+		wantWhy      string
+		wantFallback bool
+	}{
+		{"confirmed", []func(map[string]json.RawMessage) []uint32{exactTokenize(q), exactTokenize(q)}, "token ids", "2 replica(s)' /tokenize give the ids of qwen3", false},
+		{"confirmed, one cannot tell", []func(map[string]json.RawMessage) []uint32{exactTokenize(q), none}, "token ids", "1 replica(s)' /tokenize give the ids of qwen3", false},
+		{"another model", []func(map[string]json.RawMessage) []uint32{exactTokenize(q), other}, "text chunks", "replica r1's /tokenize gives other ids than qwen3", true},
+		{"no /tokenize", []func(map[string]json.RawMessage) []uint32{none, none}, "text chunks", "no replica has confirmed qwen3", true},
+	}
+	chat := `{"model":"m","messages":[{"role":"system","content":"` + strings.Repeat("Be brief. ", 40) + `"},{"role":"user","content":"hi"}]}`
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := DefaultConfig()
+			cfg.HealthInterval = time.Hour
+			cfg.ScrapeInterval = 0
+			cfg.Logger = slog.New(slog.DiscardHandler)
+			for i, a := range tt.answers {
+				cfg.Backends = append(cfg.Backends, tokenizeReplica(t, fmt.Sprintf("r%d", i), a))
+			}
+			p, srv := startProxy(t, cfg)
+			keyer, ok := p.pool.Keyer.(*keying.TokenizerKeyer)
+			if !ok || !keyer.Auto() || !keyer.Fallback() {
+				t.Fatalf("default keyer %T: want auto, in fallback before any probe", p.pool.Keyer)
+			}
+			probeAll(t, p, len(tt.answers))
+			if keyer.Fallback() != tt.wantFallback {
+				t.Errorf("fallback %v, want %v", keyer.Fallback(), tt.wantFallback)
+			}
+			var dbg struct {
+				Keying cluster.Keying `json:"keying"`
+			}
+			if err := json.Unmarshal(readAll(t, mustGet(t, srv.URL+"/debug/replicas")), &dbg); err != nil {
+				t.Fatal(err)
+			}
+			if dbg.Keying.Mode != tt.wantMode || !dbg.Keying.Auto || dbg.Keying.Tokenizer != "qwen3" || !strings.HasPrefix(dbg.Keying.Why, tt.wantWhy) {
+				t.Errorf("/debug/replicas keying %+v, want mode %q, why %q…", dbg.Keying, tt.wantMode, tt.wantWhy)
+			}
+			r := mustParse(t, openai.KindChat, chat)
+			keys, _, _ := p.pool.Keyer.Keys(r)
+			want, _, _ := keying.ChunkKeyer{BlockTokens: cfg.BlockTokens}.Keys(r)
+			if !tt.wantFallback {
+				ids, _ := keyer.EncodeChat(r.Chat)
+				want = blocks.Keys(nil, ids, cfg.BlockTokens)
+			}
+			if !slices.Equal(keys, want) {
+				t.Errorf("keys (fallback %v) are not the expected key space", tt.wantFallback)
+			}
+		})
+	}
 }
