@@ -21,7 +21,7 @@ func benchCmd() *cobra.Command {
 	c.Workload.Spec.Name = ""
 	cfg := &c.Load
 	cmd := &cobra.Command{
-		Use:   "bench --target URL --workload NAME|--trace FILE --rate R --duration D [--json FILE] [--out DIR]",
+		Use:   "bench --target URL --workload NAME|--trace FILE|--dataset NAME FILE --rate R --duration D [--json FILE] [--out DIR]",
 		Short: "Open-loop load generator for any OpenAI-compatible endpoint",
 		Long: `bench sends a generated workload or a trace to an OpenAI-compatible server
 (vLLM, SGLang, llama.cpp's llama-server, prefixlb serve, prefixlb engine)
@@ -52,6 +52,17 @@ tokens). Failures are listed by class, each with its count and one message
 (JSON error_classes: the message with its numbers replaced by N → count and
 example).
 
+--dataset sharegpt FILE replays ShareGPT conversations turn by turn, each
+turn re-sending the conversation so far with its recorded answers, the next
+turn sent only once the previous one's answer has arrived (and not before
+its --rate arrival); --dataset loogle FILE sends LooGLE's long documents,
+each with its questions. Their real text is sent (--mode text: the
+conversation as one text; --mode chat: its messages; --mode completions:
+its token ids), tokenized with the tokenizer in force (--tokenizer, else
+the bundled Qwen3), so the workload's prompt sizes are the dataset's as
+that tokenizer counts them; each request asks for the recorded answer's
+length, at most --max-output-tokens (docs/traces.md).
+
 --duration stops sending after D; when --requests is not given, enough
 requests are generated to fill D at --rate. The table goes to stdout; --json
 writes the results file, --out DIR writes results.json, requests.csv,
@@ -71,7 +82,7 @@ goodput_rps, capacity_rps, at_capacity (docs/capacity.md).`,
 		Example: `  prefixlb bench --target http://127.0.0.1:8080 --workload toolbench --rate 10 --duration 60s --json out.json
   prefixlb bench --target http://127.0.0.1:8080 --workload toolbench --zipf 1.1 \
       --slo ttft_p90=2s --ramp 10:60s,20:60s,30:60s,40:60s,50:60s --json capacity.json`,
-		Args: cobra.NoArgs,
+		Args: datasetArgs(&c.Workload),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c.RequestsGiven = cmd.Flags().Changed("requests")
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -81,9 +92,10 @@ goodput_rps, capacity_rps, at_capacity (docs/capacity.md).`,
 	}
 	fs := cmd.Flags()
 	c.Workload.AddFlags(fs)
+	addDatasetFlags(fs, &c.Workload, false)
 	fs.StringVar(&cfg.Target, "target", "", "base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000 (required)")
 	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (one whole-word token of the tokenizer per id), chat (the same text as a user message to /v1/chat/completions)")
-	fs.StringVar(&c.Tokenizer, "tokenizer", "", "--mode text/chat: the target's tokenizer, qwen3 (bundled), a tokenizer.json or a model directory (default: the bundled Qwen3, checked against the target's /tokenize)")
+	fs.StringVar(&c.Tokenizer, "tokenizer", "", "--mode text/chat and --dataset: the target's tokenizer, qwen3 (bundled), a tokenizer.json or a model directory (default: the bundled Qwen3, checked against the target's /tokenize)")
 	fs.StringVar(&cfg.Model, "model", "", `model name to send (default: the first of GET /v1/models, else "default"); a LoRA adapter's request (--workload lora) sends its adapter instead`)
 	fs.StringVar(&cfg.Policy, "label", cfg.Policy, `name of this run in the results' "policy" field (e.g. the router policy behind --target)`)
 	fs.DurationVar(&c.Duration, "duration", 0, "stop sending after this long (0: send every request of the workload)")

@@ -63,6 +63,13 @@ one, moves the KV its decode replica lacks over --kv-link-gbps links (shared
 by the transfers on each) with --kv-link-latency per transfer, and decodes it
 there; the profile must give KV bytes per token (a roofline does).
 
+--dataset sharegpt|loogle FILE simulates a real-text dataset, tokenized
+with --tokenizer (default the bundled Qwen3) into the token ids bench sends
+with --mode completions (its text's), as bench --dataset does: a
+conversation's next turn arrives once its previous turn has finished and
+not before its arrival at --rate; --requests caps the requests taken
+(docs/traces.md).
+
 --slo 'ttft_p90=2s[,tpot_p90=100ms]' searches each policy's capacity at the
 objective instead of simulating given rates: the highest request rate at
 which every target holds (METRIC_pP=LIMIT; metrics ttft, tpot, e2e; any
@@ -80,9 +87,10 @@ capacity_rps, goodput_rps, slo_met and at_capacity (docs/capacity.md).`,
   prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --rate 60 \
       --replica-profiles 'llama3.1-8b-h100*2,llama3.1-8b-a100*2' --router-profile llama3.1-8b-h100 --calibrate
   prefixlb sim --workload toolbench --zipf 1.1 --replicas 4 --requests 2000 --policies round-robin,e2 --slo ttft_p90=2s
+  prefixlb sim --dataset loogle testdata/loogle-sample.jsonl --replicas 2 --rate 1 --policies round-robin,prefix,e2
   prefixlb sim --workload coding-agent --replicas 8 --prefill-replicas 2 --profile qwen3-32b-h100x2 \
       --policies e2,round-robin-pd,llmd-pd,dynamo-pd,e2-pd --rate 1`,
-		Args: cobra.NoArgs,
+		Args: datasetArgs(&c.Workload),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("workload-replicas") {
 				c.Workload.Spec.Replicas = c.Replicas
@@ -102,6 +110,7 @@ capacity_rps, goodput_rps, slo_met and at_capacity (docs/capacity.md).`,
 	}
 	fs := cmd.Flags()
 	c.Workload.AddFlags(fs)
+	addDatasetFlags(fs, &c.Workload, true)
 	fs.IntVar(&c.Replicas, "replicas", 4, "number of replicas")
 	fs.StringVar(&c.Profile, "profile", "mistral-7b-a6000", "cost profile: a name ("+strings.Join(costmodel.Names(), ", ")+") or a YAML file, optionally :time_scale=X, :prefill_scale=X, :decode_scale=X")
 	fs.StringVar(&c.ReplicaProfiles, "replica-profiles", "", "each replica's own true profile, comma-separated, SPEC*N repeating one (a mixed cluster; replaces --profile for the replicas)")

@@ -14,8 +14,8 @@ import (
 
 // Config is one analysis: the flags of `prefixlb analyze`.
 type Config struct {
-	// Workload is the trace (Trace) or the generated workload (Spec.Name):
-	// exactly one of them.
+	// Workload is the trace (Trace), the generated workload (Spec.Name)
+	// or the dataset (Dataset.Name): exactly one of them.
 	Workload workload.Flags
 	// BlockSize is the KV block size in tokens for the sharing figures.
 	BlockSize int
@@ -37,8 +37,14 @@ type Document struct {
 // malformed lines are listed on stderr.
 func Analyze(c Config, stderr io.Writer) (Document, error) {
 	f := c.Workload
-	if (f.Trace == "") == (f.Spec.Name == "") {
-		return Document{}, fmt.Errorf("analyze: give exactly one of --trace FILE or --workload NAME")
+	n := 0
+	for _, given := range []bool{f.Trace != "", f.Spec.Name != "", f.Dataset.Name != ""} {
+		if given {
+			n++
+		}
+	}
+	if n != 1 {
+		return Document{}, fmt.Errorf("analyze: give exactly one of --trace FILE, --workload NAME or --dataset NAME FILE")
 	}
 	reqs, skipped, err := f.Load()
 	if err != nil {

@@ -61,7 +61,7 @@ func TestRunJSON(t *testing.T) {
 func TestRunErrors(t *testing.T) {
 	c := traceConfig()
 	c.Workload.Spec.Name = "toolbench"
-	if err := Run(c, &bytes.Buffer{}, &bytes.Buffer{}); err == nil || err.Error() != "analyze: give exactly one of --trace FILE or --workload NAME" {
+	if err := Run(c, &bytes.Buffer{}, &bytes.Buffer{}); err == nil || err.Error() != "analyze: give exactly one of --trace FILE, --workload NAME or --dataset NAME FILE" {
 		t.Errorf("both: %v", err)
 	}
 	c = traceConfig()

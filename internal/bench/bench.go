@@ -63,18 +63,24 @@ type Config struct {
 // measured, also when ctx ends first (the error then says so). With c.SLO
 // it measures the capacity at it over the ramp's stages instead (RunSLO).
 func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
+	dataset := c.Workload.Dataset.Name != ""
 	if c.SLO != "" {
+		if dataset {
+			return errors.New("bench: --slo does not take --dataset")
+		}
 		return RunSLO(ctx, c, stdout, stderr)
 	}
 	f, cfg := c.Workload, c.Load
-	if (f.Trace == "") == (f.Spec.Name == "") {
-		return errors.New("bench: give exactly one of --workload NAME or --trace FILE")
+	if n := btoi(f.Trace != "") + btoi(f.Spec.Name != "") + btoi(dataset); n != 1 {
+		return errors.New("bench: give exactly one of --workload NAME, --trace FILE or --dataset NAME FILE")
 	}
 	if c.Duration < 0 {
 		return fmt.Errorf("bench: --duration %v: want ≥ 0", c.Duration)
 	}
 	if f.Trace == "" && c.Duration > 0 && !c.RequestsGiven {
 		f.Spec.Requests = Requests(&f, c.Duration)
+	} else if dataset && !c.RequestsGiven {
+		f.Spec.Requests = 0 // the whole dataset
 	}
 	cfg.Mode = loadgen.Mode(c.Mode)
 	cfg.MaxDuration = c.Duration
@@ -87,6 +93,16 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	cfg.Header = h
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("bench: %w", err)
+	}
+	var text *textSetup
+	if dataset {
+		// A dataset is tokenized with the tokenizer in force, which must
+		// be known before it is read.
+		if text, err = c.text(ctx, cfg, true, stderr); err != nil {
+			return err
+		}
+		f.Dataset.Tokenizer = c.Tokenizer
+		f.Dataset.Chat = cfg.Mode == loadgen.ModeChat
 	}
 	reqs, skipped, err := f.Load()
 	if err != nil {
@@ -101,7 +117,10 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 		cfg.Rate = OfferedRate(reqs, c.Duration)
 	}
 	cfg.Workload = f.Spec.Name
-	if f.Trace != "" {
+	switch {
+	case dataset:
+		cfg.Workload = f.Dataset.Name
+	case f.Trace != "":
 		cfg.Workload = filepath.Base(f.Trace)
 	}
 	if c.OutDir != "" {
@@ -111,9 +130,10 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stderr, "bench: %s, %d requests → %s (%s)\n",
 		f.Describe(), len(reqs), cfg.Target, cfg.Mode)
-	text, err := c.text(ctx, cfg, stderr)
-	if err != nil {
-		return err
+	if !dataset {
+		if text, err = c.text(ctx, cfg, false, stderr); err != nil {
+			return err
+		}
 	}
 	out, runErr := loadgen.Run(ctx, text.apply(cfg), reqs)
 	if runErr != nil && !errors.Is(runErr, context.Canceled) {
@@ -133,9 +153,10 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 
 // text sets up the rendering of text and chat prompts (setupText) and
 // writes its header line to stderr; nil in completions mode, which sends
-// token ids.
-func (c Config) text(ctx context.Context, cfg loadgen.Config, stderr io.Writer) (*textSetup, error) {
-	if cfg.Mode != loadgen.ModeText && cfg.Mode != loadgen.ModeChat {
+// token ids, unless the run replays a dataset, which is tokenized with the
+// tokenizer in force in every mode.
+func (c Config) text(ctx context.Context, cfg loadgen.Config, dataset bool, stderr io.Writer) (*textSetup, error) {
+	if !dataset && cfg.Mode != loadgen.ModeText && cfg.Mode != loadgen.ModeChat {
 		if c.Tokenizer != "" {
 			fmt.Fprintf(stderr, "bench: --tokenizer %s is not used: --mode %s sends token ids\n", c.Tokenizer, cfg.Mode)
 		}
@@ -145,8 +166,20 @@ func (c Config) text(ctx context.Context, cfg loadgen.Config, stderr io.Writer) 
 	if err != nil {
 		return nil, err
 	}
+	if dataset {
+		// The dataset's own text is sent, and in chat mode its token
+		// counts already hold the chat template's tokens.
+		t.dataset, t.hasTemplate, t.template = true, false, 0
+	}
 	fmt.Fprintln(stderr, t.header(cfg.Mode))
 	return t, nil
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // Requests returns how many requests to generate so that the arrival

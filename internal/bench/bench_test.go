@@ -109,8 +109,8 @@ func TestRunErrors(t *testing.T) {
 		edit func(*Config)
 		want string
 	}{
-		{func(c *Config) { c.Workload.Spec.Name = "" }, "bench: give exactly one of --workload NAME or --trace FILE"},
-		{func(c *Config) { c.Workload.Trace = "x.jsonl" }, "bench: give exactly one of --workload NAME or --trace FILE"},
+		{func(c *Config) { c.Workload.Spec.Name = "" }, "bench: give exactly one of --workload NAME, --trace FILE or --dataset NAME FILE"},
+		{func(c *Config) { c.Workload.Trace = "x.jsonl" }, "bench: give exactly one of --workload NAME, --trace FILE or --dataset NAME FILE"},
 		{func(c *Config) { c.Duration = -time.Second }, "bench: --duration -1s: want ≥ 0"},
 		{func(c *Config) { c.Headers = []string{"bad"} }, `bench: --header "bad": want "Name: value"`},
 		{func(c *Config) { c.Mode = "grpc" }, "bench: "},

@@ -128,7 +128,7 @@ func RunSLO(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stderr, "bench --slo %s: %s, %d stages over %v → %s (%s)\n",
 		slo, f.Describe(), len(stages), total, cfg.Target, cfg.Mode)
-	text, err := c.text(ctx, cfg, stderr)
+	text, err := c.text(ctx, cfg, false, stderr)
 	if err != nil {
 		return err
 	}

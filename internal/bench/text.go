@@ -39,6 +39,10 @@ type textSetup struct {
 	// with a template); hasTemplate says it was measured.
 	template    int
 	hasTemplate bool
+	// dataset says the run replays a dataset: its requests carry their
+	// own text and messages, and their token ids are counted with this
+	// tokenizer (in chat mode, the chat template's tokens included).
+	dataset bool
 }
 
 // apply returns cfg rendering text with t; a nil t leaves cfg as it is.
@@ -63,6 +67,13 @@ func (t *textSetup) annotate(res *report.Result) {
 
 // header is bench's line about the tokenizer in force.
 func (t *textSetup) header(mode loadgen.Mode) string {
+	if t.dataset {
+		how := map[loadgen.Mode]string{loadgen.ModeText: "as its text", loadgen.ModeChat: "as its messages, its prompt sizes counting the chat template's tokens"}[mode]
+		if how == "" {
+			how = "as its token ids"
+		}
+		return fmt.Sprintf("bench: tokenizer %s; the dataset is tokenized with it and sent %s", t.tokenizer, how)
+	}
 	s := fmt.Sprintf("bench: tokenizer %s; each token id renders as one of its %d whole-word tokens", t.tokenizer, t.words)
 	if mode == loadgen.ModeChat {
 		if t.hasTemplate {

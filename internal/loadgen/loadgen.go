@@ -33,13 +33,14 @@ const (
 	// token ids: requests that share token prefixes share them exactly on
 	// the server, with no tokenizer involved. vLLM and SGLang accept it.
 	ModeCompletions Mode = "completions"
-	// ModeText posts to /v1/completions with the prompt as text: the
-	// token ids rendered by Config.Text (bench: one whole-word token of the
-	// target's tokenizer per id, internal/tokenize/prompttext), else as
-	// words "t<id>" joined by spaces.
+	// ModeText posts to /v1/completions with the prompt as text: a
+	// dataset request's own Text, else the token ids rendered by
+	// Config.Text (bench: one whole-word token of the target's tokenizer
+	// per id, internal/tokenize/prompttext), else as words "t<id>" joined
+	// by spaces.
 	ModeText Mode = "text"
-	// ModeChat posts to /v1/chat/completions with one user message holding
-	// the text of ModeText.
+	// ModeChat posts to /v1/chat/completions with a dataset request's own
+	// Messages, else one user message holding the text of ModeText.
 	ModeChat Mode = "chat"
 )
 
@@ -175,8 +176,11 @@ type Output struct {
 
 // Run sends reqs to cfg.Target open-loop: request i leaves at its Arrival
 // after the start of the run (reqs need not be sorted), regardless of how
-// many earlier ones are still streaming, up to cfg.MaxInFlight. It returns
-// when every request sent has finished.
+// many earlier ones are still streaming, up to cfg.MaxInFlight; but the
+// next turn of a conversation (workload.Request.AwaitPrevious) leaves no
+// earlier than the end of its session's previous request, closed-loop
+// within the conversation as a chat client is. Its send lag counts from
+// the later of the two. It returns when every request sent has finished.
 //
 // Each request runs in a goroutine that Run owns and waits for. When ctx is
 // done, Run stops sending, cancels the requests in flight (they are recorded
@@ -214,49 +218,49 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (Output, erro
 	records := make([]report.RequestRecord, len(order))
 	timings := make([]*Timings, len(order))
 	usagePrompt := make([]int, len(order)) // usage.prompt_tokens; 0: none
-	var sendLag report.Samples
-	delayed := 0
+	sentReq := make([]int, len(order))     // sentReq[k]: the index in reqs of the k-th request sent
+	prev, finished := previousTurns(reqs, order)
 
 	start := time.Now()
 	stopProgress := startProgress(cfg, st, start)
 	defer stopProgress()
 
-	var wg sync.WaitGroup // the request goroutines
+	var (
+		wg      sync.WaitGroup // the request goroutines and the turns waiting for an answer
+		mu      sync.Mutex     // guards sent, delayed and sendLag, which the waiting turns update too
+		sent    int
+		delayed int
+		sendLag report.Samples
+	)
 	sem := make(chan struct{}, cfg.MaxInFlight)
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
-	defer timer.Stop()
-	sent := 0
-send:
-	for _, i := range order {
+	// dispatch sends request i, due at due, once a slot is free; false
+	// when ctx ended first. It returns once the request is on its way.
+	dispatch := func(i int, due time.Duration) bool {
 		r := reqs[i]
-		if d := time.Until(start.Add(r.Arrival)); d > 0 {
-			timer.Reset(d)
-			select {
-			case <-ctx.Done():
-				break send
-			case <-timer.C:
-			}
-		}
 		select {
 		case sem <- struct{}{}:
 		default:
+			mu.Lock()
 			delayed++
+			mu.Unlock()
 			select {
 			case sem <- struct{}{}:
 			case <-ctx.Done():
-				break send
+				return false
 			}
 		}
 		if ctx.Err() != nil {
 			<-sem
-			break send
+			return false
 		}
 		sentAt := time.Since(start)
-		sendLag.Add(float64(sentAt-r.Arrival) / float64(time.Millisecond))
-		st.sent()
+		mu.Lock()
+		sendLag.Add(float64(sentAt-due) / float64(time.Millisecond))
 		k := sent
 		sent++
+		sentReq[k] = i
+		mu.Unlock()
+		st.sent()
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -277,16 +281,59 @@ send:
 			rec := record(cfg, r, start, sentAt, o)
 			records[k], timings[k], usagePrompt[k] = rec, o.timings, o.promptTokens
 			st.done(rec)
+			if ch := finished[i]; ch != nil {
+				close(ch)
+			}
 		}()
+		return true
+	}
+
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+send:
+	for _, i := range order {
+		r := reqs[i]
+		if d := time.Until(start.Add(r.Arrival)); d > 0 {
+			timer.Reset(d)
+			select {
+			case <-ctx.Done():
+				break send
+			case <-timer.C:
+			}
+		}
+		if p := prev[i]; p >= 0 {
+			select {
+			case <-finished[p]:
+			default:
+				// The next turn of a conversation whose answer has not
+				// arrived: it leaves when the answer does.
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					select {
+					case <-finished[p]:
+						dispatch(i, max(r.Arrival, time.Since(start)))
+					case <-ctx.Done():
+					}
+				}()
+				continue
+			}
+		}
+		if !dispatch(i, r.Arrival) {
+			break send
+		}
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
 	stopProgress()
 
+	mu.Lock() // every sender has returned; for the race detector's sake
+	defer mu.Unlock()
 	records, timings = records[:sent], timings[:sent]
 	res := report.Build(cfg.Policy, cfg.Rate, records, elapsed)
 	res.Workload, res.Target, res.Delayed = cfg.Workload, cfg.Target, delayed
-	res.PromptTokensMean, res.WorkloadPromptTokensMean = promptMeans(reqs, order[:sent], records, usagePrompt[:sent])
+	res.PromptTokensMean, res.WorkloadPromptTokensMean = promptMeans(reqs, sentReq[:sent], records, usagePrompt[:sent])
 	res.ErrorClasses = report.ErrorClasses(records)
 	if sendLag.Len() > 0 {
 		s := sendLag.Summary()
@@ -297,6 +344,38 @@ send:
 		return out, fmt.Errorf("loadgen: run interrupted after %d of %d requests: %w", sent, len(order), err)
 	}
 	return out, nil
+}
+
+// previousTurns returns, for each request of reqs, the index of the
+// request it awaits (workload.Request.AwaitPrevious: the last one before
+// it in reqs with the same Session), or -1; and a channel for each awaited
+// request that is to be sent (in order), which closes when its answer
+// has arrived (nil for the others). An awaited request that is not to be
+// sent (after MaxDuration) is awaited by no one: its turn is sent at its
+// arrival.
+func previousTurns(reqs []workload.Request, order []int) (prev []int, finished []chan struct{}) {
+	prev = make([]int, len(reqs))
+	finished = make([]chan struct{}, len(reqs))
+	toSend := make([]bool, len(reqs))
+	for _, i := range order {
+		toSend[i] = true
+	}
+	last := map[string]int{}
+	for i, r := range reqs {
+		prev[i] = -1
+		p, ok := last[r.Session]
+		if r.Session != "" {
+			last[r.Session] = i
+		}
+		if !r.AwaitPrevious || !ok || !toSend[p] {
+			continue
+		}
+		prev[i] = p
+		if finished[p] == nil {
+			finished[p] = make(chan struct{})
+		}
+	}
+	return prev, finished
 }
 
 // promptMeans returns the mean usage.prompt_tokens over the successful

@@ -763,3 +763,91 @@ func TestTextHook(t *testing.T) {
 		}
 	}
 }
+
+// TestAwaitPrevious checks the closed loop within a conversation: a turn
+// marked AwaitPrevious leaves only once its session's previous request has
+// finished, while other sessions' requests leave at their arrivals; and
+// that a dataset request's own text and messages are what is sent.
+func TestAwaitPrevious(t *testing.T) {
+	arrived := make(chan string, 8)
+	var mu sync.Mutex
+	release := map[string]chan struct{}{"s0": make(chan struct{}), "s1": make(chan struct{}), "t0": make(chan struct{})}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b := readBody(t, r)
+		var name string
+		if err := json.Unmarshal(b.Prompt, &name); err != nil {
+			t.Errorf("prompt %s is not a string", b.Prompt)
+		}
+		arrived <- name
+		mu.Lock()
+		ch := release[name]
+		mu.Unlock()
+		startStream(w, "")
+		select {
+		case <-ch:
+		case <-r.Context().Done():
+			return
+		}
+		sse(w, textChunk("a"))
+		sse(w, "[DONE]")
+	}))
+	defer srv.Close()
+	reqs := []workload.Request{
+		{Session: "s", Text: "s0", Tokens: tokens(2, 0), OutputTokens: 1},
+		{Session: "t", Text: "t0", Tokens: tokens(2, 0), OutputTokens: 1, Arrival: 10 * time.Millisecond},
+		{Session: "s", Text: "s1", Tokens: tokens(3, 0), OutputTokens: 1, AwaitPrevious: true, Arrival: 20 * time.Millisecond},
+	}
+	for i := range reqs {
+		reqs[i].ID = i
+	}
+	cfg := DefaultConfig()
+	cfg.Target, cfg.Model, cfg.Mode = srv.URL, "m", ModeText
+	done := make(chan Output, 1)
+	go func() {
+		out, err := Run(context.Background(), cfg, reqs)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- out
+	}()
+	got := []string{<-arrived, <-arrived}
+	if !slices.Equal(got, []string{"s0", "t0"}) {
+		t.Fatalf("first arrivals %v, want [s0 t0]", got)
+	}
+	close(release["t0"]) // another session's end does not let s1 go
+	select {
+	case name := <-arrived:
+		t.Fatalf("%s arrived before s0 finished", name)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release["s0"])
+	if name := <-arrived; name != "s1" {
+		t.Fatalf("arrived %s, want s1", name)
+	}
+	close(release["s1"])
+	out := <-done
+	checkNoLeak(t)
+	if len(out.Records) != 3 || out.Result.Errors != 0 {
+		t.Fatalf("records %d, errors %d", len(out.Records), out.Result.Errors)
+	}
+	if r := out.Records[2]; r.ID != 2 || r.SentS < 0.1 {
+		t.Errorf("s1: record %+v, want it sent after s0's end (≥ 0.1 s)", r)
+	}
+	if lag := out.Result.SendLag; lag == nil || lag.P99 > 50 {
+		t.Errorf("send lag %+v ms: a turn's lag counts from its previous turn's end", lag)
+	}
+
+	// Chat mode sends the conversation's messages.
+	r := workload.Request{Messages: []workload.Message{{Role: "user", Content: "a"}, {Role: "assistant", Content: "b"}, {Role: "user", Content: "c"}}, OutputTokens: 1}
+	payload, err := body(ModeChat, "m", r, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b sentBody
+	if err := json.Unmarshal(payload, &b); err != nil {
+		t.Fatal(err)
+	}
+	if want := []chatMessage{{"user", "a"}, {"assistant", "b"}, {"user", "c"}}; !slices.Equal(b.Messages, want) {
+		t.Errorf("messages %v, want %v", b.Messages, want)
+	}
+}

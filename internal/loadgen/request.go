@@ -169,8 +169,9 @@ func promptText(tokens []uint32) string {
 	return b.String()
 }
 
-// body builds the JSON body of r's request in mode m, rendering its
-// prompt with text in ModeText and ModeChat (nil: promptText). Its "model"
+// body builds the JSON body of r's request in mode m: in ModeText its
+// Text, in ModeChat its Messages (a dataset's request), else its tokens
+// rendered with text (nil: promptText). Its "model"
 // is r's LoRA adapter when it has one (vLLM serves an adapter under its
 // own model name, --lora-modules NAME=PATH), else model.
 func body(m Mode, model string, r workload.Request, text func([]uint32) string) ([]byte, error) {
@@ -197,9 +198,20 @@ func body(m Mode, model string, r workload.Request, text func([]uint32) string) 
 		}
 		req.Prompt = tokens
 	case ModeText:
-		req.Prompt = text(r.Tokens)
+		if r.Text != "" {
+			req.Prompt = r.Text // a dataset's own text
+		} else {
+			req.Prompt = text(r.Tokens)
+		}
 	case ModeChat:
-		req.Messages = []chatMessage{{Role: "user", Content: text(r.Tokens)}}
+		if len(r.Messages) > 0 {
+			req.Messages = make([]chatMessage, len(r.Messages)) // a dataset's conversation
+			for i, m := range r.Messages {
+				req.Messages[i] = chatMessage{Role: m.Role, Content: m.Content}
+			}
+		} else {
+			req.Messages = []chatMessage{{Role: "user", Content: text(r.Tokens)}}
+		}
 	default:
 		return nil, fmt.Errorf("loadgen: unknown mode %q", m)
 	}

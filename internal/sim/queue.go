@@ -233,5 +233,5 @@ func (rn *runner) armQueue() {
 func (rn *runner) shedRequest(t *admission.Ticket) {
 	s := &rn.st[t.ID]
 	s.err = "shed: " + t.Reason.String()
-	rn.done++
+	rn.ended(int(t.ID))
 }

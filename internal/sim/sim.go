@@ -344,6 +344,11 @@ type runner struct {
 	pdPrefill, pdTransfer, pdWait report.Samples
 	// the router-side queue (queue.go): nil unless Config.Queue
 	q *simQueue
+	// next[i] is the request that awaits request i's end (the next turn
+	// of its conversation, workload.Request.AwaitPrevious), or -1.
+	next []int
+	// now is the time of the event being handled.
+	now time.Time
 }
 
 // Run simulates reqs (sorted by Arrival) on the configured cluster.
@@ -421,8 +426,17 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 	}
 	rn.stepping = make([]bool, cfg.Replicas)
 	rn.pending = make([][]replica.Event, cfg.Replicas)
+	rn.next = nextTurns(reqs)
+	awaits := make([]bool, len(reqs))
+	for _, j := range rn.next {
+		if j >= 0 {
+			awaits[j] = true
+		}
+	}
 	for i := range reqs {
-		rn.push(epoch.Add(reqs[i].Arrival), evArrival, i, replica.Event{})
+		if !awaits[i] {
+			rn.push(epoch.Add(reqs[i].Arrival), evArrival, i, replica.Event{})
+		}
 	}
 	for n := 0; rn.h.Len() > 0; n++ {
 		if n&0xfff == 0 {
@@ -452,6 +466,7 @@ func (rn *runner) push(at time.Time, k evKind, idx int, ev replica.Event) {
 }
 
 func (rn *runner) handle(e *event) {
+	rn.now = e.at
 	switch e.kind {
 	case evArrival:
 		rn.arrive(e.idx, e.at)
@@ -465,6 +480,39 @@ func (rn *runner) handle(e *event) {
 		rn.kvArrive(e.idx, e.at)
 	case evQueue:
 		rn.queueTimer(e.at)
+	}
+}
+
+// nextTurns returns, for each request of reqs, the request that awaits
+// its end (the next one in reqs with the same Session and AwaitPrevious
+// set), or -1.
+func nextTurns(reqs []workload.Request) []int {
+	next := make([]int, len(reqs))
+	last := map[string]int{}
+	for i, r := range reqs {
+		next[i] = -1
+		if r.Session == "" {
+			continue
+		}
+		if p, ok := last[r.Session]; ok && r.AwaitPrevious {
+			next[p] = i
+		}
+		last[r.Session] = i
+	}
+	return next
+}
+
+// ended counts request i as done, successfully or not, and lets the next
+// turn of its conversation arrive: at its own arrival, or now if that has
+// passed, as a chat client sends it once the answer is in.
+func (rn *runner) ended(i int) {
+	rn.done++
+	if j := rn.next[i]; j >= 0 {
+		at := epoch.Add(rn.reqs[j].Arrival)
+		if at.Before(rn.now) {
+			at = rn.now
+		}
+		rn.push(at, evArrival, j, replica.Event{})
 	}
 }
 
@@ -496,7 +544,7 @@ func (rn *runner) routeWithin(i int, now time.Time, c router.Constraint) {
 		OutputTokens: out, Session: w.Session, Adapter: w.Adapter}, now, c)
 	if err != nil {
 		s.err = err.Error()
-		rn.done++
+		rn.ended(i)
 		return
 	}
 	rn.res.Branches[d.Branch]++
@@ -526,7 +574,7 @@ func (rn *runner) submit(i, r int, req *replica.Request, now time.Time) {
 	rp := rn.reps[r]
 	if err := rp.Submit(req, now); err != nil {
 		s.err = err.Error()
-		rn.done++
+		rn.ended(i)
 		_ = rn.rt.Finished(uint64(i), 0, -1, false, now)
 		return
 	}
@@ -712,7 +760,7 @@ func (rn *runner) apply(r int, ev replica.Event) {
 			s.gaps = nil
 		}
 		_ = rn.rt.Finish(ev.RequestID, fin, ev.At)
-		rn.done++
+		rn.ended(int(ev.RequestID))
 		if rn.cfg.Progress != nil && rn.done%500 == 0 {
 			rn.cfg.Progress(rn.done, len(rn.reqs))
 		}

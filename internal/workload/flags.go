@@ -122,6 +122,13 @@ type Flags struct {
 	// ArrivalTrace is an Azure CSV whose timestamps the azure process
 	// replays; Resolve reads it into Arrival.Timestamps.
 	ArrivalTrace string
+	// Dataset is a real-text dataset to replay instead of Spec or Trace
+	// (Dataset.Name set); LoadDataset reads it.
+	Dataset DatasetSpec
+	// LoadDataset reads Dataset into requests (internal/dataset.Load; the
+	// command wires it, as this package does not tokenize). Nil: a
+	// command given --dataset fails with ErrNoDatasets.
+	LoadDataset DatasetLoader
 	// Priorities and Tenants give requests classes in flag form
 	// ("high:0.2,low:0.8", "a:4,b:1"; ParseShares): Load draws each
 	// session's (or lone request's) priority and tenant in those
@@ -130,9 +137,98 @@ type Flags struct {
 }
 
 // DefaultFlags returns the defaults: the toolbench workload with its
-// published settings, auto arrivals at 10 requests/s.
+// published settings, auto arrivals at 10 requests/s, and the dataset
+// defaults (DefaultDatasetSpec) should --dataset be given.
 func DefaultFlags() Flags {
-	return Flags{Spec: DefaultSpec("toolbench"), Arrival: DefaultArrival()}
+	return Flags{Spec: DefaultSpec("toolbench"), Arrival: DefaultArrival(), Dataset: DefaultDatasetSpec()}
+}
+
+// Dataset names (--dataset).
+const (
+	// DatasetShareGPT is ShareGPT's conversations, replayed turn by turn.
+	DatasetShareGPT = "sharegpt"
+	// DatasetLooGLE is LooGLE's long documents, each asked its questions.
+	DatasetLooGLE = "loogle"
+)
+
+// DefaultMaxOutputTokens caps a dataset request's output (the recorded
+// answer's length): 2048 tokens, the longest prompt + output vLLM's
+// benchmarks keep of ShareGPT (is_valid_sequence's max_total_len,
+// vllm/benchmarks/datasets/utils.py at 237145ea).
+const DefaultMaxOutputTokens = 2048
+
+// DefaultDatasetSessions is how many conversations a dataset replay keeps
+// in progress at once, as the coding-agent workload's sessions (8).
+const DefaultDatasetSessions = 8
+
+// ErrNoDatasets is returned by Load for a dataset when Flags.LoadDataset
+// is nil (a command that reads no datasets).
+var ErrNoDatasets = errors.New("workload: this command reads no datasets")
+
+// DatasetSpec names a real-text dataset and how to turn it into requests
+// (internal/dataset).
+type DatasetSpec struct {
+	// Name is the dataset's format, DatasetShareGPT or DatasetLooGLE; "":
+	// no dataset.
+	Name string
+	// File is the dataset file.
+	File string
+	// Tokenizer is the tokenizer its text is encoded with: qwen3 (the
+	// bundled one), a tokenizer.json or a model directory; "": the
+	// bundled Qwen3.
+	Tokenizer string
+	// Chat makes each request's Tokens those of its Messages rendered by
+	// the tokenizer's chat template with the generation prompt (what a
+	// chat-completions server prefills), else those of its Text.
+	Chat bool
+	// MaxOutputTokens caps each request's output, the length of the
+	// answer the dataset records (> 0).
+	MaxOutputTokens int
+	// Sessions is how many conversations are in progress at once: a
+	// conversation's next turn is taken from one of them at random, so
+	// conversations overlap while each keeps its order (> 0).
+	Sessions int
+}
+
+// DefaultDatasetSpec returns no dataset, with DefaultMaxOutputTokens and
+// DefaultDatasetSessions.
+func DefaultDatasetSpec() DatasetSpec {
+	return DatasetSpec{MaxOutputTokens: DefaultMaxOutputTokens, Sessions: DefaultDatasetSessions}
+}
+
+// Validate reports the first invalid field of a dataset that is named.
+func (d DatasetSpec) Validate() error {
+	switch {
+	case d.Name == "":
+		return nil
+	case d.Name != DatasetShareGPT && d.Name != DatasetLooGLE:
+		return fmt.Errorf("workload: --dataset %q: want %s or %s", d.Name, DatasetShareGPT, DatasetLooGLE)
+	case d.File == "":
+		return fmt.Errorf("workload: --dataset %s needs its FILE", d.Name)
+	case d.MaxOutputTokens < 1:
+		return fmt.Errorf("workload: --max-output-tokens %d: want ≥ 1", d.MaxOutputTokens)
+	case d.Sessions < 1:
+		return fmt.Errorf("workload: --dataset-sessions %d: want ≥ 1", d.Sessions)
+	}
+	return nil
+}
+
+// DatasetLoader reads the dataset d names into requests in sending
+// order, their arrivals not yet drawn. From s it takes Requests (the most
+// to take; 0: all), OutputTokens (when > 0, every request's output) and
+// Seed.
+type DatasetLoader func(d DatasetSpec, s Spec) ([]Request, error)
+
+// AddDatasetFlags registers the dataset flags on fs, bound to f.Dataset:
+//
+//	--dataset sharegpt|loogle --max-output-tokens N --dataset-sessions N
+//
+// The dataset's FILE is the command's one positional argument (the
+// command sets Dataset.File), and its tokenizer the command's --tokenizer.
+func (f *Flags) AddDatasetFlags(fs *pflag.FlagSet) {
+	fs.StringVar(&f.Dataset.Name, "dataset", f.Dataset.Name, "replay a real-text dataset FILE (the one argument) instead of --workload or --trace: sharegpt (conversations turn by turn) or loogle (long documents, several questions each)")
+	fs.IntVar(&f.Dataset.MaxOutputTokens, "max-output-tokens", f.Dataset.MaxOutputTokens, "--dataset: cap on each request's output tokens (the recorded answer's length)")
+	fs.IntVar(&f.Dataset.Sessions, "dataset-sessions", f.Dataset.Sessions, "--dataset sharegpt: conversations in progress at once")
 }
 
 // AddFlags registers all workload, trace and arrival flags on fs: those of
@@ -200,15 +296,20 @@ func (f *Flags) Resolve() error {
 	if _, err := ParsePriorities(f.Priorities); err != nil {
 		return fmt.Errorf("--priorities: %w", err)
 	}
+	if f.Dataset.Name != "" {
+		return f.Dataset.Validate()
+	}
 	if f.Trace == "" {
 		return f.Spec.Validate()
 	}
 	return nil
 }
 
-// Load returns the requests the flags describe: the trace (with the lines it
-// skipped, if SkipMalformed) or the generated workload, with the arrival
-// process applied and IDs 0..n-1 in arrival order.
+// Load returns the requests the flags describe: the dataset (read by
+// LoadDataset), the trace (with the lines it skipped, if SkipMalformed) or
+// the generated workload, with the arrival process applied (a dataset's
+// auto arrivals are Poisson at Arrival.Rate) and IDs 0..n-1 in arrival
+// order.
 func (f *Flags) Load() ([]Request, []LineError, error) {
 	if err := f.Resolve(); err != nil {
 		return nil, nil, err
@@ -218,7 +319,13 @@ func (f *Flags) Load() ([]Request, []LineError, error) {
 		bad  []LineError
 		err  error
 	)
-	if f.Trace != "" {
+	switch {
+	case f.Dataset.Name != "":
+		if f.LoadDataset == nil {
+			return nil, nil, ErrNoDatasets
+		}
+		reqs, err = f.LoadDataset(f.Dataset, f.Spec)
+	case f.Trace != "":
 		format := f.TraceFormat
 		if format == "" || format == "auto" {
 			format, err = detectFile(f.Trace)
@@ -229,13 +336,14 @@ func (f *Flags) Load() ([]Request, []LineError, error) {
 		opts := f.TraceOptions
 		opts.Seed = f.Spec.Seed
 		reqs, bad, err = readTraceFile(f.Trace, format, opts)
-	} else {
+	default:
 		reqs, err = Generate(f.Spec)
 	}
 	if err != nil {
 		return nil, bad, err
 	}
-	if err := f.Arrival.Apply(reqs, f.Spec.Seed, f.Trace != ""); err != nil {
+	fromTrace := f.Trace != "" && f.Dataset.Name == ""
+	if err := f.Arrival.Apply(reqs, f.Spec.Seed, fromTrace); err != nil {
 		return nil, bad, err
 	}
 	if err := AssignClasses(reqs, f.Priorities, f.Tenants, f.Spec.Seed); err != nil {
@@ -246,6 +354,9 @@ func (f *Flags) Load() ([]Request, []LineError, error) {
 
 // Describe names the source of the requests, for reports.
 func (f *Flags) Describe() string {
+	if f.Dataset.Name != "" {
+		return fmt.Sprintf("dataset %s %s", f.Dataset.Name, f.Dataset.File)
+	}
 	if f.Trace != "" {
 		return "trace " + f.Trace
 	}

@@ -35,4 +35,27 @@ type Request struct {
 	// Tenant names who sent it, for fair shares between tenants ("" if
 	// none; Flags.Tenants).
 	Tenant string
+	// Text is the prompt as real text, for a request read from a dataset
+	// (internal/dataset): the conversation so far as one text, which
+	// Tokens encodes under the dataset's tokenizer unless the dataset was
+	// tokenized as chats. "": none (a generated workload or a trace, whose
+	// text a load generator renders from Tokens).
+	Text string
+	// Messages is the prompt as chat messages, for a request read from a
+	// dataset: the conversation so far, ending with the user's turn. When
+	// the dataset was tokenized as chats, Tokens encodes their rendering
+	// by the tokenizer's chat template. Nil: none.
+	Messages []Message
+	// AwaitPrevious marks the next turn of a conversation: a client sends
+	// it only once the answer to its Session's previous request (the last
+	// one before it in the list with the same Session) has arrived, and not
+	// before its Arrival, as a user's chat client does. bench and sim do so.
+	AwaitPrevious bool
+}
+
+// Message is one chat message of a dataset request: its role (system,
+// user or assistant, as the OpenAI chat API names them) and its text.
+type Message struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
 }
