@@ -479,6 +479,7 @@ var constructors = map[string]func(Options) (Policy, error){
 	"llmd-approx":  func(o Options) (Policy, error) { return NewLLMDApprox(o.BlockTokens, o.ApproxCapacityBlocks) },
 	"sglang":       func(o Options) (Policy, error) { return NewSGLang(o.BlockTokens, o.ApproxCapacityBlocks) },
 	"dynamo":       func(Options) (Policy, error) { return NewDynamo(DefaultDynamoConfig()), nil },
+	"lmetric":      func(Options) (Policy, error) { return LMetric{}, nil },
 	"e2":           func(o Options) (Policy, error) { return NewE2(o.E2) },
 	"e2-preble":    func(o Options) (Policy, error) { return NewE2(o.E2Preble) },
 	// Cache tiers: e2 crediting a slower tier's blocks as Dynamo does.
