@@ -117,6 +117,9 @@ var (
 	descCorrections = prometheus.NewDesc("prefixlb_cache_corrections_total",
 		"Reports of cached tokens that changed the router's view of the replica's cache (capacity shrunk or grown, slot contents corrected).",
 		[]string{"replica"}, nil)
+	descKVCapacity = prometheus.NewDesc("prefixlb_replica_kv_capacity_tokens",
+		"The replica's KV cache in tokens as the router prices it, labelled with where it came from: engine:vllm-metrics (vllm:cache_config_info), engine:sglang-metrics, engine:sglang-server-info, engine:llamacpp-props, engine:llamacpp-slots, or profile (the engine did not say).",
+		[]string{"replica", "source"}, nil)
 	descReplicaInfo = prometheus.NewDesc("prefixlb_replica_info",
 		"1 for each replica, labelled with its backend kind: vllm, sglang, llamacpp, or unknown (not detected yet, or nothing said).",
 		[]string{"replica", "kind"}, nil)
@@ -138,6 +141,7 @@ func (c CacheCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descPredictionError
 	ch <- descCapacity
 	ch <- descCorrections
+	ch <- descKVCapacity
 	ch <- descReplicaInfo
 }
 
@@ -147,6 +151,7 @@ func (c CacheCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descPredictionError, prometheus.GaugeValue, r.Cache.ErrorTokens, r.Name)
 		ch <- prometheus.MustNewConstMetric(descCapacity, prometheus.GaugeValue, float64(r.Cache.CapacityTokens), r.Name)
 		ch <- prometheus.MustNewConstMetric(descCorrections, prometheus.CounterValue, float64(r.Cache.Corrections), r.Name)
+		ch <- prometheus.MustNewConstMetric(descKVCapacity, prometheus.GaugeValue, float64(r.Cache.ConfiguredCapacityTokens), r.Name, r.Cache.ConfiguredCapacitySource)
 		ch <- prometheus.MustNewConstMetric(descReplicaInfo, prometheus.GaugeValue, 1, r.Name, string(r.Kind))
 	}
 }

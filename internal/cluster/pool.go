@@ -95,6 +95,12 @@ type Member struct {
 	// but not its slot count (slotRetries).
 	slotTries int
 	kvTokens  int
+	// The engine's KV capacity: scrapeCap as its metrics page last stated
+	// it (kept through a failed scrape), detectCap as its last detection
+	// read it (/get_server_info, /props); capLogged is the capacity and
+	// source last logged.
+	scrapeCap, detectCap upstream.Capacity
+	capLogged            string
 	// The tokenizer check, when on: tokDue says a check is due, tokState
 	// is what the last answered one found, tokWake wakes its loop.
 	tokDue   bool
@@ -338,6 +344,7 @@ func (p *Pool) add(r Replica) (up, changed bool) {
 		_ = p.Router.ReplicaLoad(m.ID, -1, -1, -1)
 		_ = p.Router.SetExternalLoad(m.ID, router.ExternalLoad{})
 		_ = p.Router.SetName(m.ID, r.Name)
+		_ = p.Router.SetKVCapacity(m.ID, 0, "") // the old replica's
 	}
 	if reused || r.Profile != "" {
 		// Its own profile, or another replica's speed learnt afresh.
@@ -553,9 +560,12 @@ func (p *Pool) start(m *Member) {
 	}
 }
 
-// needsDetection: auto is detected, llama.cpp's slot count read; vLLM's
-// and SGLang's caches need nothing read.
-func needsDetection(k upstream.Kind) bool { return k == upstream.Auto || k == upstream.LlamaCpp }
+// needsDetection: auto is detected, llama.cpp's slot count and KV
+// capacity read, SGLang's KV capacity read (/get_server_info); vLLM states
+// its capacity on its metrics page.
+func needsDetection(k upstream.Kind) bool {
+	return k == upstream.Auto || k == upstream.LlamaCpp || k == upstream.SGLang
+}
 
 // live reports whether m is still the pool's member of its name (Mu held).
 func (p *Pool) live(m *Member) bool { return p.byName[m.Name] == m }
@@ -606,6 +616,10 @@ func (p *Pool) Scrape(ctx context.Context, m *Member) {
 		p.cfg.Logger.Warn("router replica load", "replica", m.Name, "err", err)
 	}
 	m.kvTokens = l.KVTokens
+	if err == nil {
+		m.scrapeCap = l.Capacity
+	}
+	p.applyCapacity(m)
 	if l.LoRA != nil {
 		// vLLM's running adapters are those it holds for certain (the
 		// rest of its LRU slots it does not report); max_lora its slots.
@@ -619,6 +633,30 @@ func (p *Pool) Scrape(ctx context.Context, m *Member) {
 	}
 	if m.Replica.Kind == upstream.Auto && l.Kind != "" && l.Kind != m.kind && !m.kindDue {
 		p.markKindDue(m) // another engine answers there now
+	}
+}
+
+// applyCapacity gives the router m's KV capacity as its engine last
+// reported it — its metrics page's figure, else its detection's — or
+// none, and the router falls back on the profile's (router.KVCapacity); a
+// change of the capacity in force or of its source is logged (Mu held).
+func (p *Pool) applyCapacity(m *Member) {
+	c := m.scrapeCap
+	if !c.Known() {
+		c = m.detectCap
+	}
+	if err := p.Router.SetKVCapacity(m.ID, c.Tokens, c.Source); err != nil {
+		p.cfg.Logger.Warn("router kv capacity", "replica", m.Name, "err", err)
+	}
+	tokens, source := p.Router.KVCapacity(m.ID)
+	if key := fmt.Sprint(tokens, source); key != m.capLogged {
+		m.capLogged = key
+		if source == router.CapacityProfile || source == router.CapacityConfig {
+			p.cfg.Logger.Info("replica kv capacity: the engine did not say; using the "+source+"'s",
+				"replica", m.Name, "kv_capacity_tokens", tokens, "source", source)
+		} else {
+			p.cfg.Logger.Info("replica kv capacity", "replica", m.Name, "kv_capacity_tokens", tokens, "source", source)
+		}
 	}
 }
 
@@ -696,6 +734,8 @@ func (p *Pool) Detect(ctx context.Context, m *Member) {
 		m.slotTries = 0
 	}
 	m.kind, m.slots, m.kindDue = d.Kind, slots, retry
+	m.detectCap = d.Capacity
+	p.applyCapacity(m)
 	serr := p.Router.SetCacheSlots(m.ID, slots)
 	if old != d.Kind {
 		p.markTokenizerDue(m) // the check speaks the engine's /tokenize
@@ -903,13 +943,19 @@ type State struct {
 	Tokenizer keying.TokenizerState
 	// KVEvents is the replica's KV-event socket ("": none).
 	KVEvents string
+	// KVCapacity is its KV cache in tokens as the router prices it, and
+	// KVCapacitySource where it came from (router.KVCapacity: an engine's
+	// source such as upstream.SourceVLLMMetrics, else "profile").
+	KVCapacity       int
+	KVCapacitySource string
 }
 
 // StateOf snapshots m (Mu held).
 func (p *Pool) StateOf(m *Member) State {
+	capTokens, capSource := p.Router.KVCapacity(m.ID)
 	return State{Name: m.Name, Address: m.Address, URL: m.Base.String(), Ready: m.Ready, Healthy: m.healthy,
 		Kind: m.kind, Slots: m.slots, KVTokens: m.kvTokens, KindDue: m.kindDue, Tokenizer: m.tokState,
-		KVEvents: m.KVEvents}
+		KVEvents: m.KVEvents, KVCapacity: capTokens, KVCapacitySource: capSource}
 }
 
 // KVState is what a member's KV-event stream did (GET /debug/cache).

@@ -30,6 +30,11 @@ type ReplicaView struct {
 	Running  int     `json:"running"`
 	KVUsage  float64 `json:"kv_usage"`
 	KVTokens int     `json:"kv_cache_tokens"`
+	// KVCapacityTokens is its KV cache in tokens as the router prices it,
+	// KVCapacitySource where it came from (the engine's metrics page or
+	// server info, else "profile"), as serve's /debug/replicas says.
+	KVCapacityTokens int    `json:"kv_capacity_tokens"`
+	KVCapacitySource string `json:"kv_capacity_source"`
 	// Cache is the router's view of its cache and how well it has matched
 	// the replica's reports.
 	Cache router.CacheView `json:"cache"`
@@ -52,7 +57,7 @@ func (p *Picker) ReplicaViews() []ReplicaView {
 		out = append(out, ReplicaView{
 			Name: m.Name, Address: m.Address, Ready: m.Up(), InFlight: own, External: ext,
 			Kind: ps.Kind, Slots: ps.Slots, Waiting: st.Waiting, Running: st.Running, KVUsage: st.KVUsage,
-			KVTokens: ps.KVTokens, Cache: v, Pricing: p.rt.Pricing(m.ID, true),
+			KVTokens: ps.KVTokens, KVCapacityTokens: ps.KVCapacity, KVCapacitySource: ps.KVCapacitySource, Cache: v, Pricing: p.rt.Pricing(m.ID, true),
 		})
 	}
 	slices.SortFunc(out, func(a, b ReplicaView) int { return strings.Compare(a.Name, b.Name) })

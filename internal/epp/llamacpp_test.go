@@ -242,8 +242,15 @@ func TestPickerConfiguredKind(t *testing.T) {
 		if got := p.ReplicaViews()[0].Kind; got != upstream.LlamaCpp {
 			t.Errorf("kind before its slots are read %s", got)
 		}
-		if d := waitDetection(t, runPicker(t, p)); d != (upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "configured"}) {
+		// The captured /props (upstreamtest): n_ctx 8192 a slot × 2 slots.
+		want := upstream.Detection{Kind: upstream.LlamaCpp, Slots: 2, Via: "configured",
+			Capacity: upstream.Capacity{Tokens: 16384, Source: upstream.SourceLlamaCppProps}}
+		if d := waitDetection(t, runPicker(t, p)); d != want {
 			t.Errorf("detection %+v", d)
+		}
+		// The picker prices and shows that capacity, as serve does.
+		if v := p.ReplicaViews()[0]; v.KVCapacityTokens != 16384 || v.KVCapacitySource != upstream.SourceLlamaCppProps {
+			t.Errorf("replica view: kv capacity %d from %q", v.KVCapacityTokens, v.KVCapacitySource)
 		}
 	})
 	t.Run("invalid", func(t *testing.T) {

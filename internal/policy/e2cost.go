@@ -610,8 +610,16 @@ func (p *E2) eviction(r int, missedTokens int, v *View) float64 {
 		})
 		return cost
 	}
-	capBlocks := prof.KVCapacity() / bt
-	need := v.Tree.CachedBlocks(r) + (missedTokens+bt-1)/bt - capBlocks
+	// The replica's own capacity (the engine's, else the profile's); what
+	// it holds is at least the blocks the tree says it caches and at least
+	// the blocks its running requests hold by its own KV usage (output
+	// blocks included, which the tree does not see).
+	capBlocks := v.KVCapacityOf(r) / bt
+	held := v.Tree.CachedBlocks(r)
+	if u := v.Replicas[r].KVUsage; u > 0 && finite(u) {
+		held = max(held, int(min(u, 1)*float64(capBlocks)))
+	}
+	need := held + (missedTokens+bt-1)/bt - capBlocks
 	if need <= 0 {
 		return 0
 	}

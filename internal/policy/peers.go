@@ -279,7 +279,7 @@ type LLMDApprox struct {
 	// recorded (GIE's maxPrefixBlocksToMatch, 256; ≤ 0: no bound).
 	MaxPrefixBlocks int
 	// capacity is every replica's LRU capacity in blocks; 0: each replica's
-	// profile KV capacity (GIE's AutoTune).
+	// KV capacity (View.KVCapacityOf, GIE's AutoTune).
 	capacity int
 	idx      gieIndex
 	name     string
@@ -301,9 +301,10 @@ const (
 // NewLLMDApprox returns the approximate scorer over keys of blockTokens
 // tokens. capacityBlocks > 0 bounds every replica's LRU at that many blocks
 // (GIE with AutoTune off); 0 sizes each replica's LRU at its own KV capacity
-// (View.ProfileOf(r).KVCapacity() / View.BlockTokens(), read when the
-// replica is first recorded, as GIE reads CacheNumGPUBlocks when it creates
-// a pod's LRU).
+// (View.KVCapacityOf(r) / View.BlockTokens(): the engine's figure, else
+// the profile's, read when the replica is first recorded, as GIE reads
+// CacheNumGPUBlocks — vllm:cache_config_info's num_gpu_blocks — when it
+// creates a pod's LRU).
 func NewLLMDApprox(blockTokens, capacityBlocks int) (*LLMDApprox, error) {
 	if blockTokens < 1 {
 		return nil, fmt.Errorf("policy: llmd-approx: block tokens must be ≥ 1, got %d", blockTokens)
@@ -350,10 +351,8 @@ func (p *LLMDApprox) capacityOf(v *View, r int) int {
 	if p.capacity > 0 {
 		return p.capacity
 	}
-	if prof := v.ProfileOf(r); prof != nil {
-		if c := prof.KVCapacity() / v.BlockTokens(); c > 0 {
-			return c
-		}
+	if c := v.KVCapacityOf(r) / v.BlockTokens(); c > 0 {
+		return c
 	}
 	return gieLRUCapacity
 }

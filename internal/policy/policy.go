@@ -93,7 +93,15 @@ type Replica struct {
 	// vllm:num_requests_waiting / running); -1 when unknown.
 	Waiting, Running int
 	// KVUsage is the engine's KV-cache usage in [0,1]; -1 when unknown.
+	// vLLM's and SGLang's count the blocks running requests hold (cached
+	// blocks no request uses are free, evictable), so KVUsage ×
+	// KVCapacityOf is a floor on what the replica holds.
 	KVUsage float64
+	// KVCapacity is the replica's KV cache in tokens as its engine reports
+	// it (serve and epp: vllm:cache_config_info, SGLang's server info,
+	// llama.cpp's /props) or as the simulator configures it; 0 when
+	// unknown: View.KVCapacityOf then falls back on the profile's.
+	KVCapacity int
 	// TPOT is the replica's recent median time per output token (0 unknown).
 	TPOT time.Duration
 	// Slots is the number of prompt slots of a slot cache (llama.cpp's
@@ -283,6 +291,18 @@ func (v *View) ProfileOf(r int) costmodel.Profile {
 	return v.Profile
 }
 
+// KVCapacityOf is replica r's KV cache in tokens: its own figure
+// (Replica.KVCapacity) when known, else its profile's (ProfileOf).
+func (v *View) KVCapacityOf(r int) int {
+	if r >= 0 && r < len(v.Replicas) && v.Replicas[r].KVCapacity > 0 {
+		return v.Replicas[r].KVCapacity
+	}
+	if p := v.ProfileOf(r); p != nil {
+		return p.KVCapacity()
+	}
+	return 0
+}
+
 // AdapterLoadTime is the time replica r takes to load req's adapter into a
 // GPU slot: 0 when it holds it (Replica.HoldsAdapter), else its profile's
 // costmodel.AdapterLoad for Replica.AdapterBytes.
@@ -459,6 +479,7 @@ var constructors = map[string]func(Options) (Policy, error){
 	"llmd-approx":  func(o Options) (Policy, error) { return NewLLMDApprox(o.BlockTokens, o.ApproxCapacityBlocks) },
 	"sglang":       func(o Options) (Policy, error) { return NewSGLang(o.BlockTokens, o.ApproxCapacityBlocks) },
 	"dynamo":       func(Options) (Policy, error) { return NewDynamo(DefaultDynamoConfig()), nil },
+	"lmetric":      func(Options) (Policy, error) { return LMetric{}, nil },
 	"e2":           func(o Options) (Policy, error) { return NewE2(o.E2) },
 	"e2-preble":    func(o Options) (Policy, error) { return NewE2(o.E2Preble) },
 	// Cache tiers: e2 crediting a slower tier's blocks as Dynamo does.

@@ -290,6 +290,13 @@ type ReplicaStatus struct {
 	// KVTokens is the engine's KV-cache tokens as last scraped (llama.cpp;
 	// -1 unknown).
 	KVTokens int `json:"kv_cache_tokens"`
+	// KVCapacityTokens is the replica's KV cache in tokens as the router
+	// prices it, KVCapacitySource where it came from: the engine
+	// (engine:vllm-metrics, engine:sglang-metrics,
+	// engine:sglang-server-info, engine:llamacpp-props,
+	// engine:llamacpp-slots) or, when it did not say, "profile".
+	KVCapacityTokens int    `json:"kv_capacity_tokens"`
+	KVCapacitySource string `json:"kv_capacity_source"`
 	// Kind is the replica's backend kind (BackendUnknown until detected);
 	// Slots a slot cache's slot count (0: a block cache).
 	Kind  upstream.Kind `json:"kind"`
@@ -319,7 +326,7 @@ func (p *Proxy) Replicas() []ReplicaStatus {
 		st := p.pool.StateOf(b.Member)
 		out = append(out, ReplicaStatus{Name: b.Name, URL: st.URL, Up: b.Up(), InFlight: rp.InFlight,
 			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage, KVTokens: st.KVTokens,
-			Kind: st.Kind, Slots: st.Slots, Cache: v, Pricing: p.rt.Pricing(b.ID, true)})
+			KVCapacityTokens: st.KVCapacity, KVCapacitySource: st.KVCapacitySource, Kind: st.Kind, Slots: st.Slots, Cache: v, Pricing: p.rt.Pricing(b.ID, true)})
 	}
 	return out
 }

@@ -172,6 +172,19 @@ func TestDetectBackend(t *testing.T) {
 			if err != nil {
 				t.Fatalf("DetectBackend: %v", err)
 			}
+			// A llama.cpp replica's KV capacity comes with its detection:
+			// the captured /props (n_ctx 8192 a slot × 2), else /slots.
+			wantCap := map[string]upstream.Capacity{
+				"llama.cpp by its metrics":                 {Tokens: 16384, Source: upstream.SourceLlamaCppProps},
+				"llama.cpp without --metrics, by /props":   {Tokens: 16384, Source: upstream.SourceLlamaCppProps},
+				"llama.cpp by owned_by, slots from /slots": {Tokens: 16384, Source: upstream.SourceLlamaCppSlots},
+				"llama.cpp by its Server header":           {Tokens: 16384, Source: upstream.SourceLlamaCppSlots},
+				"configured llama.cpp reads its slots":     {Tokens: 16384, Source: upstream.SourceLlamaCppProps},
+			}[tt.name]
+			if got.Capacity != wantCap {
+				t.Errorf("capacity %+v, want %+v", got.Capacity, wantCap)
+			}
+			got.Capacity = upstream.Capacity{}
 			if got != tt.want {
 				t.Errorf("got %+v, want %+v", got, tt.want)
 			}

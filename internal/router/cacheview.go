@@ -50,6 +50,10 @@ type CacheView struct {
 	// ConfiguredCapacityTokens what it started from (block caches).
 	CapacityTokens           int `json:"capacity_tokens"`
 	ConfiguredCapacityTokens int `json:"configured_capacity_tokens"`
+	// ConfiguredCapacitySource says where ConfiguredCapacityTokens came
+	// from (Router.KVCapacity: the engine's source, "config" or
+	// "profile").
+	ConfiguredCapacitySource string `json:"configured_capacity_source"`
 	// Checked counts finished requests whose replica reported cached
 	// tokens; Exact, Over and Under split them by whether the prediction
 	// was within one block, above or below the report.
@@ -111,7 +115,7 @@ func (r *Router) CacheView(id int) (CacheView, error) {
 	v.Slots = c.slots.n()
 	v.Events = r.events[id]
 	v.CachedTokens = r.tree.CachedBlocks(id) * r.cfg.BlockTokens
-	v.ConfiguredCapacityTokens = r.configuredCapacity(id)
+	v.ConfiguredCapacityTokens, v.ConfiguredCapacitySource = r.KVCapacity(id)
 	v.CapacityTokens = r.mirrorCapacity(id)
 	return v, nil
 }
@@ -120,8 +124,12 @@ func (r *Router) CacheView(id int) (CacheView, error) {
 type replicaCache struct {
 	// capacityTokens is the mirror's learned capacity (0: configured).
 	capacityTokens int
-	slots          *slotCache // nil: a block cache
-	view           CacheView  // the counters of CacheView
+	// kvCapacity is the replica's KV capacity as its engine reports it
+	// (SetKVCapacity; 0: unknown), kvSource where it was read.
+	kvCapacity int
+	kvSource   string
+	slots      *slotCache // nil: a block cache
+	view       CacheView  // the counters of CacheView
 }
 
 // grow makes r.cache hold replica id.
@@ -139,13 +147,71 @@ func (r *Router) mirrorCapacity(id int) int {
 	return r.configuredCapacity(id)
 }
 
-// configuredCapacity is the mirror capacity replica id starts from:
-// Config.MirrorCapacityTokens when given, else its profile's KV capacity.
+// configuredCapacity is the mirror capacity replica id starts from: its
+// KV capacity (KVCapacity).
 func (r *Router) configuredCapacity(id int) int {
-	if !r.mirrorSet && id < len(r.profiles) && r.profiles[id] != nil {
-		return r.profiles[id].KVCapacity()
+	n, _ := r.KVCapacity(id)
+	return n
+}
+
+// Sources of a replica's KV capacity that the router falls back on when
+// no SetKVCapacity gave one (KVCapacity's source).
+const (
+	// CapacityConfig: Config.MirrorCapacityTokens.
+	CapacityConfig = "config"
+	// CapacityProfile: the replica's cost profile's KVCapacity.
+	CapacityProfile = "profile"
+)
+
+// KVCapacity returns replica id's KV cache size in tokens, and where it
+// came from: the figure SetKVCapacity gave (the engine's, in serve and
+// epp; the simulator's configured replica), else
+// Config.MirrorCapacityTokens when given (CapacityConfig), else the
+// replica's profile's (CapacityProfile). An unknown id gives 0, "".
+func (r *Router) KVCapacity(id int) (tokens int, source string) {
+	if id < 0 || id >= len(r.reps) {
+		return 0, ""
 	}
-	return r.cfg.MirrorCapacityTokens
+	if id < len(r.cache) && r.cache[id].kvCapacity > 0 {
+		return r.cache[id].kvCapacity, r.cache[id].kvSource
+	}
+	if !r.mirrorSet && id < len(r.profiles) && r.profiles[id] != nil {
+		return r.profiles[id].KVCapacity(), CapacityProfile
+	}
+	return r.cfg.MirrorCapacityTokens, CapacityConfig
+}
+
+// maxKVCapacity bounds SetKVCapacity: 2^40 tokens is far beyond any GPU.
+const maxKVCapacity = 1 << 40
+
+// SetKVCapacity records replica id's KV cache size in tokens as its
+// engine reports it (serve and epp: vLLM's vllm:cache_config_info,
+// SGLang's server info, llama.cpp's /props; the simulator: its configured
+// replica) and where it was read (source, shown as is); 0 forgets it, and
+// KVCapacity falls back on the configured or the profile's. Policies read
+// it as policy.Replica.KVCapacity (View.KVCapacityOf: E2's eviction term,
+// llmd-approx's LRU); a mirrored block cache is bounded by it. A change
+// restarts the mirror's learned capacity from the new figure, and a mirror
+// that holds more than it now fits drops its least recently used blocks
+// beyond it at the next decision routed there.
+func (r *Router) SetKVCapacity(id, tokens int, source string) error {
+	if id < 0 || id >= len(r.reps) {
+		return fmt.Errorf("%w: %d", ErrUnknownReplica, id)
+	}
+	if tokens < 0 || tokens > maxKVCapacity {
+		return fmt.Errorf("%w: kv capacity %d tokens for replica %d (want 0..%d)", ErrBadLoad, tokens, id, maxKVCapacity)
+	}
+	r.grow(id)
+	c := &r.cache[id]
+	if tokens == 0 {
+		source = ""
+	}
+	if c.kvCapacity != tokens {
+		c.capacityTokens = 0
+	}
+	c.kvCapacity, c.kvSource = tokens, source
+	r.reps[id].KVCapacity = tokens
+	return nil
 }
 
 // feedback compares a finished request's predicted cached tokens with the

@@ -351,6 +351,10 @@ type runner struct {
 	now time.Time
 }
 
+// CapacitySource is the source the simulator gives its replicas' KV
+// capacity (router.SetKVCapacity): their configured size, the model's.
+const CapacitySource = "sim"
+
 // Run simulates reqs (sorted by Arrival) on the configured cluster.
 func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, error) {
 	if err := cfg.Validate(); err != nil {
@@ -392,6 +396,12 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) (*Result, err
 		rn.reps = append(rn.reps, rp)
 		id := rt.AddReplica(fmt.Sprintf("replica-%d", i), cfg.KVEvents)
 		if err := rt.SetProfile(id, cfg.routerProfile(i)); err != nil {
+			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
+		}
+		// The replica's KV capacity as its engine would report it
+		// (vllm:cache_config_info: num_gpu_blocks × block_size): the
+		// configured replica's, which serve reads from the engine.
+		if err := rt.SetKVCapacity(id, rp.Stats().TotalBlocks*bt, CapacitySource); err != nil {
 			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
 		}
 		if rc.Slots > 0 {

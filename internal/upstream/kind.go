@@ -78,6 +78,10 @@ type Detection struct {
 	// Via names the evidence: "metrics", "props", "models", "header" or
 	// "configured".
 	Via string
+	// Capacity is the KV capacity the engine answered outside its metrics
+	// page (FetchCapacity: SGLang's /get_server_info, llama.cpp's /props);
+	// unknown for other kinds, or when it did not say.
+	Capacity Capacity
 }
 
 // maxDetectBytes bounds each answer read during detection (a /slots list
@@ -114,11 +118,18 @@ func Detect(ctx context.Context, client *http.Client, baseURL, metricsURL string
 	}
 	d := detector{ctx: ctx, client: client, base: base}
 	switch kind {
-	case VLLM, SGLang:
+	case VLLM:
 		return Detection{Kind: kind, Via: "configured"}, nil
+	case SGLang:
+		c, err := d.sglangCapacity()
+		if errors.Is(err, ErrNoAnswer) {
+			return Detection{Kind: kind, Via: "configured"}, err
+		}
+		return Detection{Kind: kind, Via: "configured", Capacity: c}, nil
 	case LlamaCpp:
 		slots, err := d.llamaSlots()
-		return Detection{Kind: kind, Slots: slots, Via: "configured"}, err
+		c, _ := d.llamaCapacity()
+		return Detection{Kind: kind, Slots: slots, Via: "configured", Capacity: c}, err
 	case "", Auto:
 	default:
 		return Detection{Kind: Unknown}, fmt.Errorf("upstream: detect backend: %w %q", ErrKind, kind)
@@ -127,6 +138,13 @@ func Detect(ctx context.Context, client *http.Client, baseURL, metricsURL string
 		out := Detection{Kind: k, Via: via}
 		if k.SlotCache() {
 			out.Slots, _ = d.llamaSlots() // a failure leaves the slots unknown (0)
+		}
+		// A failure leaves the capacity unknown: the profile's is used.
+		switch k {
+		case LlamaCpp:
+			out.Capacity, _ = d.llamaCapacity()
+		case SGLang:
+			out.Capacity, _ = d.sglangCapacity()
 		}
 		return out, nil
 	}
@@ -143,9 +161,7 @@ func Detect(ctx context.Context, client *http.Client, baseURL, metricsURL string
 			}
 		}
 	}
-	var props map[string]json.RawMessage
-	d.get(d.path("/props"), func(r io.Reader) { _ = json.NewDecoder(io.LimitReader(r, maxDetectBytes)).Decode(&props) })
-	if n, ok := slotCount(props["total_slots"]); ok {
+	if n, ok := slotCount(d.propsMap()["total_slots"]); ok {
 		d.slots, d.slotsKnown = n, true
 		return found(LlamaCpp, "props")
 	}
@@ -182,6 +198,32 @@ type detector struct {
 	// slots, when slotsKnown, is the slot count /props gave already.
 	slots      int
 	slotsKnown bool
+	// propsRead: GET /props was asked (once per detector); propsRaw and
+	// props are its answer (nil: none, or not JSON).
+	propsRead bool
+	propsRaw  map[string]json.RawMessage
+	props     *llamaProps
+}
+
+// propsMap GETs /props once and returns its top-level fields (nil when
+// it got no JSON answer).
+func (d *detector) propsMap() map[string]json.RawMessage {
+	if d.propsRead {
+		return d.propsRaw
+	}
+	d.propsRead = true
+	d.get(d.path("/props"), func(r io.Reader) {
+		b, err := io.ReadAll(io.LimitReader(r, maxDetectBytes))
+		if err != nil {
+			return
+		}
+		var raw map[string]json.RawMessage
+		var p llamaProps
+		if json.Unmarshal(b, &raw) == nil && json.Unmarshal(b, &p) == nil {
+			d.propsRaw, d.props = raw, &p
+		}
+	})
+	return d.propsRaw
 }
 
 // path is the URL of path under the replica's base URL.
@@ -227,9 +269,7 @@ func (d *detector) llamaSlots() (int, error) {
 	if d.slotsKnown {
 		return d.slots, nil
 	}
-	var props map[string]json.RawMessage
-	d.get(d.path("/props"), func(r io.Reader) { _ = json.NewDecoder(io.LimitReader(r, maxDetectBytes)).Decode(&props) })
-	if n, ok := slotCount(props["total_slots"]); ok {
+	if n, ok := slotCount(d.propsMap()["total_slots"]); ok {
 		return n, nil
 	}
 	var slots []json.RawMessage

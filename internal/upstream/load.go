@@ -39,6 +39,11 @@ type Load struct {
 	// LoRA is vLLM's vllm:lora_requests_info (nil: the page has none): the
 	// adapters running and waiting on the replica, and its max_loras.
 	LoRA *LoRAInfo
+	// Capacity is the KV cache size the page states: vLLM's
+	// vllm:cache_config_info (num_gpu_blocks × block_size) or SGLang's
+	// sglang:max_total_num_tokens; unknown when it states neither
+	// (llama.cpp's page does not: FetchCapacity reads its /props).
+	Capacity Capacity
 }
 
 // LoRAInfo is a replica's LoRA adapters as vLLM reports them: the series of
@@ -131,6 +136,11 @@ func ParseLoad(r io.Reader) (Load, error) {
 	}
 	l.Kind = pageKind(fams)
 	l.LoRA = loraInfo(fams)
+	if n, ok := vllmCapacity(fams); ok {
+		l.Capacity = Capacity{Tokens: n, Source: SourceVLLMMetrics}
+	} else if n, ok := sglangCapacity(fams); ok {
+		l.Capacity = Capacity{Tokens: n, Source: SourceSGLangMetrics}
+	}
 	return l, nil
 }
 
