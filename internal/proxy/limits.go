@@ -23,7 +23,11 @@ import (
 // too (404, allowed), the bound on requests in flight (Config.MaxConcurrent, a semaphore of that many slots, answered 429
 // with Retry-After when full) and the deadline for reading the body
 // (Config.BodyReadTimeout).
-func (p *Proxy) limited(h http.HandlerFunc) http.HandlerFunc {
+func (p *Proxy) limited(h http.HandlerFunc) http.HandlerFunc { return p.limit(h, true) }
+
+// limit is limited, with the AllowedPaths check when allowlisted (the
+// /v1 requests; /tokenize is not under /v1).
+func (p *Proxy) limit(h http.HandlerFunc, allowlisted bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		if hasDotSegment(r.URL.Path) {
 			// The mux cleans literal dot segments (with a redirect), not
@@ -33,7 +37,7 @@ func (p *Proxy) limited(h http.HandlerFunc) http.HandlerFunc {
 			writeError(w, fmt.Errorf("proxy: %w: path %q has dot segments", openai.ErrBadRequest, r.URL.Path))
 			return
 		}
-		if !p.allowRequest(w, r) {
+		if allowlisted && !p.allowRequest(w, r) {
 			return
 		}
 		if p.slots != nil {

@@ -86,16 +86,18 @@ type backend struct {
 // New; serve Handler; run Run for health checks and load scraping. A Proxy
 // is safe for concurrent use.
 type Proxy struct {
-	cfg      Config
-	log      *slog.Logger
-	policy   string          // the policy's name, as a metric label
-	fwd      *http.Transport // forwards client requests
-	checks   *http.Client    // health checks, scrapes, /v1/models
-	m        *metrics
-	nextID   atomic.Uint64
-	slots    chan struct{} // one per inference request in flight; nil: no bound (limits.go)
-	adminTok tokenDigest   // digest of cfg.AdminToken, when set
-	pdOn     bool          // some replica has role prefill: requests may be disaggregated (pd.go)
+	cfg    Config
+	log    *slog.Logger
+	policy string          // the policy's name, as a metric label
+	fwd    *http.Transport // forwards client requests
+	checks *http.Client    // health checks, scrapes, /v1/models
+	m      *metrics
+	nextID atomic.Uint64
+	// tokenizeNext rotates /tokenize over the up replicas (serveTokenize).
+	tokenizeNext atomic.Uint64
+	slots        chan struct{} // one per inference request in flight; nil: no bound (limits.go)
+	adminTok     tokenDigest   // digest of cfg.AdminToken, when set
+	pdOn         bool          // some replica has role prefill: requests may be disaggregated (pd.go)
 
 	// pool is the replicas with their feeds (KV events, load, engine,
 	// tokenizer): a static list from Backends, and what Discovery finds.
@@ -295,6 +297,8 @@ func (p *Proxy) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindCompletion) }))
 	mux.HandleFunc("POST /v1/chat/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindChat) }))
 	mux.HandleFunc("GET /v1/models", p.allowed(p.serveModels))
+	mux.HandleFunc("POST /tokenize", p.limit(p.serveTokenize, false))
+	mux.HandleFunc("POST /detokenize", p.limit(p.serveTokenize, false))
 	mux.HandleFunc("/v1/", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindOther) }))
 	mux.HandleFunc("GET /health", p.serveHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.Reg, promhttp.HandlerOpts{}))
