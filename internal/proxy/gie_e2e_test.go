@@ -41,8 +41,9 @@ func (e *gieEngine) saw() []string {
 }
 
 // startGIEEngines runs n modelled replicas, 100 times faster than real
-// time, until the test ends.
-func startGIEEngines(t testing.TB, n int) []*gieEngine {
+// time, until the test ends; configure, if given, adjusts each engine's
+// config.
+func startGIEEngines(t testing.TB, n int, configure ...func(*engine.Config)) []*gieEngine {
 	t.Helper()
 	prof, err := costmodel.Lookup(costmodel.Llama31_8BH100)
 	if err != nil {
@@ -54,6 +55,9 @@ func startGIEEngines(t testing.TB, n int) []*gieEngine {
 		ec.Replica.Profile = prof
 		ec.TimeScale = 100
 		ec.Logger = slog.New(slog.DiscardHandler)
+		for _, f := range configure {
+			f(&ec)
+		}
 		e, err := engine.New(ec)
 		if err != nil {
 			t.Fatal(err)
