@@ -93,6 +93,10 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"tenant-isolation":        func() { c.TenantIsolation = f.cfg.TenantIsolation },
 		"tenant-salt-secret":      func() { c.TenantSaltSecret = f.cfg.TenantSaltSecret },
 	}
+	// The endpoint picker (proxy.PickerConfig; docs/gie.md).
+	set["endpoint-picker"] = func() { c.EndpointPicker = f.cfg.EndpointPicker }
+	set["endpoint-picker-fail-open"] = func() { c.EndpointPickerFailOpen = f.cfg.EndpointPickerFailOpen }
+	set["endpoint-picker-timeout"] = func() { c.EndpointPickerTimeout = f.cfg.EndpointPickerTimeout }
 	// The front door's bounds (proxy.FrontDoor).
 	fd := &f.cfg.FrontDoor
 	set["max-inflight-body-bytes"] = func() { c.MaxInflightBodyBytes = fd.MaxInflightBodyBytes }
@@ -167,11 +171,21 @@ discovery block in the config file) adds the ready endpoints of a Kubernetes
 Service or the pods of an InferencePool as they come and removes them as they
 go, beside --backend or instead of it, exactly as prefixlb epp finds its pods;
 --http-port, --metrics-port, --kv-events-port, --kv-replay-port and --kv-topic
-place each pod's endpoints (docs/kubernetes.md).`,
+place each pod's endpoints (docs/kubernetes.md).
+
+Endpoint picker: --endpoint-picker HOST:PORT (or endpoint_picker) makes serve
+the data plane of a Gateway API Inference Extension endpoint picker (prefixlb
+epp, llm-d's router, GIE's EPP), as Envoy is in a gateway: each inference
+request's headers and body go to the picker over ext_proc, the request goes to
+the endpoint it names (x-gateway-destination-endpoint, its fallback list tried
+on connection failures), and the response streams back through it. --backend
+is the subset of endpoints the picker may name. A picker that is down fails
+closed (503) unless --endpoint-picker-fail-open (docs/gie.md).`,
 		Example: `  prefixlb serve --listen :8080 --backend http://10.0.0.1:8000,http://10.0.0.2:8000
   prefixlb serve --backend http://a:8000,http://b:8000 --kv-events tcp://a:5557,tcp://b:5557
   prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"
-  prefixlb serve --discovery service:llm/vllm --http-port 8000 --kv-events-port 5557`,
+  prefixlb serve --discovery service:llm/vllm --http-port 8000 --kv-events-port 5557
+  prefixlb serve --backend http://10.0.0.1:8000,http://10.0.0.2:8000 --endpoint-picker 127.0.0.1:9002`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -232,7 +246,16 @@ place each pod's endpoints (docs/kubernetes.md).`,
 	frontDoorFlags(fs, &d.FrontDoor)
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	tenancyFlags(fs, d)
+	pickerFlags(fs, &d.PickerConfig)
 	return cmd
+}
+
+// pickerFlags binds serve's endpoint-picker flags (proxy.PickerConfig;
+// docs/gie.md) over pc, which holds their defaults.
+func pickerFlags(fs *pflag.FlagSet, pc *proxy.PickerConfig) {
+	fs.StringVar(&pc.EndpointPicker, "endpoint-picker", "", "HOST:PORT of a Gateway API Inference Extension endpoint picker (prefixlb epp, llm-d's router; ext_proc over plaintext gRPC): it names each inference request's replica, serve forwards it there, as Envoy would (docs/gie.md)")
+	fs.BoolVar(&pc.EndpointPickerFailOpen, "endpoint-picker-fail-open", false, "when the endpoint picker is down, slow or answers garbage, route with serve's own --policy instead of answering 503 (GIE's FailOpen; default fail closed, as GIE's FailClose)")
+	fs.DurationVar(&pc.EndpointPickerTimeout, "endpoint-picker-timeout", pc.EndpointPickerTimeout, "longest wait for the endpoint picker's decision (its own queueing included), and for its answers on the response path")
 }
 
 // tenancyFlags binds serve's tenant isolation and explanation flags
@@ -327,6 +350,10 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
 		"backends", strings.Join(names, ","), "discovery", cfg.Discovery, "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer,
 		"explain", cfg.Explain, "tenant_isolation", cfg.TenantIsolation)
+	if cfg.EndpointPicker != "" {
+		log.Info("routing through an endpoint picker (GIE data plane)", "endpoint_picker", cfg.EndpointPicker,
+			"fail_open", cfg.EndpointPickerFailOpen, "timeout", cfg.EndpointPickerTimeout)
+	}
 
 	if err := p.RunAndServe(ctx, ln); err != nil {
 		return fmt.Errorf("serve: %w", err)

@@ -227,6 +227,9 @@ type Config struct {
 	// FrontDoor bounds what hostile clients and failing replicas can take
 	// from the proxy (frontdoor_config.go; docs/security.md).
 	FrontDoor
+	// PickerConfig, with EndpointPicker set, makes the proxy a data plane
+	// for a GIE endpoint picker (gie_config.go; docs/gie.md).
+	PickerConfig
 	// Explain says which clients get x-prefixlb-route, the decision's
 	// explanation (matched tokens per replica: how much of the prompt is
 	// cached): tenancy.ExplainTrusted (the default) only requests that
@@ -303,6 +306,7 @@ func DefaultConfig() Config {
 		KVLinkLatency:         time.Millisecond,
 		Queue:                 cluster.DefaultQueueConfig(),
 		FrontDoor:             DefaultFrontDoor(),
+		PickerConfig:          PickerConfig{EndpointPickerTimeout: defaultPickerTimeout},
 		Explain:               tenancy.ExplainTrusted,
 	}
 }
@@ -436,6 +440,9 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("proxy: config: %w", err)
 	}
 	c.Queue.Tenants = c.Tenants.Names()
+	if err := c.PickerConfig.validate(); err != nil {
+		return err
+	}
 	if err := c.FrontDoor.validate(c.MaxBodyBytes); err != nil {
 		return fmt.Errorf("proxy: config: %w", err)
 	}
@@ -621,6 +628,7 @@ type fileConfig struct {
 	AnonymousTokensPerMinute *int64           `json:"anonymous_tokens_per_minute"`
 	RequireTenant            *bool            `json:"require_tenant"`
 	fileFrontDoor
+	filePicker
 }
 
 // fileQueue is the YAML form of Config.Queue: every field optional.
@@ -827,6 +835,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 		c.Tenants.RequireTenant = *f.RequireTenant
 	}
 	f.fileFrontDoor.apply(&c.FrontDoor)
+	f.filePicker.apply(&c.PickerConfig)
 	if f.Pools != nil {
 		if f.Backends != nil || f.Discovery != nil {
 			return base, errors.New("proxy: parse config: pools: backends and discovery belong to each pool, not beside pools")

@@ -128,6 +128,9 @@ type Proxy struct {
 	// hookReleased, when set (tests), is called after an inference request
 	// gave its max_concurrent slot back.
 	hookReleased func()
+	// gie is the endpoint picker's client (gie.go); nil without
+	// Config.EndpointPicker.
+	gie *gieClient
 }
 
 // New builds a Proxy from cfg (validated here). It starts nothing: serve
@@ -201,6 +204,11 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	if cfg.AdminToken != "" {
 		p.adminTok = digestToken(cfg.AdminToken)
+	}
+	if cfg.EndpointPicker != "" {
+		if p.gie, err = newGIEClient(cfg.EndpointPicker, m.Reg); err != nil {
+			return nil, err
+		}
 	}
 	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
 	p.fwd = &http.Transport{
@@ -294,12 +302,12 @@ func (p *Proxy) Config() Config { return p.cfg }
 // AdminToken when set).
 func (p *Proxy) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindCompletion) }))
-	mux.HandleFunc("POST /v1/chat/completions", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindChat) }))
+	mux.HandleFunc("POST /v1/completions", p.limited(p.inference(openai.KindCompletion)))
+	mux.HandleFunc("POST /v1/chat/completions", p.limited(p.inference(openai.KindChat)))
 	mux.HandleFunc("GET /v1/models", p.allowed(p.serveModels))
 	mux.HandleFunc("POST /tokenize", p.limit(p.serveTokenize, false))
 	mux.HandleFunc("POST /detokenize", p.limit(p.serveTokenize, false))
-	mux.HandleFunc("/v1/", p.limited(func(w http.ResponseWriter, r *http.Request) { p.serveInference(w, r, openai.KindOther) }))
+	mux.HandleFunc("/v1/", p.limited(p.inference(openai.KindOther)))
 	mux.HandleFunc("GET /health", p.serveHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.m.Reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST /debug/route", p.admin(p.serveDebugRoute))
@@ -421,6 +429,9 @@ func (p *Proxy) RunAndServe(ctx context.Context, ln net.Listener) error {
 func (p *Proxy) Close() {
 	p.fwd.CloseIdleConnections()
 	p.checks.CloseIdleConnections()
+	if p.gie != nil {
+		_ = p.gie.conn.Close()
+	}
 }
 
 // route decides where req goes, excluding the replicas in exclude (tried
