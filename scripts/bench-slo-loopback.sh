@@ -21,9 +21,9 @@ for pol in ${*:-round-robin e2}; do
     --policy "$pol" --profile mistral-7b-a6000 >/tmp/benchslo-serve.log 2>&1 & pids+=($!)
   for _ in $(seq 50); do curl -sf http://127.0.0.1:18180/v1/models >/dev/null && break; sleep 0.2; done
   echo "== $pol" >&2
-  { echo "# prefixlb bench --target http://127.0.0.1:18180 --workload toolbench --zipf 1.1 --workload-replicas 2 --label $pol --slo ttft_p90=2s --ramp $RAMP"
+  { echo "# prefixlb bench --mode completions --target http://127.0.0.1:18180 --workload toolbench --zipf 1.1 --workload-replicas 2 --label $pol --slo ttft_p90=2s --ramp $RAMP"
     start=$SECONDS
-    $P bench --target http://127.0.0.1:18180 --workload toolbench --zipf 1.1 --workload-replicas 2 --label "$pol" \
+    $P bench --mode completions --target http://127.0.0.1:18180 --workload toolbench --zipf 1.1 --workload-replicas 2 --label "$pol" \
       --slo ttft_p90=2s --ramp "$RAMP" --json "docs/results/bench-slo-$pol.json" 2>&1
     echo "# $((SECONDS - start)) s wall; $(uptime | sed 's/.*load average/load average/') (2-core machine)"
   } > "docs/results/bench-slo-$pol.txt"

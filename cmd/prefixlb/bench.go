@@ -94,7 +94,7 @@ goodput_rps, capacity_rps, at_capacity (docs/capacity.md).`,
 	c.Workload.AddFlags(fs)
 	addDatasetFlags(fs, &c.Workload, false)
 	fs.StringVar(&cfg.Target, "target", "", "base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000 (required)")
-	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (one whole-word token of the tokenizer per id), chat (the same text as a user message to /v1/chat/completions)")
+	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeText), "how prompts are sent: text (one whole-word token of the tokenizer per id: what users send), completions (token ids), chat (the same text as a user message to /v1/chat/completions)")
 	fs.StringVar(&c.Tokenizer, "tokenizer", "", "--mode text/chat and --dataset: the target's tokenizer, qwen3 (bundled), a tokenizer.json or a model directory (default: the bundled Qwen3, checked against the target's /tokenize)")
 	fs.StringVar(&cfg.Model, "model", "", `model name to send (default: the first of GET /v1/models, else "default"); a LoRA adapter's request (--workload lora) sends its adapter instead`)
 	fs.StringVar(&cfg.Policy, "label", cfg.Policy, `name of this run in the results' "policy" field (e.g. the router policy behind --target)`)

@@ -71,7 +71,7 @@ the default sends token ids.`,
 	fs.BoolVar(&c.Hold, "hold", false, "after the comparison, keep the last policy's replicas, router and dashboard running until Ctrl-C")
 	fs.StringVar(&c.Tokenizer, "tokenizer", keying.TokenizerQwen3, "tokenizer of the replicas and the router: qwen3 (bundled), a tokenizer.json, a model directory, or none")
 	addLlamaCppFlags(fs, c)
-	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (/v1/completions with text) or chat (/v1/chat/completions)")
+	fs.StringVar(&c.Mode, "mode", string(loadgen.ModeCompletions), "how prompts are sent: completions (token ids), text (/v1/completions with text: one whole-word token of the tokenizer per id) or chat (the same text as a user message to /v1/chat/completions)")
 	return cmd
 }
 

@@ -14,8 +14,12 @@ import (
 	"io"
 	"log/slog"
 
+	"github.com/prefixlb/prefixlb/internal/keying"
 	"github.com/prefixlb/prefixlb/internal/loadgen"
 	"github.com/prefixlb/prefixlb/internal/report"
+	"github.com/prefixlb/prefixlb/internal/tokenize"
+	"github.com/prefixlb/prefixlb/internal/tokenize/prompttext"
+	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
@@ -71,6 +75,10 @@ type Config struct {
 	// FlagSet.Changed); nil: none given. With EngineLlamaCpp, flags not
 	// given take CPU-sized defaults (LlamaCppDefaults).
 	Changed func(name string) bool
+
+	// text renders a prompt's ids in the text and chat modes (Run sets
+	// it: textRenderer).
+	text func([]uint32) string
 }
 
 // Run runs the demo: each policy on a fresh cluster, progress on stderr,
@@ -78,6 +86,13 @@ type Config struct {
 func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	if c.Replicas < 1 {
 		return fmt.Errorf("--replicas must be ≥ 1, got %d", c.Replicas)
+	}
+	if m := loadgen.Mode(c.Mode); m == loadgen.ModeText || m == loadgen.ModeChat {
+		text, err := textRenderer(c.Tokenizer)
+		if err != nil {
+			return err
+		}
+		c.text = text
 	}
 	switch c.Engine {
 	case EngineModel:
@@ -87,6 +102,30 @@ func Run(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	default:
 		return fmt.Errorf("--engine must be model or llamacpp, got %q", c.Engine)
 	}
+}
+
+// textRenderer renders each workload token id as one whole-word token of
+// the tokenizer spec names (the bundled Qwen3 for "" or "none"), so that a
+// text or chat prompt is as many tokens as the workload says
+// (prompttext): under that tokenizer, under the modelled engines' word
+// tokenizer (one token a word), and under llama.cpp's with the Qwen3
+// vocabulary of the demo's model.
+func textRenderer(spec string) (func([]uint32) string, error) {
+	var tok *tokenize.Tokenizer
+	var err error
+	if spec == "" || spec == keying.TokenizerNone || spec == keying.TokenizerAuto {
+		tok, err = qwen3.Shared()
+	} else {
+		tok, err = keying.LoadTokenizer(spec)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("text prompts: tokenizer: %w", err)
+	}
+	r, err := prompttext.FromTokenizer(tok)
+	if err != nil {
+		return nil, fmt.Errorf("text prompts: %w", err)
+	}
+	return r.Render, nil
 }
 
 // newLogger logs to stderr when verbose, else nowhere.
@@ -104,6 +143,7 @@ func loadConfig(c Config, target, pol string, rate float64, stderr io.Writer) lo
 	lc.Target = target
 	lc.Policy = pol
 	lc.Mode = loadgen.Mode(c.Mode)
+	lc.Text = c.text
 	lc.Rate = rate
 	lc.Workload = c.Workload.Describe()
 	lc.Progress = stderr
