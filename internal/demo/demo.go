@@ -77,8 +77,10 @@ type Config struct {
 	Changed func(name string) bool
 
 	// text renders a prompt's ids in the text and chat modes (Run sets
-	// it: textRenderer).
-	text func([]uint32) string
+	// it: textRenderer); engineTok is the modelled replicas' tokenizer
+	// then, when Tokenizer names none (runModel sets it: Qwen3).
+	text      func([]uint32) string
+	engineTok *tokenize.Tokenizer
 }
 
 // Run runs the demo: each policy on a fresh cluster, progress on stderr,

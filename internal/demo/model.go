@@ -22,6 +22,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/replica"
 	"github.com/prefixlb/prefixlb/internal/report"
 	"github.com/prefixlb/prefixlb/internal/tokenize"
+	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
 	"github.com/prefixlb/prefixlb/internal/workload"
 )
 
@@ -70,9 +71,18 @@ func runModel(ctx context.Context, c Config, stdout, stderr io.Writer) error {
 	} else {
 		fmt.Fprintln(stderr, "prefixlb demo: KV events on: each replica publishes its cache changes over ZeroMQ on loopback; the router follows them")
 	}
-	if tok != nil {
+	switch {
+	case tok != nil:
 		fmt.Fprintf(stderr, "prefixlb demo: tokenizer %s in the replicas and the router, %s requests\n", c.Tokenizer, c.Mode)
-	} else {
+	case loadgen.Mode(c.Mode) != loadgen.ModeCompletions:
+		// Text as users send it, to replicas of a Qwen3 model; the router
+		// at its defaults (tokenizer auto) learns their tokenizer from
+		// their /tokenize.
+		if c.engineTok, err = qwen3.Shared(); err != nil {
+			return err
+		}
+		fmt.Fprintf(stderr, "prefixlb demo: replicas tokenize with Qwen3; the router at its defaults (tokenizer auto); %s requests\n", c.Mode)
+	default:
 		fmt.Fprintf(stderr, "prefixlb demo: no tokenizer (one token per word, text-chunk keys), %s requests\n", c.Mode)
 	}
 	if !c.Hold {
@@ -136,6 +146,8 @@ func modelRun(ctx context.Context, c Config, profile, pol string, reqs []workloa
 		ec.Replica.Role = role
 		if tok != nil {
 			ec.SetTokenizer(tok)
+		} else if c.engineTok != nil {
+			ec.SetTokenizer(c.engineTok)
 		}
 		var pub *kvevents.Publisher
 		if !c.NoKVEvents {
