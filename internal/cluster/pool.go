@@ -207,6 +207,7 @@ type Pool struct {
 	// check is made from tok's tokenizer once it is loaded (tokenizerCheck).
 	checkOnce sync.Once
 	check     *keying.TokenizerCheck
+	loadOnce  sync.Once          // loadAutoTokenizer
 	byName    map[string]*Member // guarded by Mu, as everything below
 	byAddr    map[string]*Member
 	slots     []*Member // by router ID; nil for a free slot
@@ -823,6 +824,9 @@ func (p *Pool) CheckTokenizer(ctx context.Context, m *Member) {
 		return
 	}
 	m.tokState = state
+	if state == keying.TokenizerMatch {
+		p.loadAutoTokenizer()
+	}
 	p.setTokenizerFallback()
 	p.Mu.Unlock()
 	state.Log(p.cfg.Logger, m.Name, err)
@@ -831,25 +835,47 @@ func (p *Pool) CheckTokenizer(ctx context.Context, m *Member) {
 	}
 }
 
-// tokenizerCheck waits for the keyer's tokenizer to load and returns the
-// check made from it; nil if ctx ended first or the tokenizer could not be
+// tokenizerCheck returns the check of the keyer's tokenizer: at once for
+// an auto keyer (its probe ids are known before it is loaded), else once
+// the tokenizer is loaded; nil if ctx ended first or it could not be
 // loaded (logged once: text stays keyed by chunks).
 func (p *Pool) tokenizerCheck(ctx context.Context) *keying.TokenizerCheck {
-	select {
-	case <-p.tok.Ready():
-	case <-ctx.Done():
-		return nil
+	if !p.tok.Auto() {
+		select {
+		case <-p.tok.Ready():
+		case <-ctx.Done():
+			return nil
+		}
 	}
 	p.checkOnce.Do(func() {
-		tok := p.tok.Tokenizer()
-		if tok == nil {
+		if !p.tok.Auto() && p.tok.Tokenizer() == nil {
 			p.cfg.Logger.Error("cannot load the tokenizer: keying text and chats by text chunks", "tokenizer", p.tok.Spec(), "err", p.tok.LoadErr())
 			return
 		}
-		p.check = keying.NewTokenizerCheck(tok)
+		p.check = p.tok.Check()
 		p.check.Timeout = p.cfg.Timeout
 	})
 	return p.check
+}
+
+// loadAutoTokenizer loads an auto keyer's tokenizer once a replica has
+// confirmed it, and logs when it is in use (or could not be loaded).
+func (p *Pool) loadAutoTokenizer() {
+	if !p.tok.Auto() {
+		return
+	}
+	p.loadOnce.Do(func() {
+		p.tok.Load()
+		go func() {
+			<-p.tok.Ready()
+			if err := p.tok.LoadErr(); err != nil {
+				p.cfg.Logger.Error("cannot load the tokenizer: keying text and chats by text chunks", "tokenizer", p.tok.Spec(), "err", err)
+				return
+			}
+			k := p.Keying()
+			p.cfg.Logger.Info("tokenizer loaded", "tokenizer", p.tok.Spec(), "mode", k.Mode, "why", k.Why)
+		}()
+	})
 }
 
 // setTokenizerFallback turns the keyer's fallback on while a member
@@ -865,7 +891,11 @@ func (p *Pool) setTokenizerFallback() {
 	}
 	p.tok.SetFallback(fallback)
 	if !fallback {
-		p.cfg.Logger.Info("keying text and chats by token ids", "tokenizer", p.tok.Spec(), "why", why)
+		msg := "keying text and chats by token ids"
+		if p.tok.Cache() == nil {
+			msg += " once the tokenizer is loaded"
+		}
+		p.cfg.Logger.Info(msg, "tokenizer", p.tok.Spec(), "why", why)
 	} else if p.tok.Auto() {
 		p.cfg.Logger.Warn("keying text and chats by text chunks", "why", why)
 	}
@@ -918,8 +948,12 @@ func (p *Pool) Keying() Keying {
 	_, why := p.keyingLocked()
 	p.Mu.Unlock()
 	k := Keying{Mode: "token ids", Tokenizer: p.tok.Spec(), Auto: p.tok.Auto(), Why: why}
-	if p.tok.Fallback() {
+	switch {
+	case p.tok.Fallback():
 		k.Mode = "text chunks"
+	case p.tok.Cache() == nil:
+		k.Mode = "text chunks"
+		k.Why += "; loading " + p.tok.Spec()
 	}
 	return k
 }

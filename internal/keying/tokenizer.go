@@ -62,11 +62,12 @@ func LoadTokenizer(spec string) (*tokenize.Tokenizer, error) {
 // the template cannot render (no template, or the template rejects it) is
 // keyed as ChunkKeyer does too. A TokenizerKeyer is safe for concurrent use.
 type TokenizerKeyer struct {
-	// cache is nil until the tokenizer is loaded (NewAutoTokenizerKeyer
-	// loads it in the background; ready is closed then, loadErr set if it
+	// cache is nil until the tokenizer is loaded (an auto keyer loads it
+	// in the background on Load; ready is closed then, loadErr set if it
 	// failed).
 	cache       atomic.Pointer[tokenize.PrefixCache]
 	ready       chan struct{}
+	loadOnce    sync.Once
 	loadErr     error
 	blockTokens int
 	fallback    atomic.Bool
@@ -93,7 +94,7 @@ func NewTokenizerKeyer(tok *tokenize.Tokenizer, blockTokens int) *TokenizerKeyer
 // over the bundled Qwen3 tokenizer that starts in fallback (text chunks)
 // and keys by token ids only while some replica's /tokenize has confirmed
 // the tokenizer and none has shown other ids (the Pool's checks decide:
-// cluster.Pool). Qwen3's vocabulary is the one the replicas prefixlb is
+// cluster.Pool), once the tokenizer is loaded (Load). Qwen3's vocabulary is the one the replicas prefixlb is
 // run against most often have (Qwen2.5/Qwen3 models, the llama.cpp test
 // engine); any other model's replicas disagree on the probe and keep text
 // chunks, as with no tokenizer at all.
@@ -101,19 +102,40 @@ func NewAutoTokenizerKeyer(blockTokens int) *TokenizerKeyer {
 	k := &TokenizerKeyer{blockTokens: blockTokens, memo: newKeyMemo(blockTokens), ready: make(chan struct{}),
 		spec: TokenizerQwen3, auto: true}
 	k.fallback.Store(true)
-	// Loading takes a second or two of CPU (decoding the vocabulary), which
-	// a router's start need not wait for: prompts are keyed by text chunks
-	// until it is loaded and confirmed.
-	go func() {
-		defer close(k.ready)
-		tok, err := qwen3.Shared()
-		if err != nil {
-			k.loadErr = err
-			return
-		}
-		k.cache.Store(tokenize.NewPrefixCache(tok, 0))
-	}()
 	return k
+}
+
+// Load starts loading an auto keyer's tokenizer in the background, once
+// (Ready is closed when it is done); the Pool calls it when a replica's
+// /tokenize first confirms it. Loading takes a second or two of CPU and
+// about 23 MiB of heap, which a router in front of another model's
+// replicas never spends. Text stays keyed by chunks until it is loaded.
+// For a keyer made by NewTokenizerKeyer it does nothing.
+func (k *TokenizerKeyer) Load() {
+	if !k.auto {
+		return
+	}
+	k.loadOnce.Do(func() {
+		go func() {
+			defer close(k.ready)
+			tok, err := qwen3.Shared()
+			if err != nil {
+				k.loadErr = err
+				return
+			}
+			k.cache.Store(tokenize.NewPrefixCache(tok, 0))
+		}()
+	})
+}
+
+// Check is the tokenizer check of the keyer's tokenizer: for an auto
+// keyer, one against the Qwen3 probe ids known without loading it
+// (qwen3probe.go); otherwise NewTokenizerCheck of its tokenizer.
+func (k *TokenizerKeyer) Check() *TokenizerCheck {
+	if k.auto {
+		return newQwen3ProbeCheck()
+	}
+	return NewTokenizerCheck(k.Tokenizer())
 }
 
 // Ready is closed once the keyer's tokenizer is loaded, or failed to load

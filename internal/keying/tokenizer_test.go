@@ -125,3 +125,35 @@ func TestTokenizerKeyerChat(t *testing.T) {
 		t.Errorf("fallback: %d keys, %d tokens; ChunkKeyer %d keys, %d tokens", len(got), n, len(want), wn)
 	}
 }
+
+// TestQwen3ProbeIDs: the probe ids an auto keyer checks replicas with
+// before it loads Qwen3 are Qwen3's own, and its keys stay text chunks
+// until Load has loaded it.
+func TestQwen3ProbeIDs(t *testing.T) {
+	tok, err := qwen3.Shared()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewTokenizerCheck(tok)
+	if !slices.Equal(c.want, qwen3ProbeIDs) || !slices.Equal(c.wantChat, qwen3ProbeChatIDs) {
+		t.Fatalf("qwen3probe.go is stale: prompt %v, chat %v", c.want, c.wantChat)
+	}
+	k := NewAutoTokenizerKeyer(16)
+	if k.Tokenizer() != nil {
+		t.Fatal("an auto keyer loaded its tokenizer before Load")
+	}
+	k.SetFallback(false)
+	r := &openai.Request{Texts: []string{strings.Repeat("hello world ", 100)}}
+	chunks, _, _ := ChunkKeyer{BlockTokens: 16}.Keys(r)
+	if keys, _, _ := k.Keys(r); !slices.Equal(keys, chunks) {
+		t.Error("an auto keyer not yet loaded keys text by token ids")
+	}
+	k.Load()
+	<-k.Ready()
+	if err := k.LoadErr(); err != nil {
+		t.Fatal(err)
+	}
+	if keys, _, _ := k.Keys(r); slices.Equal(keys, chunks) || len(keys) != len(tok.Encode(r.Texts[0]))/16 {
+		t.Errorf("a loaded auto keyer: %d keys, want the token ids' %d blocks", len(keys), len(tok.Encode(r.Texts[0]))/16)
+	}
+}

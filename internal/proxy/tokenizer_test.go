@@ -396,11 +396,17 @@ func TestTokenizerAuto(t *testing.T) {
 			if keyer.Fallback() != tt.wantFallback {
 				t.Errorf("fallback %v, want %v", keyer.Fallback(), tt.wantFallback)
 			}
+			// The tokenizer loads in the background once confirmed.
 			var dbg struct {
 				Keying cluster.Keying `json:"keying"`
 			}
-			if err := json.Unmarshal(readAll(t, mustGet(t, srv.URL+"/debug/replicas")), &dbg); err != nil {
-				t.Fatal(err)
+			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				if err := json.Unmarshal(readAll(t, mustGet(t, srv.URL+"/debug/replicas")), &dbg); err != nil {
+					t.Fatal(err)
+				}
+				if dbg.Keying.Mode == tt.wantMode || time.Now().After(deadline) {
+					break
+				}
 			}
 			if dbg.Keying.Mode != tt.wantMode || !dbg.Keying.Auto || dbg.Keying.Tokenizer != "qwen3" || !strings.HasPrefix(dbg.Keying.Why, tt.wantWhy) {
 				t.Errorf("/debug/replicas keying %+v, want mode %q, why %q…", dbg.Keying, tt.wantMode, tt.wantWhy)
