@@ -14,8 +14,8 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
 	dynamicfake "k8s.io/client-go/dynamic/fake"
-	"k8s.io/client-go/kubernetes/fake"
 )
 
 // registry records what it is told and signals every change.
@@ -92,6 +92,64 @@ func endpoint(pod, ip string, ready bool) discoveryv1.Endpoint {
 		TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: pod}}
 }
 
+// scheme knows the typed objects the tests build, so that the dynamic fake
+// can store them as unstructured data.
+func scheme(t *testing.T) *runtime.Scheme {
+	t.Helper()
+	s := runtime.NewScheme()
+	if err := corev1.AddToScheme(s); err != nil {
+		t.Fatal(err)
+	}
+	if err := discoveryv1.AddToScheme(s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// typedObjects writes typed objects through a dynamic client, as the typed
+// clientset's namespaced interfaces would.
+type typedObjects struct{ ri dynamic.ResourceInterface }
+
+func objectsOf(dyn dynamic.Interface, gvr schema.GroupVersionResource, ns string) typedObjects {
+	return typedObjects{dyn.Resource(gvr).Namespace(ns)}
+}
+
+func toUnstructured(obj runtime.Object) (*unstructured.Unstructured, error) {
+	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
+	if err != nil {
+		return nil, err
+	}
+	return &unstructured.Unstructured{Object: m}, nil
+}
+
+func (o typedObjects) Create(ctx context.Context, obj runtime.Object, opts metav1.CreateOptions) (*unstructured.Unstructured, error) {
+	u, err := toUnstructured(obj)
+	if err != nil {
+		return nil, err
+	}
+	return o.ri.Create(ctx, u, opts)
+}
+
+func (o typedObjects) Update(ctx context.Context, obj runtime.Object, opts metav1.UpdateOptions) (*unstructured.Unstructured, error) {
+	u, err := toUnstructured(obj)
+	if err != nil {
+		return nil, err
+	}
+	return o.ri.Update(ctx, u, opts)
+}
+
+func (o typedObjects) UpdateStatus(ctx context.Context, obj runtime.Object, opts metav1.UpdateOptions) (*unstructured.Unstructured, error) {
+	u, err := toUnstructured(obj)
+	if err != nil {
+		return nil, err
+	}
+	return o.ri.UpdateStatus(ctx, u, opts)
+}
+
+func (o typedObjects) Delete(ctx context.Context, name string, opts metav1.DeleteOptions) error {
+	return o.ri.Delete(ctx, name, opts)
+}
+
 func start(t *testing.T, run func(context.Context) error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -108,7 +166,7 @@ var quiet = slog.New(slog.DiscardHandler)
 
 func TestServiceWatcher(t *testing.T) {
 	ctx := context.Background()
-	cs := fake.NewClientset(slice("vllm-a", endpoint("p0", "10.0.0.1", true), endpoint("p1", "10.0.0.2", false)))
+	cs := dynamicfake.NewSimpleDynamicClient(scheme(t), slice("vllm-a", endpoint("p0", "10.0.0.1", true), endpoint("p1", "10.0.0.2", false)))
 	reg := newRegistry()
 	w, err := NewServiceWatcher(cs, Config{Namespace: "ns", Name: "vllm", Registry: reg, Logger: quiet,
 		Ports: Ports{KVTopic: "kv@{ip}:{port}@m"}})
@@ -125,7 +183,7 @@ func TestServiceWatcher(t *testing.T) {
 		t.Errorf("p0 = %+v\nwant %+v", got, want)
 	}
 
-	slices := cs.DiscoveryV1().EndpointSlices("ns")
+	slices := objectsOf(cs, endpointSliceGVR, "ns")
 	// p1 turns ready, p2 appears in a second slice.
 	if _, err := slices.Update(ctx, slice("vllm-a", endpoint("p0", "10.0.0.1", true), endpoint("p1", "10.0.0.2", true)), metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
@@ -188,16 +246,15 @@ func TestPoolWatcher(t *testing.T) {
 	ctx := context.Background()
 	app := map[string]string{"app": "vllm"}
 	ann := map[string]string{AnnotationKVEventsPort: "5557", AnnotationKVTopic: "kv@{ip}:{port}@llama"}
-	cs := fake.NewClientset(
+	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(scheme(t),
+		map[schema.GroupVersionResource]string{InferencePoolGVR: "InferencePoolList"}, pool(map[string]any{"app": "vllm"}, 8000),
 		pod("v0", "10.0.0.1", true, app, ann),
 		pod("v1", "10.0.0.2", false, map[string]string{"app": "vllm", LabelRole: "prefill"}, nil),
 		pod("other", "10.0.0.9", true, map[string]string{"app": "web"}, nil),
 		pod("pending", "", false, app, nil),
 	)
-	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(),
-		map[schema.GroupVersionResource]string{InferencePoolGVR: "InferencePoolList"}, pool(map[string]any{"app": "vllm"}, 8000))
 	reg := newRegistry()
-	w, err := NewPoolWatcher(cs, dyn, Config{Namespace: "ns", Name: "pool", Registry: reg, Logger: quiet})
+	w, err := NewPoolWatcher(dyn, Config{Namespace: "ns", Name: "pool", Registry: reg, Logger: quiet})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -213,7 +270,7 @@ func TestPoolWatcher(t *testing.T) {
 		t.Errorf("v0's role %q, want both (no label)", got)
 	}
 
-	pods := cs.CoreV1().Pods("ns")
+	pods := objectsOf(dyn, podGVR, "ns")
 	if _, err := pods.UpdateStatus(ctx, pod("v1", "10.0.0.2", true, app, nil), metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}

@@ -9,11 +9,8 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/dynamic/dynamicinformer"
-	"k8s.io/client-go/tools/cache"
 )
 
 // InferenceModelRewriteGVR is the Gateway API Inference Extension's
@@ -69,31 +66,23 @@ func (w *ObjectWatcher) Synced() <-chan struct{} { return w.synced }
 // Run follows the objects until ctx ends.
 func (w *ObjectWatcher) Run(ctx context.Context) error {
 	kick := make(chan struct{}, 1)
-	f := dynamicinformer.NewFilteredDynamicSharedInformerFactory(w.dyn, w.resync, w.ns, nil)
-	inf := f.ForResource(w.gvr)
-	if _, err := inf.Informer().AddEventHandler(kicker(kick)); err != nil {
+	inf := newInformer(w.dyn, w.gvr, w.ns, "", w.resync, nil)
+	stop, ok, err := runInformers(ctx, kicker(kick), inf)
+	defer stop()
+	if err != nil {
 		return fmt.Errorf("discovery: watch %s in %s: %w", w.gvr.Resource, w.ns, err)
 	}
-	f.Start(ctx.Done())
-	defer f.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), inf.Informer().HasSynced) {
+	if !ok {
 		return nil // ctx ended
 	}
-	lister := inf.Lister().ByNamespace(w.ns)
 	reconcile := func() {
-		objs, err := lister.List(labels.Everything())
+		objs, err := listTyped[*unstructured.Unstructured](inf, w.ns)
 		if err != nil {
 			w.log.Warn("discovery: watch", "resource", w.gvr.Resource, "namespace", w.ns, "err", err)
 			return
 		}
-		out := make([]*unstructured.Unstructured, 0, len(objs))
-		for _, o := range objs {
-			if u, ok := o.(*unstructured.Unstructured); ok {
-				out = append(out, u)
-			}
-		}
-		slices.SortFunc(out, func(a, b *unstructured.Unstructured) int { return strings.Compare(a.GetName(), b.GetName()) })
-		w.apply(out)
+		slices.SortFunc(objs, func(a, b *unstructured.Unstructured) int { return strings.Compare(a.GetName(), b.GetName()) })
+		w.apply(objs)
 	}
 	return follow(ctx, kick, reconcile, w.synced)
 }

@@ -5,13 +5,12 @@ import (
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/dynamic/dynamicinformer"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 )
 
@@ -28,18 +27,25 @@ var InferencePoolGVR = schema.GroupVersionResource{Group: "inference.networking.
 // not terminating. Pod annotations (prefixlb.io/...) override Ports.
 type PoolWatcher struct {
 	cfg    Config
-	client kubernetes.Interface
 	dyn    dynamic.Interface
 	synced chan struct{}
 }
 
-// NewPoolWatcher returns a watcher; Run starts it.
-func NewPoolWatcher(client kubernetes.Interface, dyn dynamic.Interface, cfg Config) (*PoolWatcher, error) {
+// podGVR is core/v1's Pods, read through the dynamic client and converted
+// to corev1.Pod.
+var podGVR = corev1.SchemeGroupVersion.WithResource("pods")
+
+// NewPoolWatcher returns a watcher that reads the pool and its pods
+// through dyn; Run starts it.
+func NewPoolWatcher(dyn dynamic.Interface, cfg Config) (*PoolWatcher, error) {
 	cfg.defaults()
 	if err := cfg.validate("inferencepool"); err != nil {
 		return nil, err
 	}
-	return &PoolWatcher{cfg: cfg, client: client, dyn: dyn, synced: make(chan struct{})}, nil
+	if dyn == nil {
+		return nil, fmt.Errorf("discovery: inferencepool: a client is required")
+	}
+	return &PoolWatcher{cfg: cfg, dyn: dyn, synced: make(chan struct{})}, nil
 }
 
 // Synced is closed once the first full list has been applied.
@@ -48,25 +54,22 @@ func (w *PoolWatcher) Synced() <-chan struct{} { return w.synced }
 // Run follows the pool and its pods until ctx ends.
 func (w *PoolWatcher) Run(ctx context.Context) error {
 	kick := make(chan struct{}, 1)
-	df := dynamicinformer.NewFilteredDynamicSharedInformerFactory(w.dyn, w.cfg.Resync, w.cfg.Namespace, nil)
-	pools := df.ForResource(InferencePoolGVR)
-	pf := informers.NewSharedInformerFactoryWithOptions(w.client, w.cfg.Resync, informers.WithNamespace(w.cfg.Namespace))
-	pods := pf.Core().V1().Pods()
-	for _, inf := range []cache.SharedIndexInformer{pools.Informer(), pods.Informer()} {
-		if _, err := inf.AddEventHandler(kicker(kick)); err != nil {
-			return fmt.Errorf("discovery: inferencepool %s/%s: %w", w.cfg.Namespace, w.cfg.Name, err)
-		}
+	pools := newInformer(w.dyn, InferencePoolGVR, w.cfg.Namespace, "", w.cfg.Resync, nil)
+	pods := newInformer(w.dyn, podGVR, w.cfg.Namespace, "", w.cfg.Resync,
+		func() runtime.Object { return new(corev1.Pod) })
+	stop, ok, err := runInformers(ctx, kicker(kick), pools, pods)
+	defer stop()
+	if err != nil {
+		return fmt.Errorf("discovery: inferencepool %s/%s: %w", w.cfg.Namespace, w.cfg.Name, err)
 	}
-	df.Start(ctx.Done())
-	pf.Start(ctx.Done())
-	defer df.Shutdown()
-	defer pf.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), pools.Informer().HasSynced, pods.Informer().HasSynced) {
-		return nil
+	if !ok {
+		return nil // ctx ended
 	}
 	st := &state{reg: w.cfg.Registry, log: w.cfg.Logger}
 	reconcile := func() {
-		want, err := w.desired(pools.Lister(), pods.Lister().Pods(w.cfg.Namespace))
+		want, err := w.desired(pools.GetIndexer(), func() ([]*corev1.Pod, error) {
+			return listTyped[*corev1.Pod](pods, w.cfg.Namespace)
+		})
 		if err != nil {
 			w.cfg.Logger.Warn("discovery: inferencepool", "pool", w.cfg.Namespace+"/"+w.cfg.Name, "err", err)
 		}
@@ -104,13 +107,14 @@ func readPool(u *unstructured.Unstructured) (poolSpec, error) {
 }
 
 // desired builds the replicas; a missing or invalid pool has none.
-func (w *PoolWatcher) desired(pools cache.GenericLister, pods interface {
-	List(labels.Selector) ([]*corev1.Pod, error)
-}) (map[string]Replica, error) {
+func (w *PoolWatcher) desired(pools cache.Store, pods func() ([]*corev1.Pod, error)) (map[string]Replica, error) {
 	want := make(map[string]Replica)
-	obj, err := pools.ByNamespace(w.cfg.Namespace).Get(w.cfg.Name)
+	obj, found, err := pools.GetByKey(w.cfg.Namespace + "/" + w.cfg.Name)
 	if err != nil {
 		return want, err
+	}
+	if !found {
+		return want, apierrors.NewNotFound(InferencePoolGVR.GroupResource(), w.cfg.Name)
 	}
 	u, ok := obj.(*unstructured.Unstructured)
 	if !ok {
@@ -123,12 +127,12 @@ func (w *PoolWatcher) desired(pools cache.GenericLister, pods interface {
 	if w.cfg.Ports.HTTP != 0 {
 		spec.port = w.cfg.Ports.HTTP
 	}
-	list, err := pods.List(spec.selector)
+	list, err := pods()
 	if err != nil {
 		return want, err
 	}
 	for _, p := range list {
-		if p.Status.PodIP == "" {
+		if p.Status.PodIP == "" || !spec.selector.Matches(labels.Set(p.Labels)) {
 			continue
 		}
 		r := replicaAt(p.Name, p.Status.PodIP, spec.port, w.cfg.Ports, p.Annotations, podReady(p))

@@ -5,10 +5,9 @@ import (
 	"fmt"
 
 	discoveryv1 "k8s.io/api/discovery/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/tools/cache"
 )
 
@@ -17,17 +16,25 @@ import (
 // ready, as Kubernetes defines it).
 type ServiceWatcher struct {
 	cfg    Config
-	client kubernetes.Interface
+	dyn    dynamic.Interface
 	synced chan struct{}
 }
 
-// NewServiceWatcher returns a watcher; Run starts it.
-func NewServiceWatcher(client kubernetes.Interface, cfg Config) (*ServiceWatcher, error) {
+// endpointSliceGVR is discovery.k8s.io/v1's EndpointSlices, read through
+// the dynamic client and converted to discoveryv1.EndpointSlice.
+var endpointSliceGVR = discoveryv1.SchemeGroupVersion.WithResource("endpointslices")
+
+// NewServiceWatcher returns a watcher that reads EndpointSlices through
+// dyn; Run starts it.
+func NewServiceWatcher(dyn dynamic.Interface, cfg Config) (*ServiceWatcher, error) {
 	cfg.defaults()
 	if err := cfg.validate("service"); err != nil {
 		return nil, err
 	}
-	return &ServiceWatcher{cfg: cfg, client: client, synced: make(chan struct{})}, nil
+	if dyn == nil {
+		return nil, fmt.Errorf("discovery: service: a client is required")
+	}
+	return &ServiceWatcher{cfg: cfg, dyn: dyn, synced: make(chan struct{})}, nil
 }
 
 // Synced is closed once the first full list has been applied.
@@ -35,28 +42,30 @@ func (w *ServiceWatcher) Synced() <-chan struct{} { return w.synced }
 
 // Run follows the Service's EndpointSlices until ctx ends.
 func (w *ServiceWatcher) Run(ctx context.Context) error {
-	sel := labels.SelectorFromSet(labels.Set{discoveryv1.LabelServiceName: w.cfg.Name}).String()
-	f := informers.NewSharedInformerFactoryWithOptions(w.client, w.cfg.Resync,
-		informers.WithNamespace(w.cfg.Namespace),
-		informers.WithTweakListOptions(func(o *v1.ListOptions) { o.LabelSelector = sel }))
-	inf := f.Discovery().V1().EndpointSlices()
+	sl := labels.SelectorFromSet(labels.Set{discoveryv1.LabelServiceName: w.cfg.Name})
+	inf := newInformer(w.dyn, endpointSliceGVR, w.cfg.Namespace, sl.String(), w.cfg.Resync,
+		func() runtime.Object { return new(discoveryv1.EndpointSlice) })
 	kick := make(chan struct{}, 1)
-	if _, err := inf.Informer().AddEventHandler(kicker(kick)); err != nil {
+	stop, ok, err := runInformers(ctx, kicker(kick), inf)
+	defer stop()
+	if err != nil {
 		return fmt.Errorf("discovery: service %s/%s: %w", w.cfg.Namespace, w.cfg.Name, err)
 	}
-	f.Start(ctx.Done())
-	defer f.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), inf.Informer().HasSynced) {
+	if !ok {
 		return nil // ctx ended
 	}
 	st := &state{reg: w.cfg.Registry, log: w.cfg.Logger}
-	lister := inf.Lister().EndpointSlices(w.cfg.Namespace)
-	sl, _ := labels.Parse(sel)
 	reconcile := func() {
-		slices, err := lister.List(sl)
+		all, err := listTyped[*discoveryv1.EndpointSlice](inf, w.cfg.Namespace)
 		if err != nil {
 			w.cfg.Logger.Warn("discovery: list endpointslices", "err", err)
 			return
+		}
+		var slices []*discoveryv1.EndpointSlice
+		for _, s := range all {
+			if sl.Matches(labels.Set(s.Labels)) {
+				slices = append(slices, s)
+			}
 		}
 		st.apply(w.desired(slices))
 	}

@@ -6,7 +6,6 @@ import (
 	"os"
 
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 )
@@ -38,18 +37,14 @@ func NewWatcher(target, kubeconfig string, cfg Config) (Watcher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("discovery: kubernetes config: %w", err)
 	}
-	cs, err := kubernetes.NewForConfig(rc)
-	if err != nil {
-		return nil, fmt.Errorf("discovery: kubernetes client: %w", err)
-	}
-	if kind == "service" {
-		return NewServiceWatcher(cs, cfg)
-	}
 	dyn, err := dynamic.NewForConfig(rc)
 	if err != nil {
 		return nil, fmt.Errorf("discovery: kubernetes dynamic client: %w", err)
 	}
-	return NewPoolWatcher(cs, dyn, cfg)
+	if kind == "service" {
+		return NewServiceWatcher(dyn, cfg)
+	}
+	return NewPoolWatcher(dyn, cfg)
 }
 
 // kubeConfig is path's config, else $KUBECONFIG's, else the in-cluster one.
