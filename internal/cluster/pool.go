@@ -204,7 +204,8 @@ type Pool struct {
 	m    *Metrics
 	sink *Sink
 	tok  *keying.TokenizerKeyer // nil: no tokenizer check
-	// check is made from tok's tokenizer once it is loaded (tokenizerCheck).
+	// check is tok's tokenizer check (tokenizerCheck): the Qwen3 probe ids
+	// for an auto keyer, else made from the loaded tokenizer.
 	checkOnce sync.Once
 	check     *keying.TokenizerCheck
 	loadOnce  sync.Once          // loadAutoTokenizer
@@ -786,7 +787,9 @@ func (p *Pool) tokenizerLoop(ctx context.Context, m *Member) {
 // fallback: on while any member mismatches, so that prompts are keyed by
 // text chunks rather than by token keys that match none of its blocks. A
 // replica without /tokenize (an HTTP error) is "unknown" and does not stop
-// token keying; one that did not answer stays due. The check waits for a
+// a configured tokenizer's token keying (an auto one needs a match:
+// keyingLocked); one that did not answer stays due. An auto keyer's
+// tokenizer is loaded at the first match (loadAutoTokenizer). The check waits for a
 // due detection: the engine says which /tokenize it speaks.
 func (p *Pool) CheckTokenizer(ctx context.Context, m *Member) {
 	if p.tok == nil {
