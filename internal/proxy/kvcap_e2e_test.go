@@ -104,6 +104,21 @@ func TestKVCapacityFromEngines(t *testing.T) {
 		}
 		home = r.replica
 	}
+	// The client has the last [DONE] a moment before the router books the
+	// request's end (its blocks then count as cached, not in flight):
+	// wait for that, as a later client would find it.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		busy := 0
+		for _, r := range debug() {
+			busy += r.InFlight
+		}
+		if busy == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("requests still in flight 5 s after their answers ended")
+		}
+	}
 	r := e2eSend(ctx, srv.Client(), srv.URL, e2ePrompt(7, 99, 256, 0, 2))
 	if r.err != nil {
 		t.Fatal(r.err)
