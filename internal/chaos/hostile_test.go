@@ -302,6 +302,16 @@ func hostileAttacks() []hostileAttack {
 			name: "big-bodies",
 			inPlace: func(t *testing.T, h *hostileRig) {
 				waitFor(t, hostilePhase/2, "the big bodies sent or refused", func() bool { return h.bigBodies.done.Load() == 40 })
+				// The bytes the attacker wrote are still crossing loopback
+				// into the router's held bodies after its writes return:
+				// in place once the router's body bytes stop growing (by
+				// more than the tenant's own small bodies come and go).
+				waitFor(t, hostilePhase/2, "the router's held body bytes settled", func() bool {
+					a := mustScrape(t, h.router)["prefixlb_inflight_body_bytes"]
+					time.Sleep(300 * time.Millisecond)
+					b := mustScrape(t, h.router)["prefixlb_inflight_body_bytes"]
+					return math.Abs(a-b) < 1<<20
+				})
 			},
 			start: func(_ *testing.T, h *hostileRig) func() {
 				// 40 requests each declaring 16 MiB - 1 and sending 15 MiB
