@@ -8,7 +8,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/prefixlb/prefixlb/internal/keying"
@@ -136,23 +135,8 @@ func setupText(ctx context.Context, spec string, mode loadgen.Mode, target strin
 	return t, nil
 }
 
-// renderers holds the Renderer of each tokenizer built in this process
-// (*tokenize.Tokenizer → *prompttext.Renderer), so that runs over the
-// same tokenizer (the bundled Qwen3 is shared) build it once.
-var renderers sync.Map
-
 // renderer returns tok's Renderer, built on first use.
-func renderer(tok *tokenize.Tokenizer) (*prompttext.Renderer, error) {
-	if r, ok := renderers.Load(tok); ok {
-		return r.(*prompttext.Renderer), nil
-	}
-	r, err := prompttext.FromTokenizer(tok)
-	if err != nil {
-		return nil, err
-	}
-	v, _ := renderers.LoadOrStore(tok, r)
-	return v.(*prompttext.Renderer), nil
-}
+func renderer(tok *tokenize.Tokenizer) (*prompttext.Renderer, error) { return prompttext.Shared(tok) }
 
 // templateTokens measures the tokens the chat template adds around one
 // user message, as bench's chat requests send it (vLLM's default

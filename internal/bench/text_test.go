@@ -6,14 +6,13 @@ import (
 	"encoding/json"
 	"log/slog"
 	"math"
-	"net/http/httptest"
 	"os"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/prefixlb/prefixlb/internal/costmodel"
 	"github.com/prefixlb/prefixlb/internal/engine"
+	"github.com/prefixlb/prefixlb/internal/engine/enginetest"
 	"github.com/prefixlb/prefixlb/internal/loadgen"
 	"github.com/prefixlb/prefixlb/internal/report"
 	"github.com/prefixlb/prefixlb/internal/tokenize/qwen3"
@@ -44,24 +43,7 @@ func startEngine(t *testing.T, withQwen3 bool, edit func(*engine.Config)) string
 	if edit != nil {
 		edit(&cfg)
 	}
-	e, err := engine.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- e.Run(ctx) }()
-	srv := httptest.NewServer(e.Handler())
-	t.Cleanup(func() {
-		srv.Close()
-		cancel()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			t.Error("engine did not stop")
-		}
-	})
-	return srv.URL
+	return enginetest.Start(t, cfg)
 }
 
 // runBench runs bench with the shared-prefix workload (small) against

@@ -123,7 +123,7 @@ func textRenderer(spec string) (func([]uint32) string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("text prompts: tokenizer: %w", err)
 	}
-	r, err := prompttext.FromTokenizer(tok)
+	r, err := prompttext.Shared(tok)
 	if err != nil {
 		return nil, fmt.Errorf("text prompts: %w", err)
 	}

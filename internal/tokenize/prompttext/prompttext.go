@@ -28,6 +28,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"unsafe"
 
 	"github.com/prefixlb/prefixlb/internal/tokenize"
@@ -226,4 +227,23 @@ func FromTokenizer(tok *tokenize.Tokenizer) (*Renderer, error) {
 		return nil, err
 	}
 	return r, nil
+}
+
+// renderers holds the Renderer of each tokenizer built in this process
+// (*tokenize.Tokenizer → *Renderer), so that runs over the same tokenizer
+// (the bundled Qwen3 is shared) build it once.
+var renderers sync.Map
+
+// Shared returns tok's Renderer (FromTokenizer), built on first use and
+// kept for the process.
+func Shared(tok *tokenize.Tokenizer) (*Renderer, error) {
+	if r, ok := renderers.Load(tok); ok {
+		return r.(*Renderer), nil
+	}
+	r, err := FromTokenizer(tok)
+	if err != nil {
+		return nil, err
+	}
+	v, _ := renderers.LoadOrStore(tok, r)
+	return v.(*Renderer), nil
 }
