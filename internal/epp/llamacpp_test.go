@@ -142,7 +142,7 @@ func TestPickerLlamaCpp(t *testing.T) {
 			}
 			w := watcher{sse: tt.sse, max: 1 << 20}
 			w.feed([]byte(upstreamtest.LlamaCpp(t, tt.fixture)))
-			out, cached := w.result()
+			out, cached, _ := w.result()
 			if out != tt.wantOut || cached != tt.wantCached {
 				t.Fatalf("watcher: %d out, %d cached; want %d, %d", out, cached, tt.wantOut, tt.wantCached)
 			}
@@ -285,7 +285,7 @@ func TestWatcherTimings(t *testing.T) {
 			for i := 0; i < len(tt.body); i += 7 { // split across feeds
 				w.feed([]byte(tt.body[i:min(i+7, len(tt.body))]))
 			}
-			if _, cached := w.result(); cached != tt.wantCached {
+			if _, cached, _ := w.result(); cached != tt.wantCached {
 				t.Errorf("cached %d, want %d", cached, tt.wantCached)
 			}
 		})

@@ -531,8 +531,8 @@ func (x *exchange) finish(complete bool) {
 	if !complete && x.status == 0 {
 		ok = false
 	}
-	out, cached := x.watch.result()
-	fin := router.Finish{OutputTokens: out, CachedTokens: cached, OK: ok, Timings: x.watch.timings.Calibration()}
+	out, cached, prompt := x.watch.result()
+	fin := router.Finish{OutputTokens: out, CachedTokens: cached, PromptTokens: prompt, OK: ok, Timings: x.watch.timings.Calibration()}
 	fin.ITL, fin.ITLSamples = x.watch.gaps.Median()
 	x.s.p.Finish(x.pick.ID, fin)
 	x.settleQuota(out, ok)
@@ -648,7 +648,7 @@ func (w *watcher) event(data []byte) bool {
 // (-1 unknown): usage.prompt_tokens_details.cached_tokens (vLLM, SGLang),
 // else usage.prompt_tokens − timings.prompt_n (llama.cpp, whose timings
 // ride on the usage chunk, or on every chunk with timings_per_token).
-func (w *watcher) result() (out, cached int) {
+func (w *watcher) result() (out, cached, prompt int) {
 	if !w.sse && !w.overrun && len(w.body) > 0 {
 		if c, ok := openai.ReadChunk(w.body); ok && c.HasUsage {
 			w.usage = &c
@@ -656,10 +656,10 @@ func (w *watcher) result() (out, cached int) {
 	}
 	out, cached = w.tokens, -1
 	if w.usage != nil {
-		out, cached = w.usage.CompletionTokens, w.usage.CachedTokens
+		out, cached, prompt = w.usage.CompletionTokens, w.usage.CachedTokens, w.usage.PromptTokens
 		if cached < 0 && w.timings != nil {
 			cached = openai.CachedFromTimings(w.usage.PromptTokens, w.timings)
 		}
 	}
-	return out, cached
+	return out, cached, prompt
 }

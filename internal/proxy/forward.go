@@ -616,7 +616,7 @@ func (x *exchange) stream(id uint64, d *policy.Decision, b *backend, n int, resp
 	}
 	fin := router.Finish{OutputTokens: st.Tokens, CachedTokens: -1, OK: !st.UpstreamError, Timings: st.Timings.Calibration()}
 	if st.Usage != nil {
-		fin.OutputTokens, fin.CachedTokens = st.Usage.CompletionTokens, st.Cached()
+		fin.OutputTokens, fin.CachedTokens, fin.PromptTokens = st.Usage.CompletionTokens, st.Cached(), st.Usage.PromptTokens
 	}
 	fin.ITL, fin.ITLSamples = gaps.Median()
 	x.done(id, d, b, fin)
@@ -661,7 +661,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 		return result{err: readFailure(err), retry: x.r.Context().Err() == nil}
 	}
 	ok := resp.StatusCode < 400
-	out, cached := 0, -1
+	out, cached, prompt := 0, -1, 0
 	var timings *openai.Timings
 	if int64(len(buf)) > limit {
 		return x.passThrough(id, d, b, n, resp, buf, body, readFailure)
@@ -674,7 +674,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 		}
 		timings = c.Timings
 		if c.HasUsage {
-			out, cached = c.CompletionTokens, c.CachedTokens
+			out, cached, prompt = c.CompletionTokens, c.CachedTokens, c.PromptTokens
 		}
 	}
 	x.writeHead(d, b, n, resp, len(buf))
@@ -684,7 +684,7 @@ func (x *exchange) buffered(id uint64, d *policy.Decision, b *backend, n int, re
 		return result{err: fmt.Errorf("proxy: write to client: %w", err)}
 	}
 	if ok {
-		x.done(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, OK: true, Timings: timings.Calibration()})
+		x.done(id, d, b, router.Finish{OutputTokens: out, CachedTokens: cached, PromptTokens: prompt, OK: true, Timings: timings.Calibration()})
 	} else {
 		p.finish(id, out, -1, false)
 	}

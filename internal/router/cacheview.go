@@ -70,6 +70,14 @@ type CacheView struct {
 	// Corrections counts reports that changed the view (capacity shrunk or
 	// grown, slot contents corrected).
 	Corrections int `json:"corrections"`
+	// UnitsPerToken is the router's count of a prompt over the engine's
+	// (usage.prompt_tokens), learnt from the replica's reports: 1 when
+	// requests are keyed by token ids or by the engine's own tokenizer;
+	// for text keyed by chunks, four bytes to a unit against the engine's
+	// tokenizer (about 1.6 for llm-d-inference-sim's word tokenizer). The
+	// engine's KV capacity is converted by it into the units the mirror
+	// and the policies count in (capacityUnits). 0 until learnt.
+	UnitsPerToken float64 `json:"units_per_token,omitempty"`
 }
 
 // errorEWMA is the weight of the newest report in CacheView.ErrorTokens:
@@ -117,6 +125,7 @@ func (r *Router) CacheView(id int) (CacheView, error) {
 	v.CachedTokens = r.tree.CachedBlocks(id) * r.cfg.BlockTokens
 	v.ConfiguredCapacityTokens, v.ConfiguredCapacitySource = r.KVCapacity(id)
 	v.CapacityTokens = r.mirrorCapacity(id)
+	v.UnitsPerToken = c.units
 	return v, nil
 }
 
@@ -130,6 +139,9 @@ type replicaCache struct {
 	kvSource   string
 	slots      *slotCache // nil: a block cache
 	view       CacheView  // the counters of CacheView
+	// units is the learnt router units per engine token (0: not learnt,
+	// read as 1), applied the ratio last used to convert the capacity.
+	units, applied float64
 }
 
 // grow makes r.cache hold replica id.
@@ -148,10 +160,81 @@ func (r *Router) mirrorCapacity(id int) int {
 }
 
 // configuredCapacity is the mirror capacity replica id starts from: its
-// KV capacity (KVCapacity).
+// KV capacity (KVCapacity), in the router's units (capacityUnits).
 func (r *Router) configuredCapacity(id int) int {
 	n, _ := r.KVCapacity(id)
-	return n
+	return r.capacityUnits(id, n)
+}
+
+// capacityUnits converts tokens of replica id's engine into the router's
+// units: unchanged until a report taught the ratio (CacheView.UnitsPerToken).
+func (r *Router) capacityUnits(id, tokens int) int {
+	if id < len(r.cache) {
+		if u := r.cache[id].applied; u > 0 && u != 1 {
+			return int(float64(tokens) * u)
+		}
+	}
+	return tokens
+}
+
+// Learning CacheView.UnitsPerToken: each report's ratio weighs unitsEWMA,
+// and the capacities are converted again when it has moved by more than
+// unitsResync since they last were. Ratios outside unitsBounds are not
+// a tokenizer's (a truncated or an empty prompt) and are ignored.
+const (
+	unitsEWMA   = 1.0 / 16
+	unitsResync = 0.02
+)
+
+var unitsBounds = [2]float64{0.05, 20}
+
+// learnUnits records one report of replica id: the router counted prompt
+// units of a prompt the engine counted enginePrompt tokens.
+func (r *Router) learnUnits(id, prompt, enginePrompt int) {
+	if prompt <= 0 || enginePrompt <= 0 {
+		return
+	}
+	ratio := float64(prompt) / float64(enginePrompt)
+	if ratio < unitsBounds[0] || ratio > unitsBounds[1] {
+		return
+	}
+	r.grow(id)
+	c := &r.cache[id]
+	if c.units == 0 {
+		c.units = ratio
+	} else {
+		c.units += unitsEWMA * (ratio - c.units)
+	}
+	old := c.applied
+	if old == 0 {
+		old = 1
+	}
+	if math.Abs(c.units-old) <= unitsResync*old {
+		return
+	}
+	c.applied = c.units
+	r.syncKVCapacity(id)
+	if c.capacityTokens > 0 {
+		// The learnt capacity was counted in the old units.
+		c.capacityTokens = min(int(float64(c.capacityTokens)*c.applied/old), r.configuredCapacity(id))
+	}
+}
+
+// syncKVCapacity sets what the policies read as replica id's KV capacity
+// (policy.Replica.KVCapacity) in the router's units: the engine's figure
+// converted, or, once units are learnt, the fallback's converted (0 leaves
+// View.KVCapacityOf on the profile's).
+func (r *Router) syncKVCapacity(id int) {
+	c := &r.cache[id]
+	switch {
+	case c.kvCapacity > 0:
+		r.reps[id].KVCapacity = r.capacityUnits(id, c.kvCapacity)
+	case c.applied > 0 && c.applied != 1:
+		n, _ := r.KVCapacity(id)
+		r.reps[id].KVCapacity = r.capacityUnits(id, n)
+	default:
+		r.reps[id].KVCapacity = 0
+	}
 }
 
 // Sources of a replica's KV capacity that the router falls back on when
@@ -210,7 +293,7 @@ func (r *Router) SetKVCapacity(id, tokens int, source string) error {
 		c.capacityTokens = 0
 	}
 	c.kvCapacity, c.kvSource = tokens, source
-	r.reps[id].KVCapacity = tokens
+	r.syncKVCapacity(id)
 	return nil
 }
 
@@ -221,7 +304,7 @@ func (r *Router) feedback(f *flight, reported int, now time.Time) {
 	id := f.replica
 	r.grow(id)
 	c := &r.cache[id]
-	bt := r.cfg.BlockTokens
+	bt := r.tolerance(id)
 	d := f.matched - reported
 	c.view.Checked++
 	c.view.LastErrorTokens = d
@@ -255,6 +338,22 @@ func (r *Router) feedback(f *flight, reported int, now time.Time) {
 	}
 }
 
+// tolerance is how far a prediction of replica id's cached tokens may be
+// from its report and still count as exact, in the router's units: one
+// block when the router counts the engine's tokens; with text keyed by
+// chunks, one of the router's blocks plus one of the engine's (the engine
+// caches whole blocks of its own tokens, the router matches whole chunks
+// of bytes, and the two floors differ by up to a block of each).
+func (r *Router) tolerance(id int) int {
+	bt := r.cfg.BlockTokens
+	if id < len(r.cache) {
+		if u := r.cache[id].applied; u > 0 && u != 1 {
+			return bt + int(math.Ceil(float64(bt)*u))
+		}
+	}
+	return bt
+}
+
 // Bounds of the learned mirror capacity: a shrink keeps this share of what
 // the mirror held, and never goes below minCapacityPrompts of the prompt that
 // reported the eviction (the replica held that prompt whole).
@@ -269,10 +368,11 @@ const (
 // blocks may still have been being computed, which says nothing of capacity.
 func (r *Router) blockFeedback(id int, f *flight, reported int, now time.Time) bool {
 	bt := r.cfg.BlockTokens
+	tol := r.tolerance(id)
 	c := &r.cache[id]
 	capTok := r.mirrorCapacity(id)
 	switch d := f.matched - reported; {
-	case d > bt && !f.contended:
+	case d > tol && !f.contended:
 		held := r.tree.CachedBlocks(id) * bt
 		next := int(shrinkFactor * float64(min(capTok, held)))
 		next = max(next, minCapacityPrompts*f.prompt, bt)
@@ -284,7 +384,7 @@ func (r *Router) blockFeedback(id int, f *flight, reported int, now time.Time) b
 			r.tree.EvictLRU(id, over, now)
 		}
 		return true
-	case d < -bt:
+	case d < -tol:
 		next := min(r.configuredCapacity(id), capTok-d)
 		if next <= capTok {
 			return false

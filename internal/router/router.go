@@ -873,6 +873,13 @@ type Finish struct {
 	// CachedTokens is the prompt tokens the engine reported it served from
 	// its cache, -1 if it reported none.
 	CachedTokens int
+	// PromptTokens is the prompt tokens the engine counted
+	// (usage.prompt_tokens), 0 if it reported none. The router's own count
+	// of a request keyed by text chunks is an estimate in its own units
+	// (one key is BlockTokens of them, keying.ChunkKeyer); with the
+	// engine's count, CachedTokens is converted into those units before it
+	// is compared with the router's prediction (reportedUnits).
+	PromptTokens int
 	// OK is false for a failed request.
 	OK bool
 	// Timings is the engine's own measurement of the request (llama.cpp's
@@ -892,6 +899,11 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	f, found := r.inflight[id]
 	if !found {
 		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
+	}
+	reportedTokens := cachedTokens
+	cachedTokens = reportedUnits(cachedTokens, f.prompt, fin.PromptTokens)
+	if ok {
+		r.learnUnits(f.replica, f.prompt, fin.PromptTokens)
 	}
 	if t := r.cal[f.replica]; t != nil && !f.pd {
 		t.Finished(&f.cal, calibrate.Report{OK: ok, OutputTokens: outputTokens, CachedTokens: cachedTokens,
@@ -931,9 +943,9 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	}
 	if ok && cachedTokens >= 0 {
 		r.stats.PredictionsChecked++
-		r.stats.PredictedTokens += int64(f.matched)
-		r.stats.ReportedTokens += int64(cachedTokens)
-		if d := f.matched - cachedTokens; d <= r.cfg.BlockTokens && d >= -r.cfg.BlockTokens {
+		r.stats.PredictedTokens += int64(engineTokens(f.matched, f.prompt, fin.PromptTokens))
+		r.stats.ReportedTokens += int64(reportedTokens)
+		if d, tol := f.matched-cachedTokens, r.tolerance(f.replica); d <= tol && d >= -tol {
 			r.stats.PredictionsExact++
 		}
 		r.feedback(f, cachedTokens, now)
@@ -948,6 +960,34 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	*f = flight{}
 	r.free = append(r.free, f)
 	return nil
+}
+
+// reportedUnits converts cached, the prompt tokens an engine reported
+// cached out of its count enginePrompt, into the router's units for a
+// request it counted as prompt: unchanged when either count is unknown.
+// A request keyed by token ids or a matching tokenizer has prompt ≈
+// enginePrompt and keeps its figure; one keyed by text chunks counts four
+// bytes to a token (keying.ChunkKeyer), which a tokenizer of longer
+// tokens (llm-d-inference-sim's word tokenizer: about six bytes) makes an
+// overestimate by the same factor as its cached share, so the cached share
+// of the engine's count is what compares with the router's prediction.
+// Comparing raw counts instead made every text prediction look like an
+// eviction, and the mirror shrank each replica's cache to a third
+// (docs/peers.md).
+func reportedUnits(cached, prompt, enginePrompt int) int {
+	if cached <= 0 || prompt <= 0 || enginePrompt <= 0 || prompt == enginePrompt {
+		return cached
+	}
+	return int(int64(cached) * int64(prompt) / int64(enginePrompt))
+}
+
+// engineTokens is reportedUnits' inverse: the router's prediction of
+// matched units in the engine's tokens.
+func engineTokens(matched, prompt, enginePrompt int) int {
+	if matched <= 0 || prompt <= 0 || enginePrompt <= 0 || prompt == enginePrompt {
+		return matched
+	}
+	return int(int64(matched) * int64(enginePrompt) / int64(prompt))
 }
 
 // FlightLoad returns what in-flight request id adds to its replica's

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"math"
 	"slices"
 	"testing"
 
@@ -264,6 +265,73 @@ func TestMirrorCapacityLearned(t *testing.T) {
 	}
 	if v, _ := re.CacheView(0); v.CapacityTokens != configured || v.Corrections != 0 {
 		t.Errorf("events replica: %+v, want the configured capacity and no corrections", v)
+	}
+}
+
+// TestMirrorChunkUnits: a request keyed by text chunks counts four bytes
+// to a token (keying.ChunkKeyer) while the engine counts its own tokens
+// (llm-d-inference-sim's word tokenizer: about 1.8 times fewer). A replica
+// that serves every predicted prefix from cache reports the cached share of
+// its own count, floored to its own 16-token blocks; the router compares it
+// in its own units, within a block of each, and keeps the engine's
+// capacity. Compared raw, every report looked like an eviction and the
+// mirror shrank (docs/peers.md).
+func TestMirrorChunkUnits(t *testing.T) {
+	const configured = 64 * 1024
+	const engine512 = 512 * 11 / 20 // the engine's count of 512 of the router's units
+	for _, tc := range []struct {
+		name      string
+		withCount bool // the engine reports usage.prompt_tokens
+	}{{"engine count reported", true}, {"no engine count", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRouter(t, &policy.RoundRobin{}, configured, false)
+			var predicted, reported int64
+			for i := 0; i < 200; i++ {
+				p := toks(uint64(i%6), 512) // 6 prompts of 512 units: all fit
+				d := route(t, r, uint64(i+1), p, i)
+				engine := engine512
+				cached := d.MatchedTokens * 11 / 20 / bt * bt
+				fin := Finish{OutputTokens: 10, CachedTokens: cached, OK: true}
+				if tc.withCount {
+					fin.PromptTokens = engine
+				}
+				if err := r.Finish(uint64(i+1), fin, at(i)); err != nil {
+					t.Fatal(err)
+				}
+				predicted += int64(d.MatchedTokens)
+				reported += int64(cached)
+			}
+			v, _ := r.CacheView(0)
+			st := r.Stats()
+			if !tc.withCount {
+				// Without the engine's count the units cannot be told
+				// apart: the report reads as evictions (what happened
+				// before usage.prompt_tokens was read).
+				if v.Corrections == 0 {
+					t.Errorf("no corrections without the engine's count: %+v", v)
+				}
+				return
+			}
+			// The engine's 64k tokens are 512/281 times as many of the
+			// router's units.
+			units := 512.0 / float64(engine512)
+			want := int(configured * units)
+			if v.CapacityTokens < want-1 || v.CapacityTokens > want+1 || v.Corrections != 0 || math.Abs(v.UnitsPerToken-units) > 1e-9 {
+				t.Errorf("view %+v: want %d units (the configured %d tokens), %.3f units per token and no corrections", v, want, configured, units)
+			}
+			if rp, _ := r.Replica(0); rp.KVCapacity != v.CapacityTokens {
+				t.Errorf("policies read a capacity of %d, want the mirror's %d units", rp.KVCapacity, v.CapacityTokens)
+			}
+			if v.Over != 0 || v.Exact != v.Checked {
+				t.Errorf("view %+v: want every prediction exact", v)
+			}
+			if st.ReportedTokens != reported {
+				t.Errorf("reported tokens %d, want the engine's %d", st.ReportedTokens, reported)
+			}
+			if want := predicted * engine512 / 512; st.PredictedTokens < want-int64(st.PredictionsChecked) || st.PredictedTokens > want {
+				t.Errorf("predicted tokens %d in the engine's units, want ≈ %d", st.PredictedTokens, want)
+			}
+		})
 	}
 }
 
