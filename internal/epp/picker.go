@@ -438,7 +438,7 @@ func (p *Picker) Pick(ctx context.Context, in Input) (Pick, error) {
 	if session == "" {
 		session = pr.User
 	}
-	req := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: promptTokens,
+	req := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: promptTokens, Estimated: pr.TokensEstimated,
 		OutputTokens: pr.MaxTokens, Session: session, Unary: !pr.Stream, Explain: in.Explain, Adapter: pr.Adapter}
 	if req.OutputTokens == 0 {
 		req.OutputTokens = p.cfg.DefaultOutputTokens

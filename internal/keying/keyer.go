@@ -34,7 +34,8 @@ func (k ChunkKeyer) ChunkBytes() int { return 4 * k.BlockTokens }
 // engine schedules first); its prompt tokens count every prompt. A LoRA
 // adapter's request (Request.Adapter) is keyed from the adapter's seed,
 // and a salted one (Request.CacheSalt) from that seed salted
-// (blocks.ChainSeed), text chunks as token blocks.
+// (blocks.ChainSeed), text chunks as token blocks. A request with text
+// is marked Request.TokensEstimated.
 func (k ChunkKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	var keys []blocks.Key
 	total := 0
@@ -45,6 +46,7 @@ func (k ChunkKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 		}
 		total += (len(text) + 3) / 4
 	}
+	r.TokensEstimated = len(r.Texts) > 0
 	for i, ids := range r.TokenIDs {
 		if i == 0 && len(keys) == 0 {
 			keys = blocks.SeededKeys(nil, seed, ids, k.BlockTokens)

@@ -15,20 +15,22 @@ import (
 func TestChunkKeyer(t *testing.T) {
 	k := ChunkKeyer{BlockTokens: 16}
 	text := strings.Repeat("x", 200)
-	keys, n, err := k.Keys(&openai.Request{Texts: []string{text}})
+	tr := &openai.Request{Texts: []string{text}}
+	keys, n, err := k.Keys(tr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(keys) != 3 || n != 50 {
-		t.Errorf("text: %d keys, %d tokens; want 3, 50", len(keys), n)
+	if len(keys) != 3 || n != 50 || !tr.TokensEstimated {
+		t.Errorf("text: %d keys, %d tokens, estimated %v; want 3, 50, true", len(keys), n, tr.TokensEstimated)
 	}
 	if want := blocks.TextKeys(nil, text, 64); keys[2] != want[2] {
 		t.Error("text keys differ from blocks.TextKeys")
 	}
 	ids := make([]uint32, 40)
-	keys, n, _ = k.Keys(&openai.Request{TokenIDs: [][]uint32{ids, {1}}})
-	if len(keys) != 2 || n != 41 {
-		t.Errorf("ids: %d keys, %d tokens; want 2, 41", len(keys), n)
+	ir := &openai.Request{TokenIDs: [][]uint32{ids, {1}}}
+	keys, n, _ = k.Keys(ir)
+	if len(keys) != 2 || n != 41 || ir.TokensEstimated {
+		t.Errorf("ids: %d keys, %d tokens, estimated %v; want 2, 41, false", len(keys), n, ir.TokensEstimated)
 	}
 	_, n, _ = k.Keys(&openai.Request{})
 	if n != 1 {

@@ -201,6 +201,7 @@ func (k *TokenizerKeyer) Keys(r *openai.Request) ([]blocks.Key, int, error) {
 	var keys []blocks.Key
 	total := 0
 	seed := blocks.ChainSeed(r.Adapter, r.CacheSalt)
+	r.TokensEstimated = false
 	switch {
 	case r.Chat != nil:
 		buf := idsPool.Get().(*[]uint32)

@@ -80,6 +80,10 @@ type Request struct {
 	// engine does (nil unless the body had messages): TokenizerKeyer keys
 	// it, ChunkKeyer keys Texts.
 	Chat *ChatPrompt
+	// TokensEstimated is set by the keyer (internal/keying) when it
+	// counted the prompt's tokens from its bytes (text keyed by chunks)
+	// rather than with the engine's tokenizer.
+	TokensEstimated bool
 }
 
 // ChatPrompt is a chat body as vLLM hands it to the model's chat template.

@@ -36,6 +36,12 @@ type Request struct {
 	Keys []blocks.Key
 	// PromptTokens is the prompt's length in tokens (≥ len(Keys)·block size).
 	PromptTokens int
+	// Estimated says PromptTokens and the keys' tokens are estimated from
+	// the prompt's bytes (text keyed by chunks, keying.ChunkKeyer: four
+	// bytes to a unit), not counted by the engine's tokenizer: the router
+	// then converts the engine's reports into its units
+	// (router.CacheView.UnitsPerToken).
+	Estimated bool
 	// OutputTokens is the expected output length (max_tokens); 0 if unknown.
 	OutputTokens int
 	// Session is a session key for affinity ("" if none).

@@ -252,7 +252,7 @@ func (p *Proxy) serveDebugRoute(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("proxy: %w", err))
 		return
 	}
-	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens,
+	preq := policy.Request{ID: p.nextID.Add(1), Keys: keys, PromptTokens: tokens, Estimated: req.TokensEstimated, OutputTokens: req.MaxTokens,
 		Session: r.Header.Get(HeaderSession), Explain: true, Adapter: req.Adapter}
 	if preq.Session == "" {
 		preq.Session = req.User

@@ -155,8 +155,8 @@ func (p *Proxy) serveInference(w http.ResponseWriter, r *http.Request, kind open
 		fail(fmt.Errorf("proxy: %w", err))
 		return
 	}
-	preq := policy.Request{Keys: keys, PromptTokens: tokens, OutputTokens: req.MaxTokens, Session: r.Header.Get(HeaderSession),
-		Unary: !req.Stream, Adapter: req.Adapter}
+	preq := policy.Request{Keys: keys, PromptTokens: tokens, Estimated: req.TokensEstimated, OutputTokens: req.MaxTokens,
+		Session: r.Header.Get(HeaderSession), Unary: !req.Stream, Adapter: req.Adapter}
 	if preq.Session == "" {
 		preq.Session = req.User
 	}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"regexp"
@@ -326,7 +327,17 @@ func TestLlamaCppCachedTokens(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			wantErr := matched - tt.wantCached
+			// A chat's text is keyed by chunks (no tokenizer here): the
+			// report is compared in the router's units, the engine's
+			// count times UnitsPerToken (router.Finish.PromptTokens).
+			reported := tt.wantCached
+			if v.UnitsPerToken > 0 {
+				reported = int(math.Floor(float64(tt.wantCached)*v.UnitsPerToken + 1e-9))
+			}
+			if est := strings.Contains(tt.path, "chat"); est != (v.UnitsPerToken > 0) {
+				t.Errorf("units per token %v: want them learnt only from the chat's estimated count", v.UnitsPerToken)
+			}
+			wantErr := matched - reported
 			if v.Checked != 1 || v.LastErrorTokens != wantErr || v.ErrorTokens != float64(wantErr) || v.Slots != 2 {
 				t.Errorf("cache view %+v, want 1 checked with error %d tokens on 2 slots", v, wantErr)
 			}
@@ -349,8 +360,8 @@ func TestLlamaCppMetricsAndDebug(t *testing.T) {
 	cfg.Logger = slog.New(slog.DiscardHandler)
 	p, srv := startProxy(t, cfg)
 	startDetected(t, p, 2)
-	for range 2 { // one each
-		readAll(t, post(t, srv.URL, "/v1/completions", `{"model":"m","prompt":"hello world","max_tokens":3}`))
+	for range 2 { // one each; token ids, so the fixture's counts are compared as they are
+		readAll(t, post(t, srv.URL, "/v1/completions", `{"model":"m","prompt":[1,2,3],"max_tokens":3}`))
 	}
 	for id := range 2 {
 		p.pool.Scrape(context.Background(), p.backendAt(id).Member)

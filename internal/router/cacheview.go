@@ -304,7 +304,7 @@ func (r *Router) feedback(f *flight, reported int, now time.Time) {
 	id := f.replica
 	r.grow(id)
 	c := &r.cache[id]
-	bt := r.tolerance(id)
+	bt := r.tolerance(f)
 	d := f.matched - reported
 	c.view.Checked++
 	c.view.LastErrorTokens = d
@@ -338,16 +338,16 @@ func (r *Router) feedback(f *flight, reported int, now time.Time) {
 	}
 }
 
-// tolerance is how far a prediction of replica id's cached tokens may be
-// from its report and still count as exact, in the router's units: one
-// block when the router counts the engine's tokens; with text keyed by
-// chunks, one of the router's blocks plus one of the engine's (the engine
+// tolerance is how far the prediction of flight f's cached tokens may be
+// from its replica's report and still count as exact, in the router's
+// units: one block when the router counts the engine's tokens; with text
+// keyed by chunks, one of the router's blocks plus one of the engine's (the engine
 // caches whole blocks of its own tokens, the router matches whole chunks
 // of bytes, and the two floors differ by up to a block of each).
-func (r *Router) tolerance(id int) int {
+func (r *Router) tolerance(f *flight) int {
 	bt := r.cfg.BlockTokens
-	if id < len(r.cache) {
-		if u := r.cache[id].applied; u > 0 && u != 1 {
+	if f.estimated && f.replica < len(r.cache) {
+		if u := r.cache[f.replica].units; u > 0 {
 			return bt + int(math.Ceil(float64(bt)*u))
 		}
 	}
@@ -368,7 +368,7 @@ const (
 // blocks may still have been being computed, which says nothing of capacity.
 func (r *Router) blockFeedback(id int, f *flight, reported int, now time.Time) bool {
 	bt := r.cfg.BlockTokens
-	tol := r.tolerance(id)
+	tol := r.tolerance(f)
 	c := &r.cache[id]
 	capTok := r.mirrorCapacity(id)
 	switch d := f.matched - reported; {

@@ -127,6 +127,9 @@ type flight struct {
 	// used the matched prefix, so a report of fewer cached tokens may be
 	// concurrency (blocks still being computed), not eviction.
 	contended bool
+	// estimated: the request's tokens were estimated from bytes
+	// (policy.Request.Estimated).
+	estimated bool
 	// slot is the slot the request holds on a slot-cache replica (noSlot
 	// otherwise), and prevKeys/prevTokens what that slot held before.
 	slot       int
@@ -687,7 +690,7 @@ func (r *Router) commit(req *policy.Request, d *policy.Decision, now time.Time) 
 	matched := r.view.MatchedTokens(id, req)
 	missed := req.PromptTokens - matched
 	*f = flight{
-		keys: req.Keys, replica: id, prompt: req.PromptTokens, matched: matched,
+		keys: req.Keys, replica: id, prompt: req.PromptTokens, matched: matched, estimated: req.Estimated,
 		pendingTokens: missed, pendingPrefill: r.priced[id].Prefill(missed, r.view.SeqFor(id, req)),
 		out: req.OutputTokens, routedAt: now, slot: noSlot,
 	}
@@ -875,10 +878,11 @@ type Finish struct {
 	CachedTokens int
 	// PromptTokens is the prompt tokens the engine counted
 	// (usage.prompt_tokens), 0 if it reported none. The router's own count
-	// of a request keyed by text chunks is an estimate in its own units
-	// (one key is BlockTokens of them, keying.ChunkKeyer); with the
-	// engine's count, CachedTokens is converted into those units before it
-	// is compared with the router's prediction (reportedUnits).
+	// of a request keyed by text chunks (policy.Request.Estimated) is an
+	// estimate in its own units (one key is BlockTokens of them,
+	// keying.ChunkKeyer); with the engine's count, CachedTokens is
+	// converted into those units before it is compared with the router's
+	// prediction (reportedUnits).
 	PromptTokens int
 	// OK is false for a failed request.
 	OK bool
@@ -900,10 +904,13 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	if !found {
 		return fmt.Errorf("%w: %d", ErrUnknownRequest, id)
 	}
-	reportedTokens := cachedTokens
-	cachedTokens = reportedUnits(cachedTokens, f.prompt, fin.PromptTokens)
-	if ok {
-		r.learnUnits(f.replica, f.prompt, fin.PromptTokens)
+	reportedTokens, enginePrompt := cachedTokens, 0
+	if f.estimated {
+		enginePrompt = fin.PromptTokens
+		cachedTokens = reportedUnits(cachedTokens, f.prompt, enginePrompt)
+		if ok {
+			r.learnUnits(f.replica, f.prompt, enginePrompt)
+		}
 	}
 	if t := r.cal[f.replica]; t != nil && !f.pd {
 		t.Finished(&f.cal, calibrate.Report{OK: ok, OutputTokens: outputTokens, CachedTokens: cachedTokens,
@@ -943,9 +950,9 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 	}
 	if ok && cachedTokens >= 0 {
 		r.stats.PredictionsChecked++
-		r.stats.PredictedTokens += int64(engineTokens(f.matched, f.prompt, fin.PromptTokens))
+		r.stats.PredictedTokens += int64(engineTokens(f.matched, f.prompt, enginePrompt))
 		r.stats.ReportedTokens += int64(reportedTokens)
-		if d, tol := f.matched-cachedTokens, r.tolerance(f.replica); d <= tol && d >= -tol {
+		if d, tol := f.matched-cachedTokens, r.tolerance(f); d <= tol && d >= -tol {
 			r.stats.PredictionsExact++
 		}
 		r.feedback(f, cachedTokens, now)
@@ -965,8 +972,9 @@ func (r *Router) Finish(id uint64, fin Finish, now time.Time) error {
 // reportedUnits converts cached, the prompt tokens an engine reported
 // cached out of its count enginePrompt, into the router's units for a
 // request it counted as prompt: unchanged when either count is unknown.
-// A request keyed by token ids or a matching tokenizer has prompt ≈
-// enginePrompt and keeps its figure; one keyed by text chunks counts four
+// Only a request keyed by text chunks (flight.estimated) is converted:
+// one keyed by token ids or a matching tokenizer is counted exactly. Text
+// keyed by chunks counts four
 // bytes to a token (keying.ChunkKeyer), which a tokenizer of longer
 // tokens (llm-d-inference-sim's word tokenizer: about six bytes) makes an
 // overestimate by the same factor as its cached share, so the cached share

@@ -282,13 +282,19 @@ func TestMirrorChunkUnits(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		withCount bool // the engine reports usage.prompt_tokens
-	}{{"engine count reported", true}, {"no engine count", false}} {
+		exact     bool // the request was keyed by token ids: not estimated
+	}{{"engine count reported", true, false}, {"no engine count", false, false}, {"token ids", true, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := newRouter(t, &policy.RoundRobin{}, configured, false)
 			var predicted, reported int64
 			for i := 0; i < 200; i++ {
 				p := toks(uint64(i%6), 512) // 6 prompts of 512 units: all fit
-				d := route(t, r, uint64(i+1), p, i)
+				rq := req(uint64(i+1), p)
+				rq.Estimated = !tc.exact
+				d, err := r.Route(rq, at(i))
+				if err != nil {
+					t.Fatal(err)
+				}
 				engine := engine512
 				cached := d.MatchedTokens * 11 / 20 / bt * bt
 				fin := Finish{OutputTokens: 10, CachedTokens: cached, OK: true}
@@ -303,6 +309,14 @@ func TestMirrorChunkUnits(t *testing.T) {
 			}
 			v, _ := r.CacheView(0)
 			st := r.Stats()
+			if tc.exact {
+				// A count of token ids is exact: a report that differs
+				// is a real difference, never converted.
+				if v.UnitsPerToken != 0 || v.Corrections == 0 {
+					t.Errorf("token-id requests: view %+v, want no units learnt and the reports read as evictions", v)
+				}
+				return
+			}
 			if !tc.withCount {
 				// Without the engine's count the units cannot be told
 				// apart: the report reads as evictions (what happened
