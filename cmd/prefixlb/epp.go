@@ -31,6 +31,7 @@ type eppFlags struct {
 	treeMaxBlocks            int
 	backends, discovery      string
 	kubeconfig               string
+	kvEventsListen           string
 	policy, profile          string
 	calibrate                bool
 	blockTokens              int
@@ -133,6 +134,7 @@ pod its own speed (docs/calibration.md).`,
 	fs.StringVar(&f.pool, "pool", "", "key namespace in the shared state (default: the --discovery target)")
 	portFlags(fs, &f.ports, "")
 	fs.DurationVar(&f.scrape, "scrape-interval", time.Second, "how often to read each replica's /metrics (0: never)")
+	fs.StringVar(&f.kvEventsListen, "kv-events-listen", "", "bind a ZMQ SUB socket here (tcp://0.0.0.0:5557) for replicas whose engines dial the router with their KV events; topic kv@<ip:port>@<model> names the replica (docs/kv-events.md)")
 	fs.StringVar(&f.backendKind, "backend-kind", "auto", "replicas' engine: auto (detect each replica's when it joins and is ready again), vllm, sglang or llamacpp")
 	f.explain = tenancy.ExplainTrusted
 	fs.Var(tenancy.ExplainFlag{V: &f.explain}, "explain", "which upstream requests get x-prefixlb-route (the decision explained: matched tokens per replica, a cache oracle) and, with e2, x-prefixlb-route-terms: never, trusted (requests presenting --admin-token in x-prefixlb-admin-token or Authorization: Bearer) or always; bare --explain is always")
@@ -176,7 +178,7 @@ func runEPP(ctx context.Context, cmd *cobra.Command, f *eppFlags) error {
 		return fmt.Errorf("epp: --backend-kind: %w", err)
 	}
 	cfg := epp.Config{Policy: f.policy, Profile: f.profile, NoCalibrate: !f.calibrate, BlockTokens: f.blockTokens, Seed: f.seed,
-		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, MaxPromptTokens: f.maxPromptTokens, ScrapeInterval: f.scrape,
+		Fallbacks: f.fallbacks, MaxQueue: f.maxQueue, MaxPromptTokens: f.maxPromptTokens, ScrapeInterval: f.scrape, KVEventsListen: f.kvEventsListen,
 		KVLink:       policy.KVLink{BytesPerSecond: f.kvLinkGbps * 1e9 / 8, Latency: f.kvLinkLatency},
 		LoRAAdapters: f.loraAdapters, LoRAAdapterBytes: f.loraAdapterBytes, Tokenizer: f.tokenizer,
 		TreeMaxBlocks: f.treeMaxBlocks, BackendKind: kind, Objectives: f.objectives}

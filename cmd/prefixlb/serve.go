@@ -76,6 +76,7 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 		"tokenizer":               func() { c.Tokenizer = f.cfg.Tokenizer },
 		"backend-kind":            func() { c.BackendKind = upstream.Kind(f.backendKind) },
 		"discovery":               func() { c.Discovery = f.cfg.Discovery },
+		"kv-events-listen":        func() { c.KVEventsListen = f.cfg.KVEventsListen },
 		"kv-link-gbps":            func() { c.KVLinkGbps = f.cfg.KVLinkGbps },
 		"lora-adapters":           func() { c.LoRAAdapters = f.cfg.LoRAAdapters },
 		"lora-adapter-bytes":      func() { c.LoRAAdapterBytes = f.cfg.LoRAAdapterBytes },
@@ -203,6 +204,7 @@ closed (503) unless --endpoint-picker-fail-open (docs/gie.md).`,
 	fs.StringVar(&f.prefill, "prefill-backend", "", "prefill replicas' base URLs, comma-separated: requests are disaggregated, their prefill run there and their KV moved to a --backend replica that decodes (vLLM's P/D protocol; the policy defaults to e2-pd)")
 	fs.Float64Var(&d.KVLinkGbps, "kv-link-gbps", d.KVLinkGbps, "with prefill replicas: each replica's KV-transfer link, Gbit/s, as the policies price a transfer")
 	fs.DurationVar(&d.KVLinkLatency, "kv-link-latency", d.KVLinkLatency, "with prefill replicas: one KV transfer's fixed latency")
+	fs.StringVar(&d.KVEventsListen, "kv-events-listen", "", "bind a ZMQ SUB socket here (tcp://0.0.0.0:5557) for replicas whose engines dial the router with their KV events; topic kv@<host:port>@<model> names the backend (docs/kv-events.md)")
 	fs.StringVar(&f.kvEvents, "kv-events", "", "replicas' KV-event endpoints (tcp://HOST:PORT), comma-separated, matched by position to the --backend replicas, then the --prefill-backend ones; replay on port+1")
 	fs.IntVar(&d.TreeMaxBlocks, "tree-max-blocks", 0, "bound of the router's prefix tree in blocks (0: 2M, about 420 MiB of heap, ~200 bytes a block; RSS about twice the heap)")
 	fs.DurationVar(&d.SpeculativeTTL, "speculative-ttl", 0, "how long a routed prompt counts as cached on a KV-event replica before its events confirm it (0: 2s; negative: off)")
@@ -349,7 +351,7 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 	}
 	log.Info("prefixlb serve", "listen", ln.Addr().String(), "policy", cfg.Policy, "profile", cfg.Profile,
 		"backends", strings.Join(names, ","), "discovery", cfg.Discovery, "backend_kind", cfg.BackendKind, "admin_token", cfg.AdminToken != "", "tokenizer", cfg.Tokenizer,
-		"explain", cfg.Explain, "tenant_isolation", cfg.TenantIsolation)
+		"explain", cfg.Explain, "tenant_isolation", cfg.TenantIsolation, "kv_events_listen", cfg.KVEventsListen)
 	if cfg.EndpointPicker != "" {
 		log.Info("routing through an endpoint picker (GIE data plane)", "endpoint_picker", cfg.EndpointPicker,
 			"fail_open", cfg.EndpointPickerFailOpen, "timeout", cfg.EndpointPickerTimeout)
@@ -365,7 +367,7 @@ func runServe(ctx context.Context, cmd *cobra.Command, f *serveFlags) error {
 // servePools serves the config file's model pools; flags given apply to
 // every pool, as they apply to the file's top level.
 func servePools(ctx context.Context, cmd *cobra.Command, f *serveFlags, cfg proxy.Config, log *slog.Logger) error {
-	for _, name := range []string{"backend", "prefill-backend", "kv-events", "discovery"} {
+	for _, name := range []string{"backend", "prefill-backend", "kv-events", "kv-events-listen", "discovery"} {
 		if cmd.Flags().Changed(name) {
 			return fmt.Errorf("serve: --%s: with pools in --config, each pool names its own replicas", name)
 		}

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -42,7 +43,9 @@ type Replica struct {
 	KVEvents string
 	// KVReplay is the replica's replay ROUTER socket ("": none).
 	KVReplay string
-	// KVTopic is the subscription prefix ("": every topic).
+	// KVTopic is the subscription prefix ("": every topic). Without
+	// KVEvents, with the pool's listener (PoolConfig.KVEventsListen), a
+	// message whose topic is exactly KVTopic is the replica's.
 	KVTopic string
 	// Kind is the replica's engine ("": the pool's PoolConfig.Kind).
 	Kind upstream.Kind
@@ -81,7 +84,11 @@ type Member struct {
 	role    policy.Role        // Replica.Role, parsed
 	stop    context.CancelFunc // ends its feeds (nil: not started)
 	sub     *kvevents.Subscriber
-	kv      kvCounts
+	// listen: the replica has no KVEvents and the pool a listener, which
+	// may receive its events; listenOn: its first batch arrived, and the
+	// router takes its cache from events (Router.SetEvents).
+	listen, listenOn bool
+	kv               kvCounts
 
 	// The engine: kind is the one in effect (upstream.Unknown until
 	// detected), slots a slot cache's slot count, kindDue says a detection
@@ -146,6 +153,15 @@ type PoolConfig struct {
 	Client *http.Client
 	// Logger receives the pool's logs (nil: slog.Default()).
 	Logger *slog.Logger
+	// KVEventsListen, when set, is where the pool binds one SUB socket
+	// that engines' KV-event PUB sockets dial ("tcp://0.0.0.0:5557";
+	// kvevents.Listener). A message is a member's when the pod part of its
+	// topic "kv@<pod>@<model>" is the member's host:port (HostPort of its
+	// URL, or its Address), or a bare host only that member has, or its
+	// name; or when the topic is the member's KVTopic. Members with their
+	// own KVEvents are dialled as before and never take the listener's
+	// messages. A member is mirrored until its first batch arrives.
+	KVEventsListen string
 }
 
 func (c *PoolConfig) defaults() {
@@ -204,6 +220,9 @@ type Pool struct {
 	m    *Metrics
 	sink *Sink
 	tok  *keying.TokenizerKeyer // nil: no tokenizer check
+	// listener receives the events of engines that dial the pool (nil:
+	// no KVEventsListen).
+	listener *kvevents.Listener
 	// check is tok's tokenizer check (tokenizerCheck): the Qwen3 probe ids
 	// for an auto keyer, else made from the loaded tokenizer.
 	checkOnce sync.Once
@@ -230,7 +249,7 @@ func NewPool(core *Core, m *Metrics, cfg PoolConfig) (*Pool, error) {
 	}
 	p.sink = &Sink{Core: core, KV: m.KV, Log: cfg.Logger, IgnoreTiers: core.ignoreTiers,
 		ID: func(name string) int {
-			if r, ok := p.byName[name]; ok && r.sub != nil {
+			if r, ok := p.byName[name]; ok && (r.sub != nil || r.listen) {
 				return r.ID
 			}
 			return -1
@@ -242,6 +261,11 @@ func NewPool(core *Core, m *Metrics, cfg PoolConfig) (*Pool, error) {
 				p.Hooks.KV()
 			}
 		},
+	}
+	if cfg.KVEventsListen != "" {
+		p.listener = kvevents.NewListener(kvevents.ListenerConfig{Endpoint: cfg.KVEventsListen,
+			Resolve: p.resolveTopic, OnFirstBatch: p.listenFirstBatch,
+			Index: m.KV.Index, Sink: p.sink, Metrics: m.KV.Metrics, Logger: p.cfg.Logger})
 	}
 	m.Reg.MustRegister(poolCollector{p}, CacheCollector{Rows: p.cacheRows})
 	k := p.Keying()
@@ -367,6 +391,7 @@ func (p *Pool) add(r Replica) (up, changed bool) {
 	_ = p.Router.SetCacheSlots(m.ID, 0) // a reused slot may have had a slot cache
 	p.markKindDue(m)
 	p.markTokenizerDue(m)
+	m.listen = r.KVEvents == "" && p.listener != nil
 	if r.KVEvents != "" {
 		m.sub = kvevents.NewSubscriber(kvevents.SubscriberConfig{
 			Replica: r.Name, Endpoint: r.KVEvents, ReplayEndpoint: r.KVReplay, Topic: r.KVTopic,
@@ -376,7 +401,7 @@ func (p *Pool) add(r Replica) (up, changed bool) {
 	p.slots[m.ID] = m
 	p.byName[r.Name] = m
 	p.byAddr[r.Address] = m
-	p.m.ReplicaAdded(r.Name, r.KVEvents != "")
+	p.m.ReplicaAdded(r.Name, r.KVEvents != "" || m.listen)
 	if p.Hooks.Added != nil {
 		p.Hooks.Added(m)
 	}
@@ -408,6 +433,9 @@ func (p *Pool) remove(m *Member) {
 	_ = p.Router.SetExternalLoad(m.ID, router.ExternalLoad{})
 	if m.stop != nil {
 		m.stop()
+	}
+	if p.listener != nil {
+		p.listener.Forget(m.Name) // a successor of its name starts a new stream
 	}
 	p.m.KV.Index.Forget(m.Name)
 	p.m.ReplicaRemoved(m.Name)
@@ -515,6 +543,8 @@ func (p *Pool) Run(ctx context.Context) error {
 		p.Mu.Unlock()
 		return errors.New("cluster: pool already running")
 	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	p.runCtx = ctx
 	for _, m := range p.slots {
 		if m != nil {
@@ -522,12 +552,78 @@ func (p *Pool) Run(ctx context.Context) error {
 		}
 	}
 	p.Mu.Unlock()
+	var lerr error
+	if p.listener != nil {
+		// A failed bind ends Run with its error: serve and epp fail at
+		// start rather than mirror every cache unawares.
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			if err := p.listener.Run(ctx); err != nil {
+				lerr = fmt.Errorf("cluster: kv events listener: %w", err)
+				cancel()
+			}
+		}()
+	}
 	p.ExpireSpeculative(ctx, 500*time.Millisecond)
 	p.Mu.Lock()
 	p.runCtx = nil
 	p.Mu.Unlock()
 	p.wg.Wait()
-	return nil
+	return lerr
+}
+
+// Listener is the pool's KV-event listener (nil without
+// PoolConfig.KVEventsListen).
+func (p *Pool) Listener() *kvevents.Listener { return p.listener }
+
+// resolveTopic names the listening member a KV-event topic belongs to
+// (PoolConfig.KVEventsListen says how); it runs on the listener's
+// goroutine.
+func (p *Pool) resolveTopic(topic string) (string, bool) {
+	pod := kvevents.TopicPod(topic)
+	p.Mu.Lock()
+	defer p.Mu.Unlock()
+	byHost := ""
+	hosts := 0
+	for _, m := range p.slots {
+		if m == nil || !m.listen {
+			continue
+		}
+		switch {
+		case m.KVTopic != "" && topic == m.KVTopic:
+			return m.Name, true
+		case pod == "":
+		case pod == HostPort(m.Base) || pod == m.Address || pod == m.Name:
+			return m.Name, true
+		case pod == m.Base.Hostname():
+			byHost = m.Name
+			hosts++
+		}
+	}
+	if hosts == 1 {
+		return byHost, true
+	}
+	return "", false
+}
+
+// listenFirstBatch switches member name, if it is still a listening
+// member, from mirrored to event-fed: its first batch arrived through the
+// listener (which applies it next). It runs on the listener's goroutine.
+func (p *Pool) listenFirstBatch(name string) {
+	p.Mu.Lock()
+	m, ok := p.byName[name]
+	if ok && m.listen && !m.listenOn {
+		m.listenOn = true
+		if err := p.Router.SetEvents(m.ID, true); err != nil {
+			p.cfg.Logger.Error("router set events", "replica", name, "err", err)
+		}
+	}
+	p.Mu.Unlock()
+	if ok {
+		p.cfg.Logger.Info("replica's KV events arrive through the listener: its cache is taken from them",
+			"replica", name, "listen", p.cfg.KVEventsListen)
+	}
 }
 
 // start launches m's feeds under Run's context (Mu held).
@@ -978,7 +1074,9 @@ type State struct {
 	KindDue  bool
 	// Tokenizer is the last tokenizer check's verdict.
 	Tokenizer keying.TokenizerState
-	// KVEvents is the replica's KV-event socket ("": none).
+	// KVEvents is the replica's KV-event socket ("": none), or
+	// "listen:ENDPOINT" for a member whose engine may dial the pool's
+	// listener (PoolConfig.KVEventsListen).
 	KVEvents string
 	// KVCapacity is its KV cache in tokens as the router prices it, and
 	// KVCapacitySource where it came from (router.KVCapacity: an engine's
@@ -992,7 +1090,20 @@ func (p *Pool) StateOf(m *Member) State {
 	capTokens, capSource := p.Router.KVCapacity(m.ID)
 	return State{Name: m.Name, Address: m.Address, URL: m.Base.String(), Ready: m.Ready, Healthy: m.healthy,
 		Kind: m.kind, Slots: m.slots, KVTokens: m.kvTokens, KindDue: m.kindDue, Tokenizer: m.tokState,
-		KVEvents: m.KVEvents, KVCapacity: capTokens, KVCapacitySource: capSource}
+		KVEvents: p.kvEndpoint(m), KVCapacity: capTokens, KVCapacitySource: capSource}
+}
+
+// kvEndpoint is where m's KV events come from: its KVEvents, or
+// "listen:" and the listener's endpoint for a listening member ("": none).
+func (p *Pool) kvEndpoint(m *Member) string {
+	if m.listen {
+		ep := p.cfg.KVEventsListen
+		if strings.HasSuffix(ep, ":0") { // a free port: the one bound
+			ep = cmp.Or(p.listener.Endpoint(), ep)
+		}
+		return "listen:" + ep
+	}
+	return m.KVEvents
 }
 
 // KVState is what a member's KV-event stream did (GET /debug/cache).
@@ -1009,12 +1120,23 @@ type KVState struct {
 }
 
 // KVStateOf returns m's KV-event state; ok is false for a replica without
-// KV events. It takes no lock.
+// KV events. A listening member's Stream is its listener stream's
+// (kvevents.StateListening), or, before its first batch, an empty one in
+// that state. It takes no lock.
 func (p *Pool) KVStateOf(m *Member) (KVState, bool) {
-	if m.sub == nil {
+	var st kvevents.Stats
+	switch {
+	case m.sub != nil:
+		st = m.sub.Stats()
+	case m.listen:
+		var ok bool
+		if st, ok = p.listener.ReplicaStats(m.Name); !ok {
+			st = kvevents.Stats{Replica: m.Name, State: kvevents.StateListening, LastSeq: -1}
+		}
+	default:
 		return KVState{}, false
 	}
-	return KVState{Stream: m.sub.Stats(), Stored: m.kv.stored.Load(), Removed: m.kv.removed.Load(),
+	return KVState{Stream: st, Stored: m.kv.stored.Load(), Removed: m.kv.removed.Load(),
 		Cleared: m.kv.cleared.Load(), CPUIgnored: m.kv.cpu.Load(), UnknownParent: m.kv.unknownParent.Load(),
 		TierStored: m.kv.tierStored.Load(), TierRemoved: m.kv.tierRemoved.Load()}, true
 }

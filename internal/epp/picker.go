@@ -25,6 +25,7 @@ import (
 
 	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/openai"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
@@ -125,6 +126,14 @@ type Config struct {
 	// queue and KV usage (0: never); each read, and each /tokenize request
 	// of a tokenizer check, is bounded by ScrapeTimeout (default 2s).
 	ScrapeInterval, ScrapeTimeout time.Duration
+	// KVEventsListen, when set, is where the picker binds one ZeroMQ SUB
+	// socket for engines that dial it with their KV events
+	// ("tcp://0.0.0.0:5557", as llm-d deploys vLLM and
+	// llm-d-inference-sim's --zmq-endpoint): a message whose topic
+	// "kv@<ip:port>@<model>" names a replica's address is that replica's,
+	// mirrored until its first batch arrives
+	// (cluster.PoolConfig.KVEventsListen; docs/kv-events.md).
+	KVEventsListen string
 	// BackendKind is the replicas' engine (proxy.ParseBackendKind: "auto",
 	// the default, "vllm", "sglang" or "llamacpp"). With auto each
 	// replica's kind is detected (proxy.DetectBackend) when it joins and
@@ -231,6 +240,11 @@ func (c *Config) Validate() error {
 	if _, err := upstream.ParseKind(string(c.BackendKind)); err != nil {
 		return fmt.Errorf("epp: backend kind: %w", err)
 	}
+	if c.KVEventsListen != "" {
+		if err := kvevents.CheckListenEndpoint(c.KVEventsListen); err != nil {
+			return fmt.Errorf("epp: kv_events_listen: %w", err)
+		}
+	}
 	if !c.NoCalibrate {
 		if err := c.Calibration.Validate(); err != nil {
 			return fmt.Errorf("epp: %w", err)
@@ -304,7 +318,7 @@ func NewPicker(cfg Config) (*Picker, error) {
 	p.objectives.init(cfg.Objectives)
 	p.m = newMetrics(p)
 	p.pool, err = cluster.NewPool(core, p.m.Metrics, cluster.PoolConfig{Kind: cfg.BackendKind,
-		ScrapeInterval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout, Logger: cfg.Logger})
+		ScrapeInterval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout, Logger: cfg.Logger, KVEventsListen: cfg.KVEventsListen})
 	if err != nil {
 		return nil, fmt.Errorf("epp: %w", err)
 	}

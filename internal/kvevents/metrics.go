@@ -22,6 +22,10 @@ type Metrics struct {
 	blocks   *prometheus.GaugeVec   // replica, medium
 	state    *prometheus.GaugeVec   // replica, state
 	refused  *prometheus.CounterVec // replica, reason
+
+	// The Listener's own (its replicas' streams report above).
+	listenDropped *prometheus.CounterVec // reason
+	listenRefused *prometheus.CounterVec // reason
 }
 
 // NewMetrics creates the collectors; Register exposes them.
@@ -48,6 +52,10 @@ func NewMetrics() *Metrics {
 			"replica", "state"),
 		refused: cv("refused_total", "Connections to the replica's publisher closed by the ZMTP guard, by reason (handshake_timeout, frame_too_large, ...).",
 			"replica", "reason"),
+		listenDropped: cv("listener_dropped_total", "Messages the KV-event listener (engines that dial the router) applied to no replica, by reason (unknown_topic, bad_frame, panic).",
+			"reason"),
+		listenRefused: cv("listener_refused_total", "Engine connections to the KV-event listener closed by the ZMTP guard, by reason (handshake_timeout, frame_too_large, ...).",
+			"reason"),
 	}
 }
 
@@ -55,7 +63,7 @@ func NewMetrics() *Metrics {
 func (m *Metrics) Register(reg prometheus.Registerer) error {
 	var errs []error
 	for _, c := range []prometheus.Collector{m.applied, m.dropped, m.replays, m.gaps, m.lost,
-		m.restarts, m.redials, m.lag, m.lastSeq, m.blocks, m.state, m.refused} {
+		m.restarts, m.redials, m.lag, m.lastSeq, m.blocks, m.state, m.refused, m.listenDropped, m.listenRefused} {
 		errs = append(errs, reg.Register(c))
 	}
 	return errors.Join(errs...)

@@ -301,6 +301,11 @@ type ReplicaStatus struct {
 	// Slots a slot cache's slot count (0: a block cache).
 	Kind  upstream.Kind `json:"kind"`
 	Slots int           `json:"slots"`
+	// KVEvents is where the replica's KV events come from: its socket,
+	// "listen:ENDPOINT" for one whose engine may dial the router's
+	// listener (Config.KVEventsListen), "" for none. Cache.Events says
+	// whether the router takes its cache from them yet.
+	KVEvents string `json:"kv_events,omitempty"`
 	// Cache is the router's view of the replica's cache and how well it
 	// has matched the replica's reports.
 	Cache router.CacheView `json:"cache"`
@@ -326,7 +331,7 @@ func (p *Proxy) Replicas() []ReplicaStatus {
 		st := p.pool.StateOf(b.Member)
 		out = append(out, ReplicaStatus{Name: b.Name, URL: st.URL, Up: b.Up(), InFlight: rp.InFlight,
 			Waiting: rp.Waiting, Running: rp.Running, KVUsage: rp.KVUsage, KVTokens: st.KVTokens,
-			KVCapacityTokens: st.KVCapacity, KVCapacitySource: st.KVCapacitySource, Kind: st.Kind, Slots: st.Slots, Cache: v, Pricing: p.rt.Pricing(b.ID, true)})
+			KVCapacityTokens: st.KVCapacity, KVCapacitySource: st.KVCapacitySource, Kind: st.Kind, Slots: st.Slots, KVEvents: st.KVEvents, Cache: v, Pricing: p.rt.Pricing(b.ID, true)})
 	}
 	return out
 }

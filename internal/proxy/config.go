@@ -16,6 +16,7 @@ import (
 	"github.com/prefixlb/prefixlb/internal/cluster"
 	"github.com/prefixlb/prefixlb/internal/discovery"
 	"github.com/prefixlb/prefixlb/internal/keying"
+	"github.com/prefixlb/prefixlb/internal/kvevents"
 	"github.com/prefixlb/prefixlb/internal/tenant"
 	"github.com/prefixlb/prefixlb/internal/upstream"
 
@@ -83,6 +84,16 @@ type Config struct {
 	Discovery      string
 	Kubeconfig     string
 	DiscoveryPorts discovery.Ports
+	// KVEventsListen, when set, is where serve binds one ZeroMQ SUB socket
+	// for engines that dial the router with their KV events
+	// ("tcp://0.0.0.0:5557"; vLLM's ZmqEventPublisher connects when its
+	// endpoint is not a wildcard bind, llm-d-inference-sim's
+	// --zmq-endpoint): a message whose topic "kv@<host:port>@<model>"
+	// names a backend's host:port, or equals its kv_topic, is that
+	// backend's, which is mirrored until its first batch arrives
+	// (cluster.PoolConfig.KVEventsListen; docs/kv-events.md). Backends
+	// with kv_events are dialled as before. Not with pools.
+	KVEventsListen string
 	// Policy is the routing policy spec (policy.Parse: "e2",
 	// "e2-preble:mixing=false", "round-robin", ...).
 	Policy string
@@ -342,8 +353,10 @@ func (c *Config) Validate() error {
 					return bad(fmt.Sprintf("backends[%d].kv_replay", i), "%v", err)
 				}
 			}
-		} else if b.KVReplay != "" || b.KVTopic != "" {
+		} else if b.KVReplay != "" {
 			return bad(fmt.Sprintf("backends[%d].kv_events", i), "kv_replay and kv_topic need kv_events")
+		} else if b.KVTopic != "" && c.KVEventsListen == "" {
+			return bad(fmt.Sprintf("backends[%d].kv_events", i), "kv_replay and kv_topic need kv_events (kv_topic alone: or kv_events_listen)")
 		}
 		if b.KVReplay != "" {
 			if err := checkZMQEndpoint(b.KVReplay); err != nil {
@@ -361,6 +374,11 @@ func (c *Config) Validate() error {
 			return bad(fmt.Sprintf("backends[%d].name", i), "duplicate backend name %q", n)
 		}
 		names[n] = true
+	}
+	if c.KVEventsListen != "" {
+		if err := checkZMQListenEndpoint(c.KVEventsListen); err != nil {
+			return bad("kv_events_listen", "%v", err)
+		}
 	}
 	if _, err := upstream.ParseKind(string(c.BackendKind)); err != nil {
 		return fmt.Errorf("proxy: config: backend_kind: %w", err)
@@ -514,6 +532,17 @@ func checkZMQEndpoint(ep string) error {
 	return nil
 }
 
+// checkZMQListenEndpoint accepts an endpoint the router binds for engines
+// to dial: checkZMQEndpoint's transport://address, where "*" (every
+// interface) is allowed, and a transport another process can dial
+// (kvevents.CheckListenEndpoint: tcp or ipc).
+func checkZMQListenEndpoint(ep string) error {
+	if err := checkZMQEndpoint(strings.ReplaceAll(ep, "*", "0.0.0.0")); err != nil {
+		return err
+	}
+	return kvevents.CheckListenEndpoint(ep)
+}
+
 // replayEndpoint is b's replay socket: KVReplay, or KVEvents with port+1.
 func replayEndpoint(b Backend) (string, error) {
 	if b.KVReplay != "" {
@@ -612,6 +641,7 @@ type fileConfig struct {
 	TreeMaxBlocks         *int              `json:"tree_max_blocks"`
 	Tokenizer             *string           `json:"tokenizer"`
 	Discovery             *fileDiscovery    `json:"discovery"`
+	KVEventsListen        *string           `json:"kv_events_listen"`
 	KVLinkGbps            *float64          `json:"kv_link_gbps"`
 	Pools                 []json.RawMessage `json:"pools"`
 	LoRAAdapters          *[]string         `json:"lora_adapters"`
@@ -799,6 +829,7 @@ func ParseConfig(data []byte, base Config) (Config, error) {
 	setD(&c.SpeculativeTTL, f.SpeculativeTTL)
 	setI(&c.TreeMaxBlocks, f.TreeMaxBlocks)
 	setS(&c.Tokenizer, f.Tokenizer)
+	setS(&c.KVEventsListen, f.KVEventsListen)
 	if f.IgnoreCacheTiers != nil {
 		c.IgnoreCacheTiers = *f.IgnoreCacheTiers
 	}

@@ -13,7 +13,10 @@ type CacheReplica struct {
 	ID      int    `json:"id"`
 	// KVEvents is false for a replica whose cache the router mirrors from
 	// its own decisions.
-	KVEvents bool   `json:"kv_events"`
+	KVEvents bool `json:"kv_events"`
+	// Endpoint is where its events come from: the replica's socket, or
+	// "listen:ENDPOINT" for one whose engine may dial the router's
+	// listener (Config.KVEventsListen).
 	Endpoint string `json:"endpoint,omitempty"`
 	// RouterCachedBlocks is the blocks the router's tree holds as cached on
 	// the replica (speculative entries included).
@@ -58,8 +61,11 @@ func (p *Proxy) CacheView() CacheView {
 	v.Speculative = p.rt.Speculative()
 	members := append([]*backend(nil), p.backendsLocked()...)
 	for _, b := range members {
+		// Events is the router's: a replica fed by the listener is
+		// mirrored until its first batch arrives.
+		cv, _ := p.rt.CacheView(b.ID)
 		v.Replicas = append(v.Replicas, CacheReplica{
-			Replica: b.Name, ID: b.ID, KVEvents: b.KVEvents != "", Endpoint: b.KVEvents,
+			Replica: b.Name, ID: b.ID, KVEvents: cv.Events, Endpoint: p.pool.StateOf(b.Member).KVEvents,
 			RouterCachedBlocks: p.rt.Tree().CachedBlocks(b.ID), RouterTierBlocks: p.rt.TierBlocks(b.ID),
 		})
 	}

@@ -87,6 +87,11 @@ func NewPools(pools []PoolConfig, logger *slog.Logger) (*Pools, error) {
 			return nil, fmt.Errorf("proxy: config: %s.models: pool %s serves no model and is not the default", where, pc.Name)
 		}
 		cfg := pc.Config
+		if cfg.KVEventsListen != "" {
+			// Each pool would bind the same socket; one listener shared by
+			// the pools is not built.
+			return nil, fmt.Errorf("proxy: config: %s.kv_events_listen: not with pools (give each backend kv_events instead)", where)
+		}
 		if cfg.Logger == nil {
 			cfg.Logger = logger
 		}

@@ -236,7 +236,7 @@ func New(cfg Config) (*Proxy, error) {
 	// again at the next health check's pace.
 	p.pool, err = cluster.NewPool(core, m.Metrics, cluster.PoolConfig{Kind: cfg.BackendKind,
 		ScrapeInterval: cfg.ScrapeInterval, Timeout: cfg.HealthTimeout, Retry: cfg.HealthInterval,
-		Client: p.checks, Logger: log})
+		Client: p.checks, Logger: log, KVEventsListen: cfg.KVEventsListen})
 	if err != nil {
 		return nil, fmt.Errorf("proxy: config: %w", err)
 	}
