@@ -98,6 +98,8 @@ func (f *serveFlags) overrides(fs *pflag.FlagSet, c *proxy.Config) {
 	set["endpoint-picker"] = func() { c.EndpointPicker = f.cfg.EndpointPicker }
 	set["endpoint-picker-fail-open"] = func() { c.EndpointPickerFailOpen = f.cfg.EndpointPickerFailOpen }
 	set["endpoint-picker-timeout"] = func() { c.EndpointPickerTimeout = f.cfg.EndpointPickerTimeout }
+	set["shadow-policy"] = func() { c.ShadowPolicy = f.cfg.ShadowPolicy }
+	set["shadow-log"] = func() { c.ShadowLog = f.cfg.ShadowLog }
 	// The front door's bounds (proxy.FrontDoor).
 	fd := &f.cfg.FrontDoor
 	set["max-inflight-body-bytes"] = func() { c.MaxInflightBodyBytes = fd.MaxInflightBodyBytes }
@@ -181,7 +183,10 @@ request's headers and body go to the picker over ext_proc, the request goes to
 the endpoint it names (x-gateway-destination-endpoint, its fallback list tried
 on connection failures), and the response streams back through it. --backend
 is the subset of endpoints the picker may name. A picker that is down fails
-closed (503) unless --endpoint-picker-fail-open (docs/gie.md).`,
+closed (503) unless --endpoint-picker-fail-open (docs/gie.md). --shadow-policy
+NAME runs serve's own core beside the picker: it asks NAME where each request
+would go, commits the request where the picker sent it, and counts agreement
+(prefixlb_shadow_decisions_total; --shadow-log for one JSON line a request).`,
 		Example: `  prefixlb serve --listen :8080 --backend http://10.0.0.1:8000,http://10.0.0.2:8000
   prefixlb serve --backend http://a:8000,http://b:8000 --kv-events tcp://a:5557,tcp://b:5557
   prefixlb serve --config prefixlb.yaml --policy e2-preble --admin-token "$TOKEN"
@@ -258,6 +263,8 @@ func pickerFlags(fs *pflag.FlagSet, pc *proxy.PickerConfig) {
 	fs.StringVar(&pc.EndpointPicker, "endpoint-picker", "", "HOST:PORT of a Gateway API Inference Extension endpoint picker (prefixlb epp, llm-d's router; ext_proc over plaintext gRPC): it names each inference request's replica, serve forwards it there, as Envoy would (docs/gie.md)")
 	fs.BoolVar(&pc.EndpointPickerFailOpen, "endpoint-picker-fail-open", false, "when the endpoint picker is down, slow or answers garbage, route with serve's own --policy instead of answering 503 (GIE's FailOpen; default fail closed, as GIE's FailClose)")
 	fs.DurationVar(&pc.EndpointPickerTimeout, "endpoint-picker-timeout", pc.EndpointPickerTimeout, "longest wait for the endpoint picker's decision (its own queueing included), and for its answers on the response path")
+	fs.StringVar(&pc.ShadowPolicy, "shadow-policy", "", "with --endpoint-picker: a policy (any --policy accepts) that shadows the picker: serve asks it where each request would go, commits the request where the picker sent it, and counts agreement in prefixlb_shadow_decisions_total; it never changes where a request goes, and replaces --policy for fail-open routing (docs/gie.md)")
+	fs.StringVar(&pc.ShadowLog, "shadow-log", "", "with --shadow-policy: append one JSON line per shadowed request to this file (request id, the picker's and the shadow's replica, per-replica scores and matched tokens)")
 }
 
 // tenancyFlags binds serve's tenant isolation and explanation flags

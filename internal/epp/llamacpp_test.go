@@ -140,9 +140,9 @@ func TestPickerLlamaCpp(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			w := watcher{sse: tt.sse, max: 1 << 20}
-			w.feed([]byte(upstreamtest.LlamaCpp(t, tt.fixture)))
-			out, cached, _ := w.result()
+			w := openai.Watcher{SSE: tt.sse, Max: 1 << 20}
+			w.Feed([]byte(upstreamtest.LlamaCpp(t, tt.fixture)))
+			out, cached := w.Result()
 			if out != tt.wantOut || cached != tt.wantCached {
 				t.Fatalf("watcher: %d out, %d cached; want %d, %d", out, cached, tt.wantOut, tt.wantCached)
 			}
@@ -281,11 +281,11 @@ func TestWatcherTimings(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			w := watcher{sse: tt.sse, max: 1 << 20}
+			w := openai.Watcher{SSE: tt.sse, Max: 1 << 20}
 			for i := 0; i < len(tt.body); i += 7 { // split across feeds
-				w.feed([]byte(tt.body[i:min(i+7, len(tt.body))]))
+				w.Feed([]byte(tt.body[i:min(i+7, len(tt.body))]))
 			}
-			if _, cached, _ := w.result(); cached != tt.wantCached {
+			if _, cached := w.Result(); cached != tt.wantCached {
 				t.Errorf("cached %d, want %d", cached, tt.wantCached)
 			}
 		})

@@ -1,7 +1,6 @@
 package epp
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -24,7 +23,6 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/prefixlb/prefixlb/internal/calibrate"
 	"github.com/prefixlb/prefixlb/internal/router"
 	"github.com/prefixlb/prefixlb/internal/tenancy"
 )
@@ -162,7 +160,7 @@ type exchange struct {
 	picked   bool
 	pick     Pick
 	status   int // upstream response status (0 unknown)
-	watch    watcher
+	watch    openai.Watcher
 	finished bool
 }
 
@@ -184,7 +182,7 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	m.streams.Inc()
 	m.streamsN.Inc()
 	defer m.streams.Dec()
-	x.watch.max = s.cfg.MaxResponseBytes
+	x.watch.Max = s.cfg.MaxResponseBytes
 	defer x.finish(false)
 	defer x.release()
 
@@ -280,7 +278,7 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 			ResponseHeaders: &extprocv3.HeadersResponse{Response: x.rateHeaders()}}})
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		b := v.ResponseBody.GetBody()
-		if x.watch.feed(b) && x.picked {
+		if x.watch.Feed(b) && x.picked {
 			x.s.p.FirstToken(x.pick.ID)
 		}
 		if v.ResponseBody.GetEndOfStream() {
@@ -496,7 +494,7 @@ func (x *exchange) readResponseHeaders(h *extprocv3.HttpHeaders, md *corev3.Meta
 		case ":status":
 			x.status = atoi(val)
 		case "content-type":
-			x.watch.sse = strings.Contains(val, "text/event-stream")
+			x.watch.SSE = strings.Contains(val, "text/event-stream")
 		case ServedKey:
 			if served == "" {
 				served = val
@@ -531,9 +529,9 @@ func (x *exchange) finish(complete bool) {
 	if !complete && x.status == 0 {
 		ok = false
 	}
-	out, cached, prompt := x.watch.result()
-	fin := router.Finish{OutputTokens: out, CachedTokens: cached, PromptTokens: prompt, OK: ok, Timings: x.watch.timings.Calibration()}
-	fin.ITL, fin.ITLSamples = x.watch.gaps.Median()
+	out, cached := x.watch.Result()
+	fin := router.Finish{OutputTokens: out, CachedTokens: cached, PromptTokens: x.watch.PromptTokens(), OK: ok, Timings: x.watch.Timings.Calibration()}
+	fin.ITL, fin.ITLSamples = x.watch.Gaps.Median()
 	x.s.p.Finish(x.pick.ID, fin)
 	x.settleQuota(out, ok)
 }
@@ -568,98 +566,4 @@ func (x *exchange) send(r *extprocv3.ProcessingResponse) error {
 		return status.Errorf(codes.Unknown, "epp: send to envoy: %v", err)
 	}
 	return nil
-}
-
-// watcher reads the response body on the side: SSE events for the first
-// token and the usage, or a whole JSON response's usage.
-type watcher struct {
-	sse     bool
-	max     int
-	line    []byte // SSE: the unfinished line
-	body    []byte // JSON: the body so far (up to max)
-	tokens  int
-	usage   *openai.Chunk   // the last chunk that reported usage
-	timings *openai.Timings // the last llama.cpp timings seen (the final chunk's)
-	overrun bool
-	// gaps samples the time between body chunks that carried output
-	// tokens (a chunk is what Envoy forwarded at once): the decode step
-	// calibration learns.
-	gaps calibrate.Gaps
-}
-
-// feed reads b; it reports whether b carried the first output token.
-func (w *watcher) feed(b []byte) (first bool) {
-	if !w.sse {
-		if len(w.body)+len(b) <= w.max {
-			w.body = append(w.body, b...)
-		} else {
-			w.overrun = true
-		}
-		return false
-	}
-	w.line = append(w.line, b...)
-	output := false
-	for {
-		i := bytes.IndexByte(w.line, '\n')
-		if i < 0 {
-			if len(w.line) > w.max { // a runaway line: drop it
-				w.line = w.line[:0]
-			}
-			if output {
-				w.gaps.Token(time.Now())
-			}
-			return first
-		}
-		ln := bytes.TrimRight(w.line[:i], "\r")
-		if data, ok := bytes.CutPrefix(ln, []byte("data:")); ok {
-			if w.event(bytes.TrimSpace(data)) {
-				output = true
-				if w.tokens == 1 {
-					first = true
-				}
-			}
-		}
-		w.line = w.line[i+1:]
-	}
-}
-
-// event reads one SSE data payload; it reports whether it carried output.
-func (w *watcher) event(data []byte) bool {
-	if len(data) == 0 || string(data) == "[DONE]" {
-		return false
-	}
-	c, ok := openai.ReadChunk(data)
-	if !ok {
-		return false
-	}
-	if c.HasUsage {
-		w.usage = &c
-	}
-	if c.Timings != nil {
-		w.timings = c.Timings
-	}
-	if c.Output {
-		w.tokens++
-	}
-	return c.Output
-}
-
-// result returns the output tokens and the cached prompt tokens reported
-// (-1 unknown): usage.prompt_tokens_details.cached_tokens (vLLM, SGLang),
-// else usage.prompt_tokens − timings.prompt_n (llama.cpp, whose timings
-// ride on the usage chunk, or on every chunk with timings_per_token).
-func (w *watcher) result() (out, cached, prompt int) {
-	if !w.sse && !w.overrun && len(w.body) > 0 {
-		if c, ok := openai.ReadChunk(w.body); ok && c.HasUsage {
-			w.usage = &c
-		}
-	}
-	out, cached = w.tokens, -1
-	if w.usage != nil {
-		out, cached, prompt = w.usage.CompletionTokens, w.usage.CachedTokens, w.usage.PromptTokens
-		if cached < 0 && w.timings != nil {
-			cached = openai.CachedFromTimings(w.usage.PromptTokens, w.timings)
-		}
-	}
-	return out, cached, prompt
 }

@@ -116,7 +116,7 @@ func (x *exchange) settleQuota(out int, ok bool) {
 	var used int64
 	if ok {
 		prompt := h.Prompt()
-		if u := x.watch.usage; u != nil && u.PromptTokens > 0 {
+		if u := x.watch.Usage; u != nil && u.PromptTokens > 0 {
 			prompt = int64(u.PromptTokens)
 		}
 		used = prompt + int64(max(out, 0))

@@ -461,6 +461,11 @@ func (c *Config) Validate() error {
 	if err := c.PickerConfig.validate(); err != nil {
 		return err
 	}
+	if c.ShadowPolicy != "" {
+		if _, err := policy.Parse(c.ShadowPolicy, policyOptions(c)); err != nil {
+			return bad("shadow_policy", "%v", err)
+		}
+	}
 	if err := c.FrontDoor.validate(c.MaxBodyBytes); err != nil {
 		return fmt.Errorf("proxy: config: %w", err)
 	}

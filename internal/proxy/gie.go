@@ -175,6 +175,9 @@ type gieExchange struct {
 	code     string // outcome label of prefixlb_requests_total
 	replica  string
 	abort    bool
+	// sh is the request's shadow (shadow.go); nil without
+	// Config.ShadowPolicy or when the request could not be keyed.
+	sh *shadowFlight
 }
 
 // serveGIE serves one inference request through the endpoint picker.
@@ -213,6 +216,9 @@ func (p *Proxy) serveGIE(w http.ResponseWriter, r *http.Request, kind openai.Kin
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	x := &gieExchange{p: p, g: g, w: w, r: r, ctx: sctx, cancel: cancel}
+	if p.shadow != nil {
+		x.sh = p.shadowStart(r, kind, body)
+	}
 	defer func() {
 		cancel()
 		release()
@@ -221,6 +227,9 @@ func (p *Proxy) serveGIE(w http.ResponseWriter, r *http.Request, kind openai.Kin
 			if cw.timedOut() {
 				x.code = codeClientTimeout
 			}
+		}
+		if x.sh != nil {
+			p.shadowFinish(x.sh, !x.abort && len(x.code) == 3 && x.code[0] == '2')
 		}
 		if x.code != "" {
 			p.m.requests.WithLabelValues("endpoint-picker", x.replica, x.code).Inc()
@@ -268,6 +277,9 @@ func (p *Proxy) serveGIE(w http.ResponseWriter, r *http.Request, kind openai.Kin
 		return
 	}
 	g.m.calls.WithLabelValues("routed").Inc()
+	if x.sh != nil {
+		p.shadowDecide(x.sh, d.endpoints[0])
+	}
 	release() // the picker's body is the one sent now
 	x.forward(d)
 }
@@ -309,6 +321,9 @@ func (x *gieExchange) pick(body []byte) (*gieDecision, error) {
 	if hdr.Get("X-Request-Id") == "" {
 		// Envoy gives every request one; GIE's picker logs by it.
 		hdr.Set("X-Request-Id", fmt.Sprintf("%016x%016x", rand.Uint64(), rand.Uint64()))
+	}
+	if x.sh != nil {
+		x.sh.rid = hdr.Get("X-Request-Id")
 	}
 	x.subset = p.pickerSubset()
 	sent := make(chan error, 1)
@@ -508,6 +523,9 @@ func (x *gieExchange) forward(d *gieDecision) {
 		resp, err := p.fwd.RoundTrip(out)
 		if err == nil {
 			x.replica = name
+			if x.sh != nil {
+				p.shadowServed(x.sh, ep)
+			}
 			x.respond(resp, ep, ucancel)
 			ucancel()
 			return
@@ -579,6 +597,10 @@ func (x *gieExchange) respond(resp *http.Response, ep string, ucancel context.Ca
 		ir := &idleReader{r: resp.Body, t: time.AfterFunc(d, ucancel), d: d}
 		defer ir.t.Stop()
 		body = ir
+	}
+	if x.sh != nil {
+		x.sh.watch.SSE = isEventStream(resp.Header)
+		body = &shadowTee{r: body, p: p, f: x.sh}
 	}
 	noBody := resp.ContentLength == 0 || x.r.Method == http.MethodHead ||
 		resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified

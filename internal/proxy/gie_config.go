@@ -29,6 +29,20 @@ type PickerConfig struct {
 	// the response headers and for its last body chunk once the
 	// replica's body has ended (YAML endpoint_picker_timeout; > 0).
 	EndpointPickerTimeout time.Duration
+	// ShadowPolicy, with EndpointPicker set, names a policy (any serve
+	// accepts: policy.Parse, e.g. "llmd-approx:prefix_weight=3") that
+	// shadows the picker (shadow.go): for each request the picker routes,
+	// serve's own core is asked where that policy would send it, then the
+	// request is committed to the picker's endpoint, so the policy's state
+	// follows the picker's decisions. The two answers are compared
+	// (prefixlb_shadow_decisions_total); where the request goes is never
+	// changed. The core then runs this policy rather than Config.Policy,
+	// fail-open routing included (YAML shadow_policy; "": no shadow).
+	ShadowPolicy string
+	// ShadowLog, with ShadowPolicy set, is a file that each shadowed
+	// decision is appended to as one JSON line (shadowRecord; YAML
+	// shadow_log; "": none).
+	ShadowLog string
 }
 
 // defaultPickerTimeout is EndpointPickerTimeout's default: above the
@@ -39,7 +53,13 @@ const defaultPickerTimeout = 60 * time.Second
 // validate reports the first invalid field, by its YAML name.
 func (c *PickerConfig) validate() error {
 	if c.EndpointPicker == "" {
+		if c.ShadowPolicy != "" {
+			return fmt.Errorf("proxy: config: shadow_policy: needs endpoint_picker (the shadow is compared with the picker's decisions)")
+		}
 		return nil
+	}
+	if c.ShadowLog != "" && c.ShadowPolicy == "" {
+		return fmt.Errorf("proxy: config: shadow_log: needs shadow_policy")
 	}
 	host, port, err := net.SplitHostPort(c.EndpointPicker)
 	if err != nil {
@@ -59,6 +79,8 @@ type filePicker struct {
 	EndpointPicker         *string   `json:"endpoint_picker"`
 	EndpointPickerFailOpen *bool     `json:"endpoint_picker_fail_open"`
 	EndpointPickerTimeout  *duration `json:"endpoint_picker_timeout"`
+	ShadowPolicy           *string   `json:"shadow_policy"`
+	ShadowLog              *string   `json:"shadow_log"`
 }
 
 // apply sets the fields given over c.
@@ -71,5 +93,11 @@ func (f *filePicker) apply(c *PickerConfig) {
 	}
 	if f.EndpointPickerTimeout != nil {
 		c.EndpointPickerTimeout = time.Duration(*f.EndpointPickerTimeout)
+	}
+	if f.ShadowPolicy != nil {
+		c.ShadowPolicy = *f.ShadowPolicy
+	}
+	if f.ShadowLog != nil {
+		c.ShadowLog = *f.ShadowLog
 	}
 }

@@ -131,6 +131,9 @@ type Proxy struct {
 	// gie is the endpoint picker's client (gie.go); nil without
 	// Config.EndpointPicker.
 	gie *gieClient
+	// shadow is the shadow policy's counters and log (shadow.go); nil
+	// without Config.ShadowPolicy.
+	shadow *shadow
 }
 
 // New builds a Proxy from cfg (validated here). It starts nothing: serve
@@ -147,7 +150,11 @@ func New(cfg Config) (*Proxy, error) {
 		c := cfg.Calibration
 		cal = &c
 	}
-	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: cfg.Policy,
+	pol := cfg.Policy
+	if cfg.ShadowPolicy != "" {
+		pol = cfg.ShadowPolicy // the core shadows the picker (shadow.go)
+	}
+	core, err := cluster.New(cluster.Settings{BlockTokens: cfg.BlockTokens, Profile: cfg.Profile, Policy: pol,
 		Tokenizer: cfg.Tokenizer, Keyer: cfg.Keyer, Seed: cfg.Seed, SpeculativeTTL: cfg.SpeculativeTTL,
 		TreeMaxBlocks: cfg.TreeMaxBlocks, Calibrate: cal, MaxPromptTokens: cfg.MaxPromptTokens, KVLink: cfg.KVLink(),
 		Adapters: cfg.LoRAAdapters, AdapterBytes: cfg.LoRAAdapterBytes, IgnoreTiers: cfg.IgnoreCacheTiers})
@@ -208,6 +215,14 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.EndpointPicker != "" {
 		if p.gie, err = newGIEClient(cfg.EndpointPicker, m.Reg); err != nil {
 			return nil, err
+		}
+	}
+	if cfg.ShadowPolicy != "" {
+		if p.shadow, err = newShadow(core.Policy, cfg.ShadowLog, m.Reg); err != nil {
+			if p.gie != nil {
+				_ = p.gie.conn.Close()
+			}
+			return nil, fmt.Errorf("proxy: config: %w", err)
 		}
 	}
 	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
@@ -336,6 +351,9 @@ func (p *Proxy) Run(ctx context.Context) error {
 	if p.gate != nil {
 		g.Go(func() error { p.gate.Run(ctx); return nil })
 	}
+	if p.shadow != nil {
+		g.Go(func() error { p.shadow.run(ctx); return nil })
+	}
 	if p.cfg.Discovery != "" {
 		ports := p.cfg.DiscoveryPorts
 		if ports.MetricsPath == "" {
@@ -431,6 +449,9 @@ func (p *Proxy) Close() {
 	p.checks.CloseIdleConnections()
 	if p.gie != nil {
 		_ = p.gie.conn.Close()
+	}
+	if p.shadow != nil {
+		p.shadow.closeLog()
 	}
 }
 
