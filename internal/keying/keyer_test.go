@@ -3,6 +3,7 @@ package keying
 import (
 	"math/rand/v2"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -215,4 +216,26 @@ func TestSaltedKeys(t *testing.T) {
 	if len(a) == 0 || a[0] == b[0] || a[len(a)-1] == b[len(b)-1] {
 		t.Error("tokenizer keyer: chat keys meet across a salt and none")
 	}
+}
+
+// BenchmarkChunkKeyer: keying a 3,200-word text prompt (~22 KB, the shape
+// of docs/peers.md) by 64-byte chunks, the router's whole cost of a text
+// request's keys when no tokenizer matches the replicas.
+func BenchmarkChunkKeyer(b *testing.B) {
+	var sb strings.Builder
+	for i := range 3200 {
+		sb.WriteString(" w")
+		sb.WriteString(strconv.Itoa(i * 7919 % 100000))
+	}
+	text := sb.String()
+	k := ChunkKeyer{BlockTokens: 16}
+	b.ReportAllocs()
+	b.SetBytes(int64(len(text)))
+	for b.Loop() {
+		r := openai.Request{Texts: []string{text}}
+		if _, _, err := k.Keys(&r); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N), "µs/prompt")
 }
