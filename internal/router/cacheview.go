@@ -74,7 +74,8 @@ type CacheView struct {
 	// (usage.prompt_tokens), learnt from the replica's reports: 1 when
 	// requests are keyed by token ids or by the engine's own tokenizer;
 	// for text keyed by chunks, four bytes to a unit against the engine's
-	// tokenizer (about 1.6 for llm-d-inference-sim's word tokenizer). The
+	// tokenizer (about 1.8 for llm-d-inference-sim's word tokenizer on
+	// bench's text, docs/peers.md). The
 	// engine's KV capacity is converted by it into the units the mirror
 	// and the policies count in (capacityUnits). 0 until learnt.
 	UnitsPerToken float64 `json:"units_per_token,omitempty"`
@@ -140,7 +141,8 @@ type replicaCache struct {
 	slots      *slotCache // nil: a block cache
 	view       CacheView  // the counters of CacheView
 	// units is the learnt router units per engine token (0: not learnt,
-	// read as 1), applied the ratio last used to convert the capacity.
+	// read as 1); applied is the ratio the capacities were last converted
+	// with (learnUnits).
 	units, applied float64
 }
 
@@ -341,9 +343,10 @@ func (r *Router) feedback(f *flight, reported int, now time.Time) {
 // tolerance is how far the prediction of flight f's cached tokens may be
 // from its replica's report and still count as exact, in the router's
 // units: one block when the router counts the engine's tokens; with text
-// keyed by chunks, one of the router's blocks plus one of the engine's (the engine
-// caches whole blocks of its own tokens, the router matches whole chunks
-// of bytes, and the two floors differ by up to a block of each).
+// keyed by chunks, one of the router's blocks plus one of the engine's
+// (the engine caches whole blocks of its own tokens, the router matches
+// whole chunks of bytes, and the two floors differ by up to a block of
+// each).
 func (r *Router) tolerance(f *flight) int {
 	bt := r.cfg.BlockTokens
 	if f.estimated && f.replica < len(r.cache) {
